@@ -1,0 +1,268 @@
+"""Check and time the Triton paged attention kernels on one GPU, in bfloat16.
+
+    python bench/attention_kernels.py [--heads 16 --kv-heads 8 --head-dim 128 --block-size 16]
+
+For each shape: relative error ||out - ref|| / ||ref|| against the torch backend run in float64
+on the same (upcast) inputs, which must stay below 1e-2; then median times from
+``triton.testing.do_bench`` for the Triton kernels, the whole Triton backend step and the torch
+backend step. Decode rows report the bandwidth achieved on the bytes that must move (K/V of
+every context, q and out) next to a device-to-device copy measured in the same run; prefill rows
+report TFLOP/s. A CUDA-graph check captures a decode step, changes the lengths in place, replays
+it and compares. Prints a table; writes ``$OUT/attention_kernels.json`` when ``OUT`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from engine.attention.metadata import AttentionMetadata  # noqa: E402
+from engine.attention.torch_backend import TorchAttentionBackend, write_kv  # noqa: E402
+from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from engine.attention.triton_kernels import (  # noqa: E402
+    choose_num_splits,
+    num_sms,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+
+MAX_REL_ERR = 1e-2
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+
+
+def make_batch(reqs: list[tuple[int, int]], args, seed: int, dtype=torch.bfloat16) -> Batch:
+    """Requests as (num_cached, query_len), decodes first; block ids shuffled over a cache that fits them."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev, bs = "cuda", args.block_size
+    seq_lens = [c + n for c, n in reqs]
+    query_lens = [n for _, n in reqs]
+    nblocks = [triton.cdiv(s, bs) for s in seq_lens]
+    num_blocks = 1 + sum(nblocks)
+    shape = (num_blocks, bs, args.kv_heads, args.head_dim)
+    k_cache = torch.randn(shape, generator=gen, device=dev, dtype=dtype)
+    v_cache = torch.randn(shape, generator=gen, device=dev, dtype=dtype)
+    perm = torch.randperm(num_blocks - 1, generator=gen, device=dev).to(torch.int32) + 1
+    tables = torch.zeros(len(reqs), max(nblocks), dtype=torch.int32, device=dev)
+    slots, used = [], 0
+    for i, (s, n) in enumerate(zip(seq_lens, query_lens)):
+        tables[i, : nblocks[i]] = perm[used : used + nblocks[i]]
+        used += nblocks[i]
+        pos = torch.arange(s - n, s, device=dev)
+        slots.append(tables[i, pos // bs].long() * bs + pos % bs)
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, args.heads, args.head_dim, generator=gen, device=dev, dtype=dtype)
+    k = torch.randn(num_tokens, args.kv_heads, args.head_dim, generator=gen, device=dev, dtype=dtype)
+    v = torch.randn(num_tokens, args.kv_heads, args.head_dim, generator=gen, device=dev, dtype=dtype)
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    num_decodes = sum(1 for n in query_lens if n == 1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots), query_start_loc=qsl.to(dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), block_tables=tables,
+        num_reqs=len(reqs), num_decodes=num_decodes, num_decode_tokens=num_decodes,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=bs,
+        query_start_loc_cpu=qsl, seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+    )
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    return Batch(q, k, v, k_cache, v_cache, meta, 1.0 / math.sqrt(args.head_dim))
+
+
+def reference(b: Batch) -> torch.Tensor:
+    """The torch backend in float64 on the upcast inputs (its own copy of the cache)."""
+    return TorchAttentionBackend().forward(*[t.double() for t in (b.q, b.k, b.v, b.k_cache, b.v_cache)],
+                                           b.meta, b.scale)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def bench_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def kv_bytes(b: Batch) -> int:
+    elem = b.k_cache.element_size()
+    kv = int(b.meta.seq_lens_cpu.sum()) * b.k_cache.shape[2] * b.k_cache.shape[3] * 2 * elem
+    return kv + 2 * b.q.numel() * elem
+
+
+def attn_flops(b: Batch) -> float:
+    """Multiply-adds of QK^T and PV over the causally visible keys, times 2."""
+    lens, starts = b.meta.seq_lens_cpu.tolist(), b.meta.query_start_loc_cpu.tolist()
+    pairs = 0
+    for i, s in enumerate(lens):
+        n = starts[i + 1] - starts[i]
+        pairs += n * (s - n) + n * (n + 1) // 2
+    return 4.0 * pairs * b.q.shape[1] * b.q.shape[2]
+
+
+def run_decode_case(batch_size: int, ctx: int, args, copy_gbs: float) -> dict:
+    gen = torch.Generator().manual_seed(batch_size * 7919 + ctx)
+    lens = (ctx - torch.randint(0, args.block_size, (batch_size,), generator=gen)).tolist()  # end inside blocks
+    b = make_batch([(s - 1, 1) for s in lens], args, seed=batch_size + ctx)
+    m, d = b.meta, batch_size
+    splits = choose_num_splits(d, args.kv_heads, m.block_tables.shape[1] * args.block_size, num_sms(b.q.device))
+    out = torch.empty_like(b.q)
+    decode = lambda n: paged_decode_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.seq_lens, b.scale, out, n)
+    unified = lambda: paged_prefill_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.query_start_loc,
+                                              m.seq_lens, 1, b.scale, out)
+    ref, err = reference(b), 0.0
+    for fn in (lambda: decode(splits), lambda: decode(1), unified):
+        out.fill_(float("nan"))
+        fn()
+        err = max(err, rel_err(out, ref))
+    del ref
+    row = dict(kind="decode", batch=batch_size, ctx=ctx, splits=splits, rel_err=err,
+               triton_ms=bench_ms(lambda: decode(splits)), nosplit_ms=bench_ms(lambda: decode(1)),
+               unified_ms=bench_ms(unified))
+    row.update(_backend_times(b))
+    row["gbs"] = kv_bytes(b) / row["triton_ms"] / 1e6
+    row["pct_copy"] = 100.0 * row["gbs"] / copy_gbs
+    return row
+
+
+def run_prefill_case(name: str, reqs: list[tuple[int, int]], args) -> dict:
+    b = make_batch(reqs, args, seed=len(reqs) + sum(n for _, n in reqs))
+    m, d = b.meta, b.meta.num_decodes
+    out = torch.empty_like(b.q)
+    unified = lambda: paged_prefill_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.query_start_loc,
+                                              m.seq_lens, m.max_query_len, b.scale, out)
+    ref = reference(b)
+    out.fill_(float("nan"))
+    unified()
+    err = rel_err(out, ref)
+    err = max(err, rel_err(TritonAttentionBackend().forward(b.q, b.k, b.v, b.k_cache, b.v_cache, m, b.scale), ref))
+    del ref
+    row = dict(kind="prefill", case=name, batch=len(reqs), decodes=d, tokens=b.q.shape[0], rel_err=err,
+               unified_ms=bench_ms(unified))
+    row.update(_backend_times(b))
+    row["tflops"] = attn_flops(b) / row["unified_ms"] / 1e9
+    return row
+
+
+def _backend_times(b: Batch) -> dict:
+    """A whole step (write_kv included) through each backend."""
+    times = {}
+    for name, backend in (("backend", TritonAttentionBackend()), ("torch", TorchAttentionBackend())):
+        times[f"{name}_ms"] = bench_ms(lambda: backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale))
+    return times
+
+
+def check_cuda_graph(args) -> dict:
+    """Capture a decode step, change lengths, slots and inputs in place (one row to padding), replay, compare."""
+    b = make_batch([(2047 - 100 * i, 1) for i in range(16)], args, seed=5)
+    m, backend = b.meta, TritonAttentionBackend()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, m, b.scale)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, m, b.scale)
+    new_lens = (m.seq_lens_cpu - torch.arange(16, dtype=torch.int32) * 37).clamp(min=1)
+    new_lens[-1] = 0  # a padding row
+    pos = (new_lens - 1).clamp(min=0).long()
+    slots = m.block_tables.cpu()[torch.arange(16), pos // args.block_size].long() * args.block_size
+    slots = slots + pos % args.block_size
+    slots[-1] = 0  # the padding row's token goes to the null block
+    m.seq_lens.copy_(new_lens)
+    m.seq_lens_cpu.copy_(new_lens)
+    m.slot_mapping.copy_(slots)
+    for t in (b.q, b.k, b.v):
+        t.normal_()
+    graph.replay()
+    got = out.clone()
+    err = rel_err(got[:-1], reference(b)[:-1])
+    padding_zero = bool((got[-1] == 0).all())
+    eager_ms = bench_ms(lambda: backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, m, b.scale))
+    return dict(kind="cuda_graph", rel_err=err, padding_row_zero=padding_zero, replay_ms=bench_ms(graph.replay),
+                eager_ms=eager_ms)
+
+
+def copy_bandwidth_gbs() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = bench_ms(lambda: y.copy_(x))
+    return 2 * x.numel() / ms / 1e6
+
+
+def print_tables(copy_gbs: float, rows: list[dict], graph: dict) -> None:
+    print(f"\ncopy bandwidth (read + write): {copy_gbs:.0f} GB/s")
+    print(f"\n{'decode':>14} {'splits':>6} {'triton us':>9} {'GB/s':>6} {'%copy':>6} {'1-split us':>10} "
+          f"{'unified us':>10} {'step us':>8} {'torch us':>9} {'x torch':>7} {'rel err':>8}")
+    for r in (r for r in rows if r["kind"] == "decode"):
+        print(f"{'B=%d ctx=%d' % (r['batch'], r['ctx']):>14} {r['splits']:>6} {r['triton_ms'] * 1e3:>9.1f} "
+              f"{r['gbs']:>6.0f} {r['pct_copy']:>5.0f}% {r['nosplit_ms'] * 1e3:>10.1f} {r['unified_ms'] * 1e3:>10.1f} "
+              f"{r['backend_ms'] * 1e3:>8.1f} {r['torch_ms'] * 1e3:>9.1f} {r['torch_ms'] / r['backend_ms']:>7.1f} "
+              f"{r['rel_err']:>8.1e}")
+    print(f"\n{'prefill':>28} {'tokens':>6} {'kernel us':>9} {'TFLOP/s':>7} {'step us':>8} {'torch us':>9} "
+          f"{'x torch':>7} {'rel err':>8}")
+    for r in (r for r in rows if r["kind"] == "prefill"):
+        print(f"{r['case']:>28} {r['tokens']:>6} {r['unified_ms'] * 1e3:>9.1f} {r['tflops']:>7.1f} "
+              f"{r['backend_ms'] * 1e3:>8.1f} {r['torch_ms'] * 1e3:>9.1f} {r['torch_ms'] / r['backend_ms']:>7.1f} "
+              f"{r['rel_err']:>8.1e}")
+    print(f"\ncuda graph decode B=16: rel err {graph['rel_err']:.1e}, padding row zero {graph['padding_row_zero']}, "
+          f"replay {graph['replay_ms'] * 1e3:.1f} us vs eager {graph['eager_ms'] * 1e3:.1f} us")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--heads", type=int, default=16)  # Qwen3-0.6B
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("attention_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth_gbs()
+    rows = [run_decode_case(bsz, ctx, args, copy_gbs) for bsz in (1, 16, 64, 256) for ctx in (512, 1024, 4096)]
+    prefill_cases = {
+        "1 x 4096 fresh": [(0, 4096)],
+        "4 x 1024 fresh": [(0, 1024)] * 4,
+        "8 x 512 after 1024 cached": [(1024, 512)] * 8,
+        "2 x 1024 chunk after 3072": [(3072, 1024)] * 2,
+        "64 dec@1024 + 2 x 512": [(1023, 1)] * 64 + [(512, 512)] * 2,
+        "256 dec@2048 + 1 x 256": [(2047, 1)] * 256 + [(0, 256)],
+    }
+    rows += [run_prefill_case(name, reqs, args) for name, reqs in prefill_cases.items()]
+    graph = check_cuda_graph(args)
+    print_tables(copy_gbs, rows, graph)
+    failures = [r for r in rows + [graph] if not r["rel_err"] < MAX_REL_ERR] + \
+        ([graph] if not graph["padding_row_zero"] else [])
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "attention_kernels.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_gbs=copy_gbs, shape=vars(args),
+                           rows=rows, cuda_graph=graph, ok=not failures), f, indent=1)
+    if failures:
+        print(f"\nFAILED: {len(failures)} case(s) above the relative error bound {MAX_REL_ERR}", file=sys.stderr)
+        return 1
+    print(f"\nall cases within relative error {MAX_REL_ERR}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

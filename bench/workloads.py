@@ -1,0 +1,62 @@
+"""Benchmark workloads: random token-id prompts with per-request output lengths, seeded."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_requests: int
+    prompt_len: tuple[int, int]  # uniform, inclusive
+    output_len: tuple[int, int]  # uniform, inclusive
+    seed: int = 0
+
+    def sample(self, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+        """Prompts (random token ids) and output lengths; EOS is ignored by the runs."""
+        rng = np.random.default_rng(self.seed)
+        prompt_lens = rng.integers(self.prompt_len[0], self.prompt_len[1] + 1, self.num_requests)
+        output_lens = rng.integers(self.output_len[0], self.output_len[1] + 1, self.num_requests)
+        prompts = [rng.integers(0, vocab_size, int(n)).tolist() for n in prompt_lens]
+        return prompts, [int(n) for n in output_lens]
+
+
+WORKLOADS = {
+    # CPU, default model, float32.
+    "C1": Workload("C1", 32, (32, 256), (32, 128)),
+    # GPU, the workload nano-vllm publishes.
+    "W1": Workload("W1", 256, (100, 1024), (100, 1024)),
+}
+
+# Real model shapes for dummy-weight runs on machines without the weights.
+MODEL_SHAPES = {
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+}
+
+
+def shape_dir(name: str) -> Path:
+    """A model directory holding only config.json for a known shape (weights: load_format='dummy')."""
+    path = Path(tempfile.mkdtemp(prefix=f"minivllm-{name}-"))
+    (path / "config.json").write_text(json.dumps(MODEL_SHAPES[name], indent=2))
+    return path

@@ -1,0 +1,57 @@
+"""The attention layer that models use: it owns its view of the paged KV cache and a backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Paged attention for one decoder layer.
+
+    The KV cache is bound after the pool is sized (``bind_kv_cache``), by layer index;
+    the backend is chosen by the model runner (``set_backend``). Both are plain
+    attributes set once, never looked up by duck typing.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int):
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
+        self.v_cache: torch.Tensor | None = None
+        self.backend = None
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def set_backend(self, backend) -> None:
+        self.backend = backend
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        if self.k_cache is None or self.backend is None:
+            raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache or backend bound")
+        n = q.shape[0]
+        out = self.backend.forward(
+            q.view(n, self.num_heads, self.head_dim),
+            k.view(n, self.num_kv_heads, self.head_dim),
+            v.view(n, self.num_kv_heads, self.head_dim),
+            self.k_cache,
+            self.v_cache,
+            meta,
+            self.scale,
+        )
+        return out.view(n, self.num_heads * self.head_dim)

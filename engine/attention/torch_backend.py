@@ -1,0 +1,98 @@
+"""Portable paged attention in plain torch: the reference every other backend is tested against.
+
+It runs anywhere torch runs (CPU float32, CUDA bfloat16). K/V are read through the
+block tables by gathering each request's blocks; faster backends read them in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Store the new tokens' K/V in their slots: one indexed copy per tensor."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [n, num_blocks_needed] int32
+) -> torch.Tensor:
+    """Contiguous copy of the first blocks of n requests: [n, num_kv_heads, num_blocks_needed * block_size, head_dim]."""
+    n, nb = block_tables.shape
+    blocks = cache.index_select(0, block_tables.reshape(-1).long())  # [n * nb, bs, kvh, hd]
+    return blocks.view(n, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+class TorchAttentionBackend:
+    """Decode requests run as one padded batch; prefill requests run one by one."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_tokens = meta.slot_mapping.shape[0]
+        write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.num_decodes > 0:
+            d = meta.num_decodes
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
+        starts = meta.query_start_loc_cpu.tolist()
+        seq_lens = meta.seq_lens_cpu.tolist()
+        for i in range(meta.num_decodes, meta.num_reqs):
+            lo, hi = starts[i], starts[i + 1]
+            out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, meta.block_tables[i], seq_lens[i], scale)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        d = q.shape[0]
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+        group = num_heads // num_kv_heads
+        max_len = int(meta.seq_lens_cpu[:d].max())
+        nb = (max_len + block_size - 1) // block_size
+        tables = meta.block_tables[:d, :nb]
+        keys = _gather_context(k_cache, tables)  # [d, kvh, L, hd]
+        values = _gather_context(v_cache, tables)
+        positions = torch.arange(nb * block_size, device=q.device)
+        mask = positions[None, :] < meta.seq_lens[:d, None]  # [d, L]
+        # Fold the query heads of one KV head into the query axis: GQA without repeating K/V.
+        qg = q.view(d, num_kv_heads, group, head_dim)  # [d, kvh, group, hd]
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+        return o.reshape(d, num_heads, head_dim)
+
+    @staticmethod
+    def _prefill(q, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
+        n, num_heads, head_dim = q.shape
+        num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+        group = num_heads // num_kv_heads
+        nb = (seq_len + block_size - 1) // block_size
+        keys = _gather_context(k_cache, block_table[None, :nb])[0, :, :seq_len]  # [kvh, L, hd]
+        values = _gather_context(v_cache, block_table[None, :nb])[0, :, :seq_len]
+        # New token t sits at position seq_len - n + t and sees keys up to that position.
+        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [n, L]
+        qg = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask.repeat(group, 1), scale=scale)
+        return o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)

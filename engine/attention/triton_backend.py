@@ -1,0 +1,55 @@
+"""Paged attention on the GPU with the Triton kernels: same interface and results as the torch backend."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_backend import write_kv
+from engine.attention.triton_kernels import (
+    choose_num_splits,
+    num_sms,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+
+
+class TritonAttentionBackend:
+    """Decode rows go to the flash-decoding kernel, the rest of the batch to the varlen prefill kernel.
+
+    No host syncs: launch choices come from the metadata's host ints and from tensor shapes only, so a
+    decode-only step can be captured in a CUDA graph and replayed with new sequence lengths.
+    """
+
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        num_tokens = meta.slot_mapping.shape[0]
+        write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        d = meta.num_decodes
+        if d > 0:
+            # The split count follows the table's capacity, not this step's lengths: under a CUDA graph
+            # the table's shape is what stays fixed across replays.
+            max_context_len = meta.block_tables.shape[1] * k_cache.shape[1]
+            num_splits = choose_num_splits(d, k_cache.shape[2], max_context_len, num_sms(q.device))
+            paged_decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
+                                   out[:d], num_splits)
+        if meta.num_reqs > d:
+            # Decode rows come first, one token each, so the prefill tokens start at row d.
+            n = meta.num_reqs
+            paged_prefill_attention(q[d:num_tokens], k_cache, v_cache, meta.block_tables[d:n],
+                                    meta.query_start_loc[d:n + 1], meta.seq_lens[d:n], meta.max_query_len, scale,
+                                    out[d:num_tokens])
+        if num_tokens < q.shape[0]:
+            out[num_tokens:].zero_()  # padding rows beyond the batch: finite, like a seq_len 0 row
+        return out

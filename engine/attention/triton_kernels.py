@@ -1,0 +1,440 @@
+"""Paged attention kernels in Triton, each with a Python wrapper that checks its inputs.
+
+Both kernels read K/V in place through the block table; nothing is gathered into
+contiguous tensors. A key tile of ``BLOCK_N`` positions may span several cache
+blocks: every key looks up its own block id::
+
+    position p  ->  block_tables[seq, p // block_size] * block_size + p % block_size
+
+Both are GQA-aware: one program owns one KV head and all the query heads that share
+it, so each K/V tile is loaded once per group rather than once per query head.
+
+* ``paged_decode_attention``: one query token per sequence, flash-decoding. The
+  context is cut into ``num_splits`` pieces that run in parallel (grid
+  ``(num_seqs, num_kv_heads, num_splits)``); each writes a partial output and its
+  log-sum-exp, and a small second kernel merges them.
+* ``paged_prefill_attention``: a varlen batch of new tokens (prefill, chunked
+  prefill, decode rows too) attending causally to their cached context and to
+  themselves. Query tokens of one request are packed with their query heads into
+  row tiles (grid ``(query tiles, num_kv_heads)``).
+
+CUDA-graph safety: grids and compile-time constants depend only on tensor shapes
+and host arguments. Sequence lengths are read on the device, so a captured launch
+stays correct when the lengths change between replays.
+
+Softmax runs in base 2 (``exp2``), with the scale folded into ``qk_scale``.
+Everything accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+MAX_NUM_SPLITS = 32
+MIN_TOKENS_PER_SPLIT = 256  # shorter pieces cost more in the merge than they save
+LOG2_E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, table_ptr, pos, valid, kv_head, stride_b, stride_s, stride_h,
+                  offs_d, PAGE_SIZE: tl.constexpr):
+    """[BLOCK_N, HEAD_DIM] keys or values at context positions ``pos`` (zeros where not ``valid``)."""
+    block_ids = tl.load(table_ptr + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    offs = block_ids * stride_b + (pos % PAGE_SIZE) * stride_s + kv_head * stride_h
+    return tl.load(cache_ptr + offs[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, max_context_len,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_g = tl.arange(0, GROUP_PAD)  # query heads of this KV head, padded for tl.dot
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    head_mask = offs_g < GROUP
+
+    # The clamp keeps a bad length from reading past the block table's row.
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_context_len)
+    # Each split owns a whole number of key tiles; trailing splits may be empty (seq_len 0: all are).
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=head_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+    table_ptr = block_tables_ptr + seq * stride_bt
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + offs_n
+        valid = pos < end  # every tile holds at least one valid key, so m_i turns finite at once
+        k = _load_kv_tile(k_cache_ptr, table_ptr, pos, valid, kv_head, stride_kb, stride_ks, stride_kh,
+                          offs_d, PAGE_SIZE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(v_cache_ptr, table_ptr, pos, valid, kv_head, stride_vb, stride_vs, stride_vh,
+                          offs_d, PAGE_SIZE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # an empty range gives zeros, never NaN
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+    else:
+        # Workspace layout: part_out [num_seqs, NUM_HEADS, NUM_SPLITS, HEAD_DIM], part_lse [.., NUM_SPLITS].
+        row = (seq * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=head_mask[:, None])
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_mask = offs_s < NUM_SPLITS
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=split_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights 0, output 0
+    w = tl.exp2(lse - m)  # [SPLITS_PAD], 0 for empty splits
+    o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=split_mask[:, None], other=0.0)
+    denom = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_base, tile, num_reqs, BLOCK_Q: tl.constexpr):
+    """Binary search for the request that owns query tile ``tile``.
+
+    Request i owns tiles ``[first(i), first(i + 1))`` with ``first(i) = q_start(i) // BLOCK_Q + i``:
+    at least ``cdiv(query_len(i), BLOCK_Q)`` tiles each, ``num_tokens // BLOCK_Q + num_reqs`` in all,
+    strictly increasing. Invariant: first(lo) <= tile < first(hi).
+    """
+    lo = num_reqs * 0
+    hi = num_reqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = (tl.load(query_start_loc_ptr + mid) - q_base) // BLOCK_Q + mid
+        is_before = first <= tile
+        lo = tl.where(is_before, mid, lo)
+        hi = tl.where(is_before, hi, mid)
+    return lo
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    qk_scale, num_reqs, max_context_len,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_base = tl.load(query_start_loc_ptr)  # offsets are relative to the first entry
+    req = _find_request(query_start_loc_ptr, q_base, tile, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req) - q_base
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_base - q_start
+    # A request's last tiles see the most keys: hand them out first. Spare tiles get a negative start.
+    first_tok = (tl.cdiv(q_len, BLOCK_Q) - 1 - (tile - (q_start // BLOCK_Q + req))) * BLOCK_Q
+    if first_tok >= 0:
+        seq_len = tl.load(seq_lens_ptr + req)
+        ctx_len = seq_len - q_len  # tokens cached before this step's
+
+        # Row r of the tile is token r // GROUP of the tile, query head r % GROUP of this KV head.
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        tok = first_tok + offs_m // GROUP
+        heads = kv_head * GROUP + offs_m % GROUP
+        row_mask = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+        q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_mask[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+        q_pos = ctx_len + tok  # masked rows get positions past the tile: harmless, never stored
+
+        # Keys up to the tile's last query position; the clamp keeps reads inside the table's row.
+        kv_end = tl.minimum(ctx_len + tl.minimum(q_len, first_tok + BLOCK_Q), max_context_len)
+        table_ptr = block_tables_ptr + req * stride_bt
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        # Key 0 is visible to every row, so the first tile makes every m_i finite.
+        for tile_start in range(0, kv_end, BLOCK_N):
+            pos = tile_start + offs_n
+            valid = pos < kv_end
+            k = _load_kv_tile(k_cache_ptr, table_ptr, pos, valid, kv_head, stride_kb, stride_ks, stride_kh,
+                              offs_d, PAGE_SIZE)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_kv_tile(v_cache_ptr, table_ptr, pos, valid, kv_head, stride_vb, stride_vs, stride_vh,
+                              offs_d, PAGE_SIZE)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+# --------------------------------------------------------------------------------------------
+# Launch choices
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (an H200's 132 where there is no GPU, e.g. in the interpreter)."""
+    if device.type != "cuda":
+        return 132
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int = 132) -> int:
+    """How many pieces to cut each context into so that a small decode batch still fills the GPU.
+
+    One piece per (sequence, KV head) program when there are already about two programs per SM;
+    otherwise enough pieces for that, but none shorter than ``MIN_TOKENS_PER_SPLIT`` keys. A power of
+    two, so that few variants get compiled. Use a context bound fixed by shapes (the block table's
+    capacity) when the launch is captured in a CUDA graph.
+    """
+    num_programs = max(num_seqs * num_kv_heads, 1)
+    if num_programs >= 2 * sm_count:
+        return 1
+    wanted = triton.cdiv(2 * sm_count, num_programs)
+    useful = max(max_context_len // MIN_TOKENS_PER_SPLIT, 1)
+    return min(triton.next_power_of_2(min(wanted, useful)), MAX_NUM_SPLITS)
+
+
+def _decode_tiles(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N keys, num_warps, num_stages) of the decode kernel."""
+    return (64 if head_dim <= 128 else 32), 4, 2
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs would run through TF32 tensor cores by default: keep them exact.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------------
+
+
+def _check_attention_args(
+    name: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Shapes, dtypes, devices and strides that both kernels rely on; raises ValueError."""
+    def fail(msg: str) -> None:
+        raise ValueError(f"{name}: {msg}")
+
+    if q.dim() != 3:
+        fail(f"q must be [num_tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        fail("k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        fail(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        fail(f"head_dim {head_dim} is not supported (one of {SUPPORTED_HEAD_DIMS})")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        fail(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if q.dtype not in SUPPORTED_DTYPES:
+        fail(f"q dtype {q.dtype} is not supported (one of {SUPPORTED_DTYPES})")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        fail(f"cache dtypes ({k_cache.dtype}, {v_cache.dtype}) must match q ({q.dtype})")
+    if out.shape != q.shape or out.dtype != q.dtype:
+        fail(f"out must have q's shape {tuple(q.shape)} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    num_seqs = block_tables.shape[0] if block_tables.dim() == 2 else -1
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
+        fail(f"block_tables must be a 2-D int32 tensor, got {tuple(block_tables.shape)} {block_tables.dtype}")
+    if seq_lens.shape != (num_seqs,) or seq_lens.dtype != torch.int32:
+        fail(f"seq_lens must be int32 of shape ({num_seqs},), got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    for t_name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                      ("seq_lens", seq_lens), ("out", out)):
+        if t.device != q.device:
+            fail(f"{t_name} is on {t.device}, q on {q.device}")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        fail(f"tensors are on {q.device}: the kernels need CUDA tensors (or TRITON_INTERPRET=1)")
+    for t_name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache),
+                      ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.numel() > 0 and t.stride(-1) != 1:
+            fail(f"{t_name} must be contiguous in its last dimension, got strides {t.stride()}")
+
+
+def _check_scale(name: str, scale: float) -> None:
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{name}: scale must be a positive finite float, got {scale!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Wrappers
+# --------------------------------------------------------------------------------------------
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, the query token included
+    scale: float,
+    out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written in full
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its whole cached context (flash-decoding).
+
+    ``num_splits`` pieces of each context run in parallel and are merged by a second kernel
+    (``None``: chosen by ``choose_num_splits`` from the table's capacity). A sequence of length 0
+    (padding) gets zeros. Returns ``out``.
+    """
+    _check_attention_args("paged_decode_attention", q, k_cache, v_cache, block_tables, seq_lens, out)
+    _check_scale("paged_decode_attention", scale)
+    num_seqs, num_heads, head_dim = q.shape
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"paged_decode_attention: block_tables has {block_tables.shape[0]} rows for {num_seqs} queries")
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_context_len = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, num_sms(q.device))
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= 256:
+        raise ValueError(f"paged_decode_attention: num_splits must be an int in [1, 256], got {num_splits!r}")
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_n, num_warps, num_stages = _decode_tiles(head_dim)
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused: the kernel writes out directly
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * LOG2_E, max_context_len,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def _prefill_tiles(max_query_len: int, group: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages): rows just big enough for the longest query."""
+    block_m = min(128, max(16, triton.next_power_of_2(max(max_query_len, 1) * group)))
+    if head_dim > 128:
+        block_m = min(block_m, 64)
+    block_m = max(block_m, triton.next_power_of_2(group))  # at least one token per tile
+    block_n = 64 if head_dim <= 128 else 32
+    return block_m, block_n, 8 if block_m >= 128 else 4, 2
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32, relative to its first entry
+    seq_lens: torch.Tensor,  # [num_reqs] int32, new tokens included
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Causal attention of a varlen batch of new tokens over their cached context and themselves.
+
+    Request i's tokens are ``q[query_start_loc[i] - query_start_loc[0] : query_start_loc[i + 1] - ...]``,
+    the last ``query_len`` positions of its ``seq_lens[i]`` (their K/V are already in the cache).
+    Any query lengths work, 1 (decode) and 0 included; ``max_query_len`` only picks the tile size.
+    Rows of ``out`` past the last request are not written. Returns ``out``.
+    """
+    name = "paged_prefill_attention"
+    _check_attention_args(name, q, k_cache, v_cache, block_tables, seq_lens, out)
+    _check_scale(name, scale)
+    num_reqs = block_tables.shape[0]
+    if (query_start_loc.shape != (num_reqs + 1,) or query_start_loc.dtype != torch.int32
+            or query_start_loc.device != q.device):
+        raise ValueError(f"{name}: query_start_loc must be int32 of shape ({num_reqs + 1},) on {q.device}, "
+                         f"got {tuple(query_start_loc.shape)} {query_start_loc.dtype} on {query_start_loc.device}")
+    if not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"{name}: max_query_len must be a non-negative int, got {max_query_len!r}")
+    num_tokens, num_heads, head_dim = q.shape
+    if num_reqs == 0 or num_tokens == 0:
+        return out
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_m, block_n, num_warps, num_stages = _prefill_tiles(max_query_len, group, head_dim)
+    block_q = block_m // group
+    num_tiles = num_tokens // block_q + num_reqs  # an upper bound; spare tiles return at once
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * LOG2_E, num_reqs, block_tables.shape[1] * block_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

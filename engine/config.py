@@ -1,0 +1,99 @@
+"""The engine's configuration: one tree, validated once, passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_BACKENDS = ("auto", "torch", "triton")
+_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the field."""
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of the engine. ``model=None`` serves the embedded default model."""
+
+    model: str | None = None
+    tokenizer: str | None = None  # defaults to the model directory
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda if available, else cpu
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # KV cache (the seed's names).
+    kvcache_block_size: int = 16
+    num_kvcache_blocks: int = -1  # -1: size the pool from the memory budget
+    gpu_memory_utilization: float = 0.9
+    cpu_kvcache_space_gib: float = 2.0
+    enable_prefix_caching: bool = True
+    # Scheduler.
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    # Execution.
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # empty: 1, 2, 4, 8, 16, 24, ... max_num_seqs
+    check_invariants_when_idle: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError(message)
+
+        need(self.dtype == "auto" or self.dtype in _DTYPES, f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        need(self.device in ("auto", "cpu") or self.device.startswith("cuda"),
+             f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        need(self.load_format in _LOAD_FORMATS, f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+        need(self.attention_backend in _BACKENDS,
+             f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        need(self.kvcache_block_size > 0 and self.kvcache_block_size % 8 == 0,
+             f"kvcache_block_size must be a positive multiple of 8, got {self.kvcache_block_size}")
+        need(self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 2,
+             f"num_kvcache_blocks must be -1 (size from memory) or at least 2, got {self.num_kvcache_blocks}")
+        need(0.0 < self.gpu_memory_utilization <= 1.0,
+             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        need(self.cpu_kvcache_space_gib > 0, f"cpu_kvcache_space_gib must be positive, got {self.cpu_kvcache_space_gib}")
+        need(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        need(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be at least 1, got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            need(self.max_num_batched_tokens >= self.max_model_len,
+                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                 f"max_model_len ({self.max_model_len}) so that every prompt fits in one step")
+        need(all(b >= 1 for b in self.cuda_graph_batch_sizes), "cuda_graph_batch_sizes must be positive")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r} was asked for, but CUDA is not available")
+        return device
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def resolve_attention_backend(self, device: torch.device) -> str:
+        if self.attention_backend == "auto":
+            return "triton" if device.type == "cuda" else "torch"
+        return self.attention_backend
+
+    def graph_batch_sizes(self) -> list[int]:
+        """Decode batch sizes that get a CUDA graph; a batch is padded up to the next one."""
+        if self.cuda_graph_batch_sizes:
+            return sorted(set(min(b, self.max_num_seqs) for b in self.cuda_graph_batch_sizes))
+        sizes = [1, 2, 4, 8] + list(range(16, self.max_num_seqs + 1, 16))
+        return sorted(set(s for s in sizes if s <= self.max_num_seqs) | {self.max_num_seqs})

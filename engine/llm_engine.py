@@ -1,0 +1,156 @@
+"""The synchronous engine: requests in, one ``step()`` at a time, outputs out.
+
+    step():  Scheduler.schedule()  ->  ModelRunner.execute()  ->  Scheduler.update_from_output()
+
+Both the offline ``LLM`` and the async server engine drive this class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.config import ConfigError, EngineConfig
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import EngineOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.scheduler import Scheduler
+from engine.tokenizer import load_tokenizer
+from kvcache.manager import KVCacheManager
+from kvcache.metrics import KVCacheStats
+
+logger = logging.getLogger("minivllm")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (bad token ids, too long...); ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics: queue sizes, counters, and the KV pool."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv: KVCacheStats
+
+
+def resolve_model_path(config: EngineConfig) -> str:
+    if config.model is not None:
+        return config.model
+    from engine.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        start = time.perf_counter()
+        self.config = config
+        self.model_path = resolve_model_path(config)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.max_model_len = self._max_model_len()
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.init_kv_cache(num_blocks)
+        self.kv_manager = KVCacheManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        logger.info(
+            "engine ready in %.1f s: %s, max_model_len=%d, max_num_seqs=%d, max_num_batched_tokens=%d",
+            time.perf_counter() - start, self.model_config.architecture, self.max_model_len,
+            config.max_num_seqs, config.max_num_batched_tokens,
+        )
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ConfigError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
+        if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < wanted:
+            raise ConfigError(
+                f"without chunked prefill, max_num_batched_tokens ({self.config.max_num_batched_tokens}) must be at "
+                f"least max_model_len ({wanted})"
+            )
+        return wanted
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Validate and queue a request. Raises RequestError for input that cannot be served."""
+        params = self.validate_request(prompt_token_ids, params)
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
+        self.scheduler.add_request(request)
+        return request
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Check a prompt against the model and the context; return params with max_tokens resolved."""
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty: it must contain at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not (0 <= t < vocab)]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is out of range: the vocabulary has {vocab} tokens (0..{vocab - 1})",
+                               param="prompt")
+        n = len(prompt_token_ids)
+        room = self.max_model_len - n
+        if room < 1:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} tokens "
+                f"and at least one token must be generated", param="prompt", code="context_length_exceeded")
+        if params.max_tokens is None:
+            return dataclasses.replace(params, max_tokens=room)
+        if params.max_tokens > room:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {n} prompt tokens plus "
+                f"max_tokens={params.max_tokens} ask for {n + params.max_tokens}", param="max_tokens",
+                code="context_length_exceeded")
+        return params
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --------------------------------------------------------------------- step
+
+    def step(self) -> list[EngineOutput]:
+        """Run one scheduling step and forward pass; return what each request produced."""
+        sched = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched)
+        outputs = self.scheduler.update_from_output(sched, runner_out)
+        if self.config.check_invariants_when_idle and not self.scheduler.has_unfinished_requests():
+            self.kv_manager.check_invariants()
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_preemptions=self.scheduler.num_preemptions_total,
+            kv=self.kv_manager.get_stats(),
+        )
+
+
+__all__ = ["LLMEngine", "EngineStats", "RequestError", "SamplingParamsError"]

@@ -1,0 +1,200 @@
+"""The model's shape and numerics, read once from a Hugging Face config and validated.
+
+Everything downstream (model classes, loader, KV cache sizing) reads this dataclass,
+never the raw Hugging Face config, so the differences between transformers 4.x
+(``rope_theta`` + ``rope_scaling``) and 5.x (``rope_parameters``) are handled here only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Rope scaling types the rotary embedding implements; anything else is refused up front.
+SUPPORTED_ROPE_TYPES = ("linear", "llama3")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass
+class ModelConfig:
+    model_path: str
+    architecture: str  # config.json architectures[0], e.g. "LlamaForCausalLM"
+    model_type: str  # e.g. "llama", "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # normalised: {"rope_type": "linear" | "llama3", ...} or None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on the q/k/v projections (always true for Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before rope (Qwen3)
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    dtype: torch.dtype | None  # the checkpoint's dtype, if the config names one
+    sliding_window: int | None  # None when every layer attends to the full context
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
+        """Read ``config.json`` (and ``generation_config.json`` if present) from a model directory."""
+        from transformers import AutoConfig  # heavy import, kept out of module import time
+
+        hf_config = AutoConfig.from_pretrained(str(model_path))
+        return cls.from_hf_config(hf_config, model_path)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, model_path: str | Path) -> ModelConfig:
+        """Build and validate from a transformers ``PretrainedConfig``."""
+        architectures = getattr(hf_config, "architectures", None) or []
+        if not architectures:
+            raise ValueError(f"config of {model_path} has no 'architectures' entry; cannot pick a model class")
+        hidden_size = _require(hf_config, "hidden_size")
+        num_heads = _require(hf_config, "num_attention_heads")
+        head_dim = getattr(hf_config, "head_dim", None) or hidden_size // num_heads
+        rope_theta, rope_scaling = _read_rope(hf_config)
+        model_type = getattr(hf_config, "model_type", "")
+        config = cls(
+            model_path=str(model_path),
+            architecture=architectures[0],
+            model_type=model_type,
+            vocab_size=_require(hf_config, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_require(hf_config, "intermediate_size"),
+            num_hidden_layers=_require(hf_config, "num_hidden_layers"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=_require(hf_config, "max_position_embeddings"),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # Qwen2's config has no attention_bias field: its q/k/v projections always carry a bias.
+            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=_read_eos_token_ids(hf_config, model_path),
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            dtype=_read_dtype(hf_config),
+            sliding_window=_read_sliding_window(hf_config),
+        )
+        _check_unsupported_features(hf_config)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raise ValueError for configurations the models cannot run correctly."""
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window < self.max_position_embeddings:
+            raise ValueError(
+                f"sliding-window attention is not supported (sliding_window={self.sliding_window} < "
+                f"max_position_embeddings={self.max_position_embeddings}); use a checkpoint that attends "
+                "to the full context (e.g. Mistral v0.2 or later)"
+            )
+
+
+def _check_unsupported_features(hf_config: Any) -> None:
+    hidden_act = getattr(hf_config, "hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"only silu MLPs are supported, the config has hidden_act={hidden_act!r}")
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("MLP biases (mlp_bias=True) are not supported")
+
+
+def _require(hf_config: Any, name: str) -> Any:
+    value = getattr(hf_config, name, None)
+    if value is None:
+        raise ValueError(f"model config is missing required field {name!r}")
+    return value
+
+
+def _read_rope(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """Return (rope_theta, normalised rope_scaling) from either config generation."""
+    params = getattr(hf_config, "rope_parameters", None)  # transformers 5: theta and scaling in one dict
+    if params:
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+        scaling = params
+    else:  # transformers 4.x
+        theta = getattr(hf_config, "rope_theta", None)
+        scaling = getattr(hf_config, "rope_scaling", None)
+    return float(theta if theta is not None else 10000.0), normalize_rope_scaling(scaling)
+
+
+def normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Map the config's rope scaling dict to ``None``, linear or llama3 (see ``ModelConfig.rope_scaling``)."""
+    if not scaling:
+        return None
+    if "full_attention" in scaling or "sliding_attention" in scaling:
+        raise ValueError("per-layer-type rope parameters are not supported")
+    # Older configs spell the key "type"; "default" (transformers 5 always writes a dict) means no scaling.
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    if rope_type == "default":
+        return None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if "factor" not in scaling:
+        raise ValueError(f"rope scaling {rope_type!r} needs a 'factor', got {scaling}")
+    if rope_type == "linear":
+        return {"rope_type": "linear", "factor": float(scaling["factor"])}
+    missing = [key for key in _LLAMA3_ROPE_KEYS if key not in scaling]
+    if missing:
+        raise ValueError(f"llama3 rope scaling is missing {missing}, got {scaling}")
+    return {
+        "rope_type": "llama3",
+        "factor": float(scaling["factor"]),
+        "low_freq_factor": float(scaling["low_freq_factor"]),
+        "high_freq_factor": float(scaling["high_freq_factor"]),
+        "original_max_position_embeddings": int(scaling["original_max_position_embeddings"]),
+    }
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _read_eos_token_ids(hf_config: Any, model_path: str | Path) -> list[int]:
+    """Union of config.json's and generation_config.json's eos ids, config.json's first, without repeats."""
+    ids = _as_id_list(getattr(hf_config, "eos_token_id", None))
+    generation_config = Path(model_path) / "generation_config.json"
+    if generation_config.is_file():
+        ids += _as_id_list(json.loads(generation_config.read_text()).get("eos_token_id"))
+    return list(dict.fromkeys(ids))
+
+
+def _read_dtype(hf_config: Any) -> torch.dtype | None:
+    # transformers 5 calls it dtype, 4.x torch_dtype; either may be a string or a torch.dtype.
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {value!r} in model config")
+    return dtype
+
+
+def _read_sliding_window(hf_config: Any) -> int | None:
+    # Qwen2/Qwen3 configs carry a sliding_window value that only applies when use_sliding_window is set.
+    if not getattr(hf_config, "use_sliding_window", True):
+        return None
+    window = getattr(hf_config, "sliding_window", None)
+    return int(window) if window is not None else None

@@ -1,0 +1,302 @@
+"""Turns a scheduler plan into one forward pass and one sampled token per finished sequence.
+
+The runner never sees a ``Request``: it keeps its own per-request rows (``InputBatch``),
+updated from the scheduler's ``SchedulerOutput``, and builds the flat step inputs from
+them with vector operations. The model sees only tensors and the step's attention
+metadata. The one host sync of a step is reading the sampled tokens back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.config import ConfigError, EngineConfig
+from engine.input_batch import InputBatch
+from engine.loader import load_model
+from engine.model_config import ModelConfig
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.sampler import Sampler, SamplingTensors, build_logprobs, gather_logprobs
+from kvcache.paged_cache import PagedKVCache
+
+logger = logging.getLogger("minivllm")
+
+# Prompts in the profiling pass are cut into requests of at most this many tokens.
+_PROFILE_REQUEST_LEN = 512
+
+
+@dataclass
+class StepInputs:
+    """The flat tensors of one step, plus which rows get a sampled token."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] int64: last token of each sampled request
+    sampled_request_ids: list[str]  # requests that get a token, in logits order
+    sampled_rows: np.ndarray  # [num_sampled] their InputBatch rows
+
+
+def make_attention_backend(name: str):
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ConfigError(f"unknown attention backend {name!r}")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        self.config = config
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        self.block_size = config.kvcache_block_size
+        self.model = load_model(model_config, self.dtype, self.device, config.load_format, config.seed)
+        self.backend = make_attention_backend(config.resolve_attention_backend(self.device))
+        for layer in self.model.attention_layers():
+            layer.set_backend(self.backend)
+        self.sampler = Sampler()
+        self.kv_cache: PagedKVCache | None = None
+        max_blocks = -(-max_model_len // self.block_size)
+        self.batch = InputBatch(config.max_num_seqs, max_model_len, max_blocks, model_config.vocab_size, self.device)
+        logger.info("model runner: %s on %s, %s attention backend", self.dtype, self.device, self.backend.name)
+
+    # ---------------------------------------------------------------- KV cache
+
+    def bytes_per_block(self) -> int:
+        mc = self.model_config
+        return PagedKVCache.bytes_per_block(mc.num_hidden_layers, self.block_size, mc.num_key_value_heads,
+                                            mc.head_dim, self.dtype)
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks fit: the configured count, or the memory budget over the block size.
+
+        On CUDA the budget is what ``gpu_memory_utilization`` of the card leaves after the
+        weights and the peak activations of a profiling pass at the largest batch.
+        """
+        if self.config.num_kvcache_blocks > 0:
+            return self.config.num_kvcache_blocks
+        if self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:
+            budget = int(self.config.cpu_kvcache_space_gib * 2**30)
+        return PagedKVCache.num_blocks_for_budget(
+            budget, self.model_config.num_hidden_layers, self.block_size, self.model_config.num_key_value_heads,
+            self.model_config.head_dim, self.dtype,
+        )
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        mc = self.model_config
+        usable_tokens = (num_blocks - 1) * self.block_size  # block 0 is the null block
+        if usable_tokens < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {usable_tokens} tokens ({num_blocks} blocks of {self.block_size}), fewer than "
+                f"max_model_len={self.max_model_len}: lower max_model_len or give the cache more memory"
+            )
+        self.kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, self.block_size, mc.num_key_value_heads,
+                                     mc.head_dim, self.dtype, self.device)
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.bind_kv_cache(*self.kv_cache.layer(i))
+        logger.info("KV cache: %s", self.kv_cache.describe())
+
+    def _profile_cuda_budget(self) -> int:
+        """Run the largest step with a scratch cache; return the bytes left for the KV pool."""
+        scratch_blocks = -(-_PROFILE_REQUEST_LEN // self.block_size) + 1
+        mc = self.model_config
+        scratch = PagedKVCache(mc.num_hidden_layers, scratch_blocks, self.block_size, mc.num_key_value_heads,
+                               mc.head_dim, self.dtype, self.device)
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.bind_kv_cache(*scratch.layer(i))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch.nbytes
+        del scratch
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak - non_torch
+        logger.info(
+            "memory profile: %.2f GiB total, weights+peak activations %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
+            total / 2**30, peak / 2**30, non_torch / 2**30, budget / 2**30,
+        )
+        if budget <= 0:
+            raise ConfigError("no GPU memory is left for the KV cache: raise gpu_memory_utilization or shrink the batch")
+        return budget
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward pass over ``max_num_batched_tokens`` tokens and sampling of ``max_num_seqs`` rows.
+
+        Every token's slot is in the null block, so it writes nothing that matters.
+        """
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
+        lens = [_PROFILE_REQUEST_LEN] * (num_tokens // _PROFILE_REQUEST_LEN)
+        if num_tokens % _PROFILE_REQUEST_LEN:
+            lens.append(num_tokens % _PROFILE_REQUEST_LEN)
+        meta = self._dummy_metadata(lens)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        hidden = self.model(input_ids, positions, meta)
+        num_rows = min(self.config.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:num_rows])
+        st = SamplingTensors(
+            temperature=torch.ones(num_rows, device=self.device),
+            top_k=torch.full((num_rows,), 50, device=self.device),
+            top_p=torch.full((num_rows,), 0.9, device=self.device),
+            min_p=None,
+        )
+        self.sampler(logits, st)
+
+    def _dummy_metadata(self, lens: list[int]) -> AttentionMetadata:
+        max_len = max(lens)
+        qsl = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        num_blocks = -(-max_len // self.block_size)
+        return AttentionMetadata(
+            slot_mapping=torch.zeros(sum(lens), dtype=torch.long, device=self.device),
+            query_start_loc=qsl.to(self.device),
+            seq_lens=seq_lens.to(self.device),
+            block_tables=torch.zeros(len(lens), num_blocks, dtype=torch.int32, device=self.device),
+            num_reqs=len(lens), num_decodes=0, num_decode_tokens=0, max_query_len=max_len, max_seq_len=max_len,
+            block_size=self.block_size, query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+        )
+
+    # --------------------------------------------------------------- one step
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput([], [])
+        inputs = self._prepare_inputs(sched)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if len(inputs.sampled_rows) == 0:
+            return ModelRunnerOutput([], [])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        st = self._sampling_tensors(inputs.sampled_rows)
+        sampled, raw_logprobs = self.sampler(logits, st)
+        token_ids = sampled.tolist()  # the step's one host sync
+        self.batch.append_sampled(inputs.sampled_rows, np.asarray(token_ids, dtype=np.int64))
+        sampled_ids = inputs.sampled_request_ids
+        output = ModelRunnerOutput(sampled_ids, token_ids)
+        if raw_logprobs is not None:
+            output.logprobs = self._logprobs(raw_logprobs, sampled, token_ids, inputs.sampled_rows, sampled_ids)
+        return output
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for rid in sched.freed_request_ids:
+            self.batch.remove(rid)
+        for data in sched.new_requests:
+            self.batch.add(data)
+        for data in sched.cached_requests:
+            self.batch.update(data)
+
+    def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        b = self.batch
+        req_ids = list(sched.num_scheduled_tokens)
+        rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        counts = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        order = np.argsort(counts > 1, kind="stable")  # decodes (one new token) first
+        rows, counts = rows[order], counts[order]
+        req_ids = [req_ids[i] for i in order]
+
+        ends = np.cumsum(counts)  # [num_reqs]
+        token_req = np.repeat(np.arange(len(rows)), counts)  # [num_tokens] batch index of each token
+        positions = b.num_computed[rows][token_req] + np.arange(ends[-1]) - (ends - counts)[token_req]
+        token_rows = rows[token_req]
+        input_ids = b.token_ids[token_rows, positions]
+        slot_mapping = b.block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size
+        slot_mapping += positions % self.block_size
+        seq_lens = b.num_computed[rows] + counts
+        # A request gets a token when this step computes the last of its known tokens.
+        sample_mask = seq_lens >= b.num_tokens[rows]
+        max_seq_len = int(seq_lens.max())
+        block_tables = b.block_table[rows, : -(-max_seq_len // self.block_size)]
+        num_decodes = int(np.count_nonzero(counts == 1))
+
+        def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype, non_blocking=True)
+
+        qsl_cpu = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32))
+        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        meta = AttentionMetadata(
+            slot_mapping=dev(slot_mapping, torch.long),
+            query_start_loc=qsl_cpu.to(self.device, non_blocking=True),
+            seq_lens=seq_lens_cpu.to(self.device, non_blocking=True),
+            block_tables=dev(block_tables, torch.int32),
+            num_reqs=len(rows), num_decodes=num_decodes, num_decode_tokens=num_decodes,
+            max_query_len=int(counts.max()), max_seq_len=max_seq_len, block_size=self.block_size,
+            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu,
+        )
+        return StepInputs(
+            input_ids=dev(input_ids, torch.long),
+            positions=dev(positions, torch.long),
+            meta=meta,
+            logits_indices=dev(ends[sample_mask] - 1, torch.long),
+            sampled_request_ids=[req_ids[i] for i in np.nonzero(sample_mask)[0].tolist()],
+            sampled_rows=rows[sample_mask],
+        )
+
+    def _sampling_tensors(self, rows: np.ndarray) -> SamplingTensors:
+        b = self.batch
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+
+        temperature = b.temperature[rows]
+        top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
+        vocab = self.model_config.vocab_size
+        st = SamplingTensors(
+            temperature=dev(temperature),
+            top_k=dev(np.where(top_k > 0, top_k, vocab)) if (top_k > 0).any() else None,
+            top_p=dev(top_p) if (top_p < 1.0).any() else None,
+            min_p=dev(min_p) if (min_p > 0.0).any() else None,
+            generators={i: b.generators[r] for i, r in enumerate(rows.tolist()) if r in b.generators},
+            all_greedy=bool((temperature == 0).all()),
+            max_num_logprobs=int(b.num_logprobs[rows].max()),
+        )
+        pres, freq, rep = b.presence_penalty[rows], b.frequency_penalty[rows], b.repetition_penalty[rows]
+        if (pres != 0).any() or (freq != 0).any() or (rep != 1).any():
+            st.presence_penalty, st.frequency_penalty, st.repetition_penalty = dev(pres), dev(freq), dev(rep)
+            st.output_token_counts, st.prompt_token_mask = self._token_counts(rows)
+        return st
+
+    def _token_counts(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: how often each vocab token was generated [N, V], and which are in the prompt [N, V]."""
+        b, vocab = self.batch, self.model_config.vocab_size
+        width = int(b.num_tokens[rows].max())
+        ids = b.token_ids[rows, :width].copy()  # [N, width]
+        cols = np.arange(width)[None, :]
+        in_prompt = cols < b.num_prompt_tokens[rows][:, None]
+        valid = cols < b.num_tokens[rows][:, None]
+        out_ids = torch.from_numpy(np.where(valid & ~in_prompt, ids, vocab)).to(self.device)
+        prompt_ids = torch.from_numpy(np.where(in_prompt, ids, vocab)).to(self.device)
+        counts = torch.zeros(len(rows), vocab + 1, dtype=torch.int32, device=self.device)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
+        prompt_mask = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=self.device)
+        prompt_mask.scatter_(1, prompt_ids, True)
+        return counts[:, :vocab], prompt_mask[:, :vocab]
+
+    def _logprobs(self, raw_logprobs, sampled, token_ids, rows, sampled_ids):
+        num_top = self.batch.num_logprobs[rows]
+        wanted = np.nonzero(num_top >= 0)[0]
+        idx = torch.from_numpy(wanted).to(self.device)
+        chosen, ranks, top_ids, top_vals = gather_logprobs(raw_logprobs[idx], sampled[idx], int(num_top.max()))
+        entries = build_logprobs(
+            [token_ids[i] for i in wanted], chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_vals.tolist(),
+            num_top[wanted].tolist(),
+        )
+        return {sampled_ids[i]: e for i, e in zip(wanted.tolist(), entries)}

@@ -1,0 +1,26 @@
+"""Model classes by Hugging Face architecture name (``config.json`` ``architectures[0]``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.models.llama import LlamaForCausalLM
+from engine.models.qwen2 import Qwen2ForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    # Mistral is Llama's architecture; sliding-window checkpoints are refused by ModelConfig.
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The model class for an architecture name; ValueError listing the supported ones otherwise."""
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        supported = ", ".join(sorted(MODEL_REGISTRY))
+        raise ValueError(f"Unsupported architecture {architecture!r}. Supported: {supported}") from None

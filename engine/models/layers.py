@@ -1,0 +1,206 @@
+"""Building blocks shared by the decoder models: norms, rotary embeddings, fused linears, weight loading.
+
+The numerics follow Hugging Face's Llama/Qwen implementations step by step (including where
+they cast between float32 and the model dtype), so that our logits match theirs closely in
+float32 and bfloat16 alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim, optionally fused with the residual add.
+
+    ``forward(x)`` returns the normed ``x``. ``forward(x, residual)`` first forms
+    ``x + residual`` and returns ``(normed, x + residual)``: the sum is the residual
+    stream the next layer adds to.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            # Add in the model dtype, as Hugging Face does, so the stored residual is exactly theirs.
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast back before scaling by the weight: the same rounding order as Hugging Face.
+        out = self.weight * x32.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU activation on a fused [gate | up] projection."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * intermediate]
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up  # [num_tokens, intermediate]
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate-half, as in HF Llama/Qwen) from a cached cos/sin table."""
+
+    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor):
+        super().__init__()
+        self.head_dim = head_dim
+        # Built on the CPU in float32, like Hugging Face, then moved to wherever the model is being built.
+        positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, head_dim]
+        # torch.empty(0) lands on the device of an enclosing `with torch.device(...)`, on every torch >= 2.4.
+        target_device = torch.empty(0).device
+        # Not persistent: it is derived from the config, never read from a checkpoint.
+        self.register_buffer("cos_sin_cache", cache.to(target_device), persistent=False)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The table stays float32; cos/sin are rounded to the activation dtype as Hugging Face does.
+        cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # [num_tokens, head_dim // 2] each
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # [num_tokens, heads, head_dim // 2] each
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def get_rope(
+    head_dim: int, max_position: int, theta: float, rope_scaling: dict[str, Any] | None = None
+) -> RotaryEmbedding:
+    """Rotary embedding for a normalised ``ModelConfig.rope_scaling`` (None, linear or llama3)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)  # [head_dim // 2]
+    rope_type = rope_scaling["rope_type"] if rope_scaling else None
+    if rope_type == "linear":
+        inv_freq = inv_freq / rope_scaling["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+    elif rope_type is not None:
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+    return RotaryEmbedding(head_dim, max_position, inv_freq)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: slow the low frequencies by ``factor``, keep the high ones, blend in between."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+class FusedLinear(nn.Linear):
+    """One matmul for several projections of the same input, e.g. q|k|v or gate|up.
+
+    The output rows are the shards in order. Checkpoints store each shard as its own
+    tensor (``q_proj``, ``k_proj``, ...); ``load_shard`` copies one into its row range.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_slices: dict[str, slice] = {}
+        offset = 0
+        for name, size in shard_sizes.items():
+            self.shard_slices[name] = slice(offset, offset + size)
+            offset += size
+
+    def load_shard(self, param: nn.Parameter, shard: str, loaded: torch.Tensor) -> None:
+        copy_weight(param.data[self.shard_slices[shard]], loaded, f"{shard} shard")
+
+
+@torch.no_grad()
+def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """Copy a checkpoint tensor into a parameter (any device/dtype), insisting on the exact shape."""
+    if dst.shape != src.shape:
+        raise ValueError(f"shape mismatch for {what}: checkpoint {tuple(src.shape)}, model {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+@dataclass
+class WeightTarget:
+    """Where one checkpoint tensor goes: a parameter, or one shard of a fused parameter."""
+
+    param: nn.Parameter
+    fused: FusedLinear | None = None
+    shard: str | None = None
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        if self.fused is None:
+            copy_weight(self.param.data, tensor, name)
+        else:
+            self.fused.load_shard(self.param, self.shard, tensor)
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, WeightTarget]:
+    """Map each Hugging Face tensor name the model needs to the parameter it fills.
+
+    Parameter names mirror Hugging Face's, except that a fused linear ``x.qkv_proj.weight``
+    is filled from ``x.q_proj.weight``, ``x.k_proj.weight`` and ``x.v_proj.weight``.
+    Tied parameters appear once, under their first name.
+    """
+    targets: dict[str, WeightTarget] = {}
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if isinstance(module, FusedLinear):
+                parent = module_name.rpartition(".")[0]
+                for shard in module.shard_slices:
+                    hf_name = f"{parent}.{shard}.{param_name}" if parent else f"{shard}.{param_name}"
+                    targets[hf_name] = WeightTarget(param, module, shard)
+            else:
+                targets[f"{module_name}.{param_name}" if module_name else param_name] = WeightTarget(param)
+    return targets
+
+
+def load_checkpoint_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], skip: set[str] | None = None
+) -> set[str]:
+    """Copy Hugging Face-named tensors into ``model``; return the names loaded.
+
+    Names in ``skip`` and rotary ``inv_freq`` buffers are ignored. An unknown name, or
+    a needed tensor that never arrives, raises ValueError naming it.
+    """
+    targets = checkpoint_targets(model)
+    skip = skip or set()
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name in skip or name.endswith("rotary_emb.inv_freq"):
+            continue
+        target = targets.get(name)
+        if target is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        target.load(name, tensor)
+        loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for {type(model).__name__}: {shown}")
+    return loaded

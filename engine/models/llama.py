@@ -1,0 +1,172 @@
+"""Llama-family decoder (Llama 2/3, Mistral without sliding window, SmolLM2), the base of Qwen2/Qwen3.
+
+Module and parameter names mirror Hugging Face's, except for two fused projections:
+``self_attn.qkv_proj`` (q | k | v) and ``mlp.gate_up_proj`` (gate | up). ``load_weights``
+fills them from the separate checkpoint tensors.
+
+Variants differ only in their ``AttentionSpec`` (biases, q/k norm); Qwen2 and Qwen3
+subclass ``LlamaForCausalLM`` and override ``attention_spec``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention.layer import Attention
+from engine.attention.metadata import AttentionMetadata
+from engine.model_config import ModelConfig
+from engine.models.layers import FusedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, get_rope, load_checkpoint_weights
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The per-architecture knobs of the attention block."""
+
+    qkv_bias: bool  # bias on the q/k/v projections
+    o_proj_bias: bool  # bias on the output projection
+    qk_norm: bool  # per-head RMSNorm of q and k before rope (Qwen3)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, spec: AttentionSpec, rotary_emb: RotaryEmbedding, layer_idx: int
+    ):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(
+            config.hidden_size,
+            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            bias=spec.qkv_bias,
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=spec.o_proj_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.rotary_emb = rotary_emb  # shared by every layer; its table is a non-persistent buffer
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_idx)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        n = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v, meta)  # [num_tokens, q_size]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [num_tokens, hidden_size]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, spec: AttentionSpec, rotary_emb: RotaryEmbedding, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, spec, rotary_emb, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None for the first layer
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of the previous block is fused into this block's first norm.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, spec: AttentionSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary_emb = get_rope(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, spec, rotary_emb, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden  # [num_tokens, hidden_size]
+
+
+class LlamaForCausalLM(nn.Module):
+    """A causal LM over a flat token batch; see ``engine.attention.metadata`` for the layout."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.attention_spec(config))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def attention_spec(cls, config: ModelConfig) -> AttentionSpec:
+        return AttentionSpec(qkv_bias=config.attention_bias, o_proj_bias=config.attention_bias, qk_norm=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final-normed hidden states, [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32 for the given hidden rows: [n, hidden_size] -> [n, vocab_size]."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load Hugging Face-named tensors (any dtype/device); return the names used.
+
+        ``lm_head.weight`` is skipped when the embeddings are tied.
+        """
+        skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        return load_checkpoint_weights(self, weights, skip)
+
+    def attention_layers(self) -> list[Attention]:
+        """The paged-attention layers in layer order, for binding KV caches and the backend."""
+        return [layer.self_attn.attn for layer in self.model.layers]

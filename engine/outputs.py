@@ -1,0 +1,77 @@
+"""The dataclasses that cross boundaries: scheduler -> runner -> scheduler -> caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or has dropped after a preemption)."""
+
+    request_id: str
+    token_ids: list[int]  # every known token: the prompt, plus outputs when resuming
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit: these tokens' KV is already in the pool
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds; only what changed since its last step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # request id -> new tokens computed this step
+    total_num_scheduled_tokens: int
+    # Requests that finished or were preempted since the last step: the runner drops their state.
+    freed_request_ids: set[str] = field(default_factory=set)
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class Logprobs:
+    """Log-probabilities of one generated token: its own, its rank, and the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled this step, for the requests whose known tokens are now all computed."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one request: its new tokens and whether it is done."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    new_logprobs: list[Logprobs] = field(default_factory=list)

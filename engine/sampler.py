@@ -1,0 +1,114 @@
+"""Batched sampling on the device: penalties, temperature, top-k, top-p, min-p, seeds.
+
+Everything is a tensor operation over the whole batch; the only Python loop is over
+the requests that carry their own seed (one noise draw each, no host sync). Sampling
+uses the exponential-race form of the Gumbel trick: ``argmax(p / q)`` with
+``q ~ Exp(1)`` draws from ``p``, and a request's noise comes from its own generator,
+so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import Logprobs
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of one step, already on the device."""
+
+    temperature: torch.Tensor  # [N] float32; 0 means greedy
+    top_k: torch.Tensor | None  # [N] int64, vocab size where disabled; None if no row uses it
+    top_p: torch.Tensor | None  # [N] float32; None if no row uses it
+    min_p: torch.Tensor | None  # [N] float32; None if no row uses it
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its seeded generator
+    all_greedy: bool = False
+    # Penalties (None if no row uses them).
+    presence_penalty: torch.Tensor | None = None  # [N]
+    frequency_penalty: torch.Tensor | None = None  # [N]
+    repetition_penalty: torch.Tensor | None = None  # [N]
+    output_token_counts: torch.Tensor | None = None  # [N, vocab] int: how often each token was generated
+    prompt_token_mask: torch.Tensor | None = None  # [N, vocab] bool: tokens present in the prompt
+    max_num_logprobs: int = -1  # -1: no row wants logprobs
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sample one token per row of ``logits`` [N, vocab] (float32).
+
+        Returns the sampled ids [N] and, when any row asked for logprobs, the raw
+        log-softmax [N, vocab] of the model's distribution (before penalties and filters).
+        """
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if st.max_num_logprobs >= 0 else None
+        if st.repetition_penalty is not None:
+            logits = apply_penalties(logits, st)
+        greedy = logits.argmax(dim=-1)
+        if st.all_greedy:
+            return greedy, raw_logprobs
+        temperature = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
+        logits = logits / temperature[:, None]
+        if st.top_k is not None or st.top_p is not None:
+            logits = apply_top_k_top_p(logits, st.top_k, st.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if st.min_p is not None:
+            max_prob = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < st.min_p[:, None] * max_prob, 0.0)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in st.generators.items():
+            noise[row].exponential_(generator=generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(st.temperature > 0, sampled, greedy), raw_logprobs
+
+
+def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """OpenAI's presence/frequency penalties on generated tokens; the repetition penalty
+    (as in transformers and vLLM) on tokens seen in the prompt or the output."""
+    counts = st.output_token_counts
+    seen = counts > 0
+    if st.prompt_token_mask is not None:
+        seen = seen | st.prompt_token_mask
+    rep = st.repetition_penalty[:, None]
+    logits = torch.where(seen & (logits > 0), logits / rep, torch.where(seen, logits * rep, logits))
+    logits = logits - st.frequency_penalty[:, None] * counts.to(logits.dtype)
+    return logits - st.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask everything outside each row's top-k and nucleus (top-p), with one sort."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        ranks = torch.arange(vocab, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token if the mass before it is below top_p (so the top token always stays).
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def gather_logprobs(
+    raw_logprobs: torch.Tensor,  # [N, vocab]
+    sampled: torch.Tensor,  # [N]
+    num_top: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device-side pieces of the logprobs: the sampled tokens' logprob and rank, and the top-N."""
+    chosen = raw_logprobs.gather(-1, sampled[:, None])  # [N, 1]
+    ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+    top_vals, top_ids = raw_logprobs.topk(max(num_top, 1), dim=-1)
+    return chosen[:, 0], ranks, top_ids, top_vals
+
+
+def build_logprobs(
+    token_ids: list[int], chosen: list[float], ranks: list[int], top_ids: list[list[int]], top_vals: list[list[float]],
+    num_top: list[int],
+) -> list[Logprobs]:
+    """Host-side assembly, one entry per row, each with that row's own top-N."""
+    return [
+        Logprobs(token_ids[i], chosen[i], ranks[i], top_ids[i][: num_top[i]], top_vals[i][: num_top[i]])
+        for i in range(len(token_ids))
+    ]

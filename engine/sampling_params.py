@@ -1,0 +1,94 @@
+"""How one request is sampled and when it stops: the user-facing knobs, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters of one request, with vLLM's names and defaults.
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k; ``top_p`` of
+    1.0 and ``min_p`` of 0.0 disable those filters. ``seed`` makes the sampled tokens of
+    this request reproducible whatever else runs in the same batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top-N logprobs per generated token (the sampled token's own comes too)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy: the filters are meaningless, so normalise them away.
+            self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
+        if self.top_k == -1:
+            self.top_k = 0
+
+    def _validate(self) -> None:
+        checks = [
+            (self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
+            (self.temperature >= 0.0, "temperature", f"temperature must be non-negative, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, "top_k", f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+             f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.repetition_penalty > 0.0, "repetition_penalty",
+             f"repetition_penalty must be positive, got {self.repetition_penalty}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+             f"logprobs must be between 0 and 20, got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}"),
+            (all(s for s in self.stop), "stop", "stop strings must not be empty"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise SamplingParamsError(message, param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; ``param`` names it (the server reports it as the error's param)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

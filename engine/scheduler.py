@@ -1,0 +1,228 @@
+"""Continuous batching in token counts.
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests are served
+first, in arrival order, then waiting ones (FCFS). A request is simply given
+``num_tokens - num_computed_tokens`` more tokens, or as many as the budget allows:
+decode, prefill, chunked prefill and resumption after preemption are one mechanism,
+and one step can mix them all.
+
+When the KV pool runs out, the newest running request is preempted by recompute: its
+blocks are freed and it goes back to the front of the queue with its generated tokens,
+to be prefilled again later (prefix caching usually makes that cheap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from engine.outputs import (
+    CachedRequestData,
+    EngineOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from engine.request import Request, RequestStatus
+from kvcache.manager import KVCacheManager
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ):
+        self.kv = kv_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._freed_ids: set[str] = set()  # reported to the runner with the next step
+        self.num_preemptions_total = 0
+
+    # ----------------------------------------------------------------- public API
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineOutput]:
+        """Finish the given requests with reason "abort" and free their blocks. Unknown ids are ignored."""
+        outputs = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(self._output(request, [], finished=True))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        num_preempted = 0
+
+        # 1. Running requests, oldest first. If one cannot get blocks, preempt from the newest end.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids, preempted = self._allocate_or_preempt(request, num_new)
+            num_preempted += preempted
+            if new_block_ids is None:  # the request itself was preempted
+                break
+            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, first come first served; none while memory is short this step.
+        while self.waiting and budget > 0 and num_preempted == 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            scheduled = self._schedule_waiting(request, budget)
+            if scheduled is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            new_data, num_new = scheduled
+            new_reqs.append(new_data)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        freed, self._freed_ids = self._freed_ids, set()
+        return SchedulerOutput(
+            new_requests=new_reqs,
+            cached_requests=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            freed_request_ids=freed,
+            num_preempted=num_preempted,
+        )
+
+    def update_from_output(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineOutput]:
+        """Advance computed-token counts, append sampled tokens, finish what stopped."""
+        for rid, n in sched.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is not None:  # None: aborted while the step ran
+                request.num_computed_tokens += n
+        outputs: list[EngineOutput] = []
+        for rid, token_id in zip(runner_out.request_ids, runner_out.sampled_token_ids):
+            request = self.requests.get(rid)
+            if request is None:  # aborted while the step ran
+                continue
+            request.append_token(token_id)
+            status = request.check_stop(self.max_model_len)
+            logprobs = runner_out.logprobs.get(rid)
+            new_logprobs = [logprobs] if logprobs is not None else []
+            if status is None:
+                outputs.append(self._output(request, [token_id], new_logprobs=new_logprobs))
+                continue
+            self.running.remove(request)
+            self._finish(request, status)
+            outputs.append(self._output(request, [token_id], finished=True, new_logprobs=new_logprobs))
+        return outputs
+
+    # ------------------------------------------------------------------ helpers
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int] | None, int]:
+        """Blocks for ``num_new`` more tokens, preempting newer requests until they fit.
+
+        Returns the new block ids (None when ``request`` itself had to be preempted) and
+        how many requests were preempted.
+        """
+        num_preempted = 0
+        while True:
+            new_block_ids = self.kv.allocate_slots(
+                request.request_id, request.all_token_ids, request.num_computed_tokens, num_new
+            )
+            if new_block_ids is not None:
+                return new_block_ids, num_preempted
+            victim = self.running.pop()  # the newest running request
+            self._preempt(victim)
+            num_preempted += 1
+            if victim is request:
+                return None, num_preempted
+
+    def _schedule_waiting(self, request: Request, budget: int) -> tuple[NewRequestData, int] | None:
+        """Admit the head of the queue with as many tokens as fit, or None if it cannot run now."""
+        cached_blocks, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
+        num_new = request.num_tokens - num_cached
+        if num_new > budget and not self.enable_chunked_prefill:
+            return None
+        num_new = min(num_new, budget)
+        new_block_ids = self.kv.allocate_slots(
+            request.request_id, request.all_token_ids, num_cached, num_new, new_computed_blocks=cached_blocks
+        )
+        if new_block_ids is None:
+            return None
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        new_data = NewRequestData(
+            request_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            num_computed_tokens=num_cached,
+        )
+        return new_data, num_new
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, requeue at the front."""
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+        self._freed_ids.add(request.request_id)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request.request_id)
+        del self.requests[request.request_id]
+        self._freed_ids.add(request.request_id)
+
+    @staticmethod
+    def _output(request: Request, new_token_ids: list[int], finished: bool = False, new_logprobs=None) -> EngineOutput:
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finished=finished,
+            finish_reason=request.status.value if finished else None,
+            stop_token_id=request.stop_token_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            new_logprobs=new_logprobs or [],
+        )

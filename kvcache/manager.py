@@ -1,0 +1,266 @@
+"""The KV cache manager: each request's block table, prefix-cache lookups and slot allocation.
+
+The scheduler speaks in token counts; the manager turns them into blocks. A request
+that holds ``num_tokens`` tokens has exactly ``ceil(num_tokens / block_size)`` blocks,
+and token ``i`` lives in slot ``block_ids[i // block_size] * block_size + i % block_size``::
+
+    block_size = 4, 10 tokens, prefix hit on the first block:
+
+    tokens       t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .  .
+    block table  [   17     ,     5       ,    9      ]
+                  shared,      full,         last block, partly filled
+                  hash h0      hash h1       (no hash until it is full)
+
+    h0 = hash(None, t0..t3), h1 = hash(h0, t4..t7): a block's hash covers its whole prefix.
+
+Only full blocks are cached, so only full blocks are ever shared between requests.
+Token ids of a request only grow (prompt, then generated tokens), so the chained
+hashes of its full blocks never change once computed and are kept per request.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvcache.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from kvcache.metrics import KVCacheStats
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _BlockTable:
+    """One request's blocks. Invariant: ``len(blocks) == ceil(num_tokens / block_size)``."""
+
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # mirrors blocks, kept for cheap reads
+    num_tokens: int = 0  # tokens whose KV the table holds or is about to hold
+    num_cached_blocks: int = 0  # blocks[:num_cached_blocks] have been offered to the prefix cache
+
+
+class KVCacheManager:
+    """Per-request block tables on top of a BlockPool, with prefix caching.
+
+    Typical use by the scheduler::
+
+        blocks, num_cached = mgr.get_computed_blocks(rid, token_ids)     # new request only
+        new_ids = mgr.allocate_slots(rid, token_ids, num_cached, n, blocks)
+        ...                                                              # every later step
+        new_ids = mgr.allocate_slots(rid, token_ids, num_computed, n)
+        mgr.free(rid)                                                    # finished or preempted
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._tables: dict[str, _BlockTable] = {}
+        # Chained hashes of each request's full blocks, computed once; may exist before its table.
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now (free ones, including evictable cached ones)."""
+        return self.pool.num_free_blocks
+
+    @property
+    def num_requests(self) -> int:
+        """Requests that hold a block table (allocated at least once and not freed)."""
+        return len(self._tables)
+
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of ``token_ids``, in full blocks, and its length in tokens.
+
+        Never covers the whole prompt: at most ``(len(token_ids) - 1) // block_size``
+        blocks, so at least the last token is computed and yields logits. Takes no
+        references; pass the blocks to ``allocate_slots`` to keep them.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = max(0, (len(token_ids) - 1) // self.block_size)
+        hashes = self._hashes_upto(request_id, token_ids, max_blocks)
+        blocks: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_cached_tokens = len(blocks) * self.block_size
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += num_cached_tokens
+        return blocks, num_cached_tokens
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[int] | None:
+        """Grow the request's table to hold ``num_computed_tokens + num_new_tokens`` tokens.
+
+        ``new_computed_blocks`` is a prefix hit from ``get_computed_blocks``, allowed only
+        on the first allocation; ``num_computed_tokens`` already counts its tokens.
+        ``token_ids`` are all known tokens of the request. Blocks that become full are
+        cached under their chained hash (their KV is written this step, before any read).
+
+        Returns the ids of the newly allocated blocks, in table order, or None, with
+        nothing changed, if there are not enough free blocks.
+        """
+        hit_blocks = new_computed_blocks or []
+        num_tokens = num_computed_tokens + num_new_tokens
+        table = self._tables.get(request_id)
+        self._check_allocate_args(request_id, table, token_ids, num_computed_tokens, num_new_tokens, hit_blocks)
+
+        num_held = len(table.blocks) if table is not None else 0
+        num_new_blocks = max(0, _cdiv(num_tokens, self.block_size) - num_held - len(hit_blocks))
+        # Hit blocks with ref 0 sit in the free queue and are counted as free, but
+        # touching them takes them out, so they cannot also serve as new blocks.
+        num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+            return None
+
+        if table is None:
+            table = self._tables[request_id] = _BlockTable()
+        if hit_blocks:
+            # Touch before allocating, or get_new_blocks could evict a free hit block.
+            self.pool.touch(hit_blocks)
+            self._append_blocks(table, hit_blocks)
+            table.num_cached_blocks = len(hit_blocks)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        self._append_blocks(table, new_blocks)
+        table.num_tokens = max(table.num_tokens, num_tokens)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request_id, table, token_ids)
+        return [block.block_id for block in new_blocks]
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks and forget it. Unknown ids are ignored.
+
+        Blocks are freed tail first: the tail is the least likely to be shared, so it
+        reaches the LRU head sooner and is evicted before the common prefix.
+        """
+        self._block_hashes.pop(request_id, None)
+        table = self._tables.pop(request_id, None)
+        if table is not None:
+            self.pool.free_blocks(reversed(table.blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as block ids (a copy); [] for an unknown request."""
+        table = self._tables.get(request_id)
+        return list(table.block_ids) if table is not None else []
+
+    def get_stats(self) -> KVCacheStats:
+        """A snapshot of occupancy, fragmentation and prefix-cache counters."""
+        pool = self.pool
+        return KVCacheStats(
+            block_size=self.block_size,
+            num_total_blocks=pool.num_total_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            usage=pool.usage,
+            fragmentation=self._fragmentation(),
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the tables and the pool disagree."""
+        self.pool.check_invariants()
+        bs = self.block_size
+        refs: Counter[int] = Counter()
+        for rid, table in self._tables.items():
+            assert len(table.blocks) == _cdiv(table.num_tokens, bs), (
+                f"request {rid}: {len(table.blocks)} blocks for {table.num_tokens} tokens"
+            )
+            assert table.block_ids == [b.block_id for b in table.blocks], f"request {rid}: block_ids out of sync"
+            assert len(set(table.block_ids)) == len(table.block_ids), f"request {rid}: a block appears twice"
+            assert table.num_cached_blocks <= table.num_tokens // bs, f"request {rid}: cached a block not yet full"
+            hashes = self._block_hashes.get(rid, [])
+            for i, block in enumerate(table.blocks):
+                assert block is not self.pool.null_block, f"request {rid}: null block in its table"
+                refs[block.block_id] += 1
+                if block.ref_cnt > 1:  # only full blocks are shared (fragmentation relies on it)
+                    assert (i + 1) * bs <= table.num_tokens, f"request {rid}: shared block {block.block_id} not full"
+                if i < len(hashes) and block.block_hash is not None:
+                    assert block.block_hash == hashes[i], f"request {rid}: block {block.block_id} has a wrong hash"
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but {refs[block.block_id]} tables hold it"
+            )
+        assert sum(refs.values()) == sum(b.ref_cnt for b in self.pool.blocks), "table references != ref counts"
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_allocate_args(
+        self,
+        request_id: str,
+        table: _BlockTable | None,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        hit_blocks: list[KVCacheBlock],
+    ) -> None:
+        if num_computed_tokens < 0 or num_new_tokens < 0:
+            raise ValueError(f"request {request_id}: negative token counts ({num_computed_tokens}, {num_new_tokens})")
+        if len(token_ids) < num_computed_tokens + num_new_tokens:
+            raise ValueError(
+                f"request {request_id}: {len(token_ids)} token ids known but "
+                f"{num_computed_tokens} + {num_new_tokens} tokens to allocate"
+            )
+        if hit_blocks and table is not None and table.blocks:
+            raise ValueError(f"request {request_id}: prefix-hit blocks are only allowed on the first allocation")
+        if len(hit_blocks) * self.block_size > num_computed_tokens:
+            raise ValueError(
+                f"request {request_id}: {len(hit_blocks)} prefix-hit blocks exceed "
+                f"num_computed_tokens={num_computed_tokens}"
+            )
+
+    @staticmethod
+    def _append_blocks(table: _BlockTable, blocks: list[KVCacheBlock]) -> None:
+        table.blocks.extend(blocks)
+        table.block_ids.extend(block.block_id for block in blocks)
+
+    def _hashes_upto(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
+        """The request's chained block hashes, extended to at least ``num_blocks`` entries."""
+        hashes = self._block_hashes.setdefault(request_id, [])
+        bs = self.block_size
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_blocks):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def _cache_full_blocks(self, request_id: str, table: _BlockTable, token_ids: Sequence[int]) -> None:
+        num_full_blocks = table.num_tokens // self.block_size
+        if num_full_blocks <= table.num_cached_blocks:
+            return
+        hashes = self._hashes_upto(request_id, token_ids, num_full_blocks)
+        for i in range(table.num_cached_blocks, num_full_blocks):
+            self.pool.cache_full_block(table.blocks[i], hashes[i])
+        table.num_cached_blocks = num_full_blocks
+
+    def _fragmentation(self) -> float:
+        """(allocated slots - used token slots) / allocated slots, each in-use block counted once."""
+        num_used_blocks = self.pool.num_used_blocks
+        if num_used_blocks == 0:
+            return 0.0
+        num_allocated_slots = num_used_blocks * self.block_size
+        # Only full blocks are shared, so each reference beyond a block's first is one
+        # full block counted twice in the sum of table token counts.
+        num_refs = sum(len(t.blocks) for t in self._tables.values())
+        num_token_slots = sum(t.num_tokens for t in self._tables.values())
+        num_used_slots = num_token_slots - (num_refs - num_used_blocks) * self.block_size
+        return (num_allocated_slots - num_used_slots) / num_allocated_slots

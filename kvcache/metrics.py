@@ -1,0 +1,32 @@
+"""A snapshot of KV cache occupancy and prefix-cache effectiveness, for logs and /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """Occupancy of the block pool at one moment, and prefix-cache counters since start.
+
+    Block counts exclude the reserved null block. Prefix-cache counters are in tokens:
+    ``prefix_cache_queries`` counts the prompt tokens looked up, ``prefix_cache_hits``
+    the tokens found cached.
+    """
+
+    block_size: int  # tokens per block
+    num_total_blocks: int
+    num_free_blocks: int  # ref 0, cached or not (cached ones are evictable)
+    num_used_blocks: int  # ref >= 1
+    num_cached_blocks: int  # findable by hash, in use or free
+    usage: float  # num_used_blocks / num_total_blocks
+    fragmentation: float  # (allocated slots - used token slots) / allocated slots
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of looked-up tokens found in the prefix cache; 0.0 before any lookup."""
+        if self.prefix_cache_queries == 0:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries

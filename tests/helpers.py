@@ -1,0 +1,92 @@
+"""A tiny hand-built paged KV cache that drives a model step by step, without the engine."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch import nn
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+
+
+class PagedRunner:
+    """Runs steps of one flat batch through ``model`` with per-request block tables.
+
+    Blocks are handed out in a shuffled order so block tables are not contiguous ranges,
+    which is what a real pool looks like after some traffic.
+    """
+
+    def __init__(self, model: nn.Module, num_blocks: int = 64, block_size: int = 16, max_blocks_per_req: int = 16):
+        self.model = model
+        self.block_size = block_size
+        self.max_blocks_per_req = max_blocks_per_req
+        param = next(model.parameters())
+        for attn in model.attention_layers():
+            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+            attn.bind_kv_cache(
+                torch.zeros(shape, dtype=param.dtype, device=param.device),
+                torch.zeros(shape, dtype=param.dtype, device=param.device),
+            )
+            attn.set_backend(TorchAttentionBackend())
+        self.device = param.device
+        self.free_blocks = list(range(num_blocks))
+        random.Random(0).shuffle(self.free_blocks)
+        self.block_tables: dict[int, list[int]] = {}
+        self.num_computed: dict[int, int] = {}
+
+    def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """Run one step: ``chunks`` is [(request id, new token ids)], decodes (one token) first.
+
+        Returns the float32 logits of every new token, one [query_len, vocab] tensor per chunk.
+        """
+        input_ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
+        for req_id, tokens in chunks:
+            start = self.num_computed.get(req_id, 0)
+            seq_len = start + len(tokens)
+            table = self._grow_table(req_id, seq_len)
+            for pos in range(start, seq_len):
+                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            input_ids += tokens
+            positions += range(start, seq_len)
+            query_lens.append(len(tokens))
+            seq_lens.append(seq_len)
+            self.num_computed[req_id] = seq_len
+        meta = self._metadata([req for req, _ in chunks], slots, query_lens, seq_lens)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            logits = self.model.compute_logits(self.model(ids, pos, meta))  # [num_tokens, vocab]
+        return list(logits.split(query_lens))
+
+    def _grow_table(self, req_id: int, seq_len: int) -> list[int]:
+        table = self.block_tables.setdefault(req_id, [])
+        while len(table) * self.block_size < seq_len:
+            table.append(self.free_blocks.pop())
+        return table
+
+    def _metadata(self, req_ids: list[int], slots: list[int], query_lens: list[int], seq_lens: list[int]):
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        tables = torch.zeros(len(req_ids), self.max_blocks_per_req, dtype=torch.int32)
+        for i, req_id in enumerate(req_ids):
+            table = self.block_tables[req_id]
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        query_start = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            query_start_loc=query_start.to(self.device),
+            seq_lens=seq_lens_cpu.to(self.device),
+            block_tables=tables.to(self.device),
+            num_reqs=len(req_ids),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=self.block_size,
+            query_start_loc_cpu=query_start,
+            seq_lens_cpu=seq_lens_cpu,
+        )

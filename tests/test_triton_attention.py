@@ -1,0 +1,278 @@
+"""Triton paged attention against the torch reference backend.
+
+On a machine without a GPU these run in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU
+float32 tensors, which is slow: sizes are small but every context still spans many blocks.
+Every case fills the whole cache with random values and scatters the block ids, so a read
+through the wrong slot or past the end of a context changes the result.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine.attention.metadata import AttentionMetadata  # noqa: E402
+from engine.attention.torch_backend import TorchAttentionBackend, write_kv  # noqa: E402
+from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from engine.attention.triton_kernels import (  # noqa: E402
+    choose_num_splits,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU: run with TRITON_INTERPRET=1 to test the kernels on the CPU", allow_module_level=True)
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+PAD = None  # a padding row of a CUDA-graph bucket: seq_len 0, its one token's slot in the null block
+
+
+@dataclass
+class Case:
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], already holding k/v
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+    padding_rows: list[int]  # token rows of seq_len-0 requests
+
+
+def make_case(seed: int, reqs: list, num_kv_heads: int, group: int, head_dim: int, block_size: int) -> Case:
+    """A batch of requests given as (num_cached, query_len) or PAD; decodes (query_len 1) must come first."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads = num_kv_heads * group
+    seq_lens = [0 if r is PAD else r[0] + r[1] for r in reqs]
+    query_lens = [1 if r is PAD else r[1] for r in reqs]
+    blocks_per_req = [math.ceil(n / block_size) for n in seq_lens]
+    max_blocks = max(blocks_per_req) + 2  # spare columns: must never be read
+    num_blocks = 1 + sum(blocks_per_req) + 4  # block 0 is the null block
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    # Unused table entries point at random real blocks, not the null block, so stray reads show.
+    tables = torch.randint(1, num_blocks, (len(reqs), max_blocks), generator=gen, dtype=torch.int32)
+    slots = []
+    for i, (n, ql) in enumerate(zip(seq_lens, query_lens)):
+        if n == 0:
+            tables[i] = 0
+            slots += [0] * ql
+            continue
+        ids = [free.pop() for _ in range(blocks_per_req[i])]
+        tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        slots += [ids[p // block_size] * block_size + p % block_size for p in range(n - ql, n)]
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
+    num_decodes = sum(1 for ql in query_lens if ql == 1)
+    assert all(ql == 1 for ql in query_lens[:num_decodes]), "decodes first"
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        query_start_loc=qsl.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(DEVICE),
+        num_reqs=len(reqs),
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+    )
+    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    k, v = k.to(DEVICE), v.to(DEVICE)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    padding_rows = [int(qsl[i]) for i, n in enumerate(seq_lens) if n == 0]
+    return Case(q.to(DEVICE), k, v, k_cache, v_cache, meta, 1.0 / math.sqrt(head_dim), padding_rows)
+
+
+def reference(case: Case) -> torch.Tensor:
+    # The torch backend writes k/v again (same values) into its own copy of the cache.
+    return TorchAttentionBackend().forward(case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
+                                           case.meta, case.scale)
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, padding_rows: list[int]) -> None:
+    assert torch.isfinite(out).all(), "every row must be written with finite values"
+    keep = torch.ones(out.shape[0], dtype=torch.bool)
+    keep[padding_rows] = False
+    torch.testing.assert_close(out[keep.to(out.device)], ref[keep.to(ref.device)], **TOL)
+    if padding_rows:
+        assert (out[padding_rows] == 0).all(), "a seq_len 0 row must come out as zeros"
+
+
+def run_decode(case: Case, num_splits: int | None) -> torch.Tensor:
+    d = case.meta.num_decodes
+    out = torch.full_like(case.q[:d], float("nan"))
+    paged_decode_attention(case.q[:d], case.k_cache, case.v_cache, case.meta.block_tables[:d],
+                           case.meta.seq_lens[:d], case.scale, out, num_splits)
+    return out
+
+
+def run_prefill(case: Case, first_req: int = 0) -> torch.Tensor:
+    """The prefill kernel on requests first_req.. (all of them: the unified path)."""
+    m, t0 = case.meta, int(case.meta.query_start_loc_cpu[first_req])
+    out = torch.full_like(case.q[t0:], float("nan"))
+    paged_prefill_attention(case.q[t0:], case.k_cache, case.v_cache, m.block_tables[first_req:],
+                            m.query_start_loc[first_req:], m.seq_lens[first_req:], m.max_query_len, case.scale, out)
+    return out
+
+
+# Contexts end inside a block (or exactly on one); the longest spans 11 blocks of 32, 21 of 16.
+DECODES = [(0, 1), (16, 1), (36, 1), (330, 1), (178, 1), (95, 1)]
+
+
+@pytest.mark.parametrize(
+    "group, head_dim, block_size, num_splits",
+    [
+        (1, 64, 16, 1),
+        (4, 64, 16, 3),
+        (8, 64, 32, 2),
+        (4, 128, 16, 5),
+        (1, 128, 32, 8),
+        (8, 128, 16, None),
+    ],
+)
+def test_decode_matches_reference(group, head_dim, block_size, num_splits):
+    reqs = DECODES + [PAD]  # padding rows sit at the end of a graph bucket
+    case = make_case(10 + group + head_dim + block_size, reqs, 2 if group < 8 else 1, group, head_dim, block_size)
+    d = case.meta.num_decodes
+    ref = reference(case)[:d]
+    assert_matches(run_decode(case, num_splits), ref, case.padding_rows)
+
+
+def test_decode_splits_agree_including_empty_splits():
+    # 32 splits of a 3-tile context: most splits are empty and must drop out of the merge.
+    case = make_case(7, [(2, 1), (150, 1), PAD], 2, 2, 64, 16)
+    ref = reference(case)
+    for num_splits in (1, 4, 32):
+        assert_matches(run_decode(case, num_splits), ref, case.padding_rows)
+
+
+MIXED = [(40, 1), (7, 1), (48, 16), (37, 50), (0, 70), (130, 9)]  # decodes, prefix hits, chunks, a fresh prompt
+
+
+@pytest.mark.parametrize(
+    "group, head_dim, block_size",
+    [(1, 64, 16), (4, 128, 32), (8, 64, 16), (4, 64, 32)],
+)
+def test_prefill_matches_reference(group, head_dim, block_size):
+    case = make_case(100 + group + head_dim + block_size, MIXED, 2 if group < 8 else 1, group, head_dim, block_size)
+    d = case.meta.num_decodes
+    ref = reference(case)
+    assert_matches(run_prefill(case, first_req=d), ref[d:], [])
+
+
+def test_prefill_kernel_serves_whole_mixed_batch():
+    case = make_case(3, MIXED, 2, 4, 64, 16)
+    assert_matches(run_prefill(case), reference(case), [])
+
+
+def test_prefill_single_token_prompts_and_tiny_blocks():
+    # Query lengths 1 next to longer ones, a one-token prompt, and contexts of one block.
+    case = make_case(5, [(0, 1), (3, 1), (0, 2), (5, 3), (1, 17)], 1, 4, 32, 16)
+    assert_matches(run_prefill(case), reference(case), [])
+
+
+def test_half_precision():
+    # bfloat16 needs a GPU (the interpreter's bfloat16 dot is not exact); float16 runs everywhere.
+    case = make_case(4, [(90, 1), PAD, (37, 50)], 2, 4, 64, 16)
+    half = Case(case.q.half(), case.k.half(), case.v.half(), case.k_cache.half(), case.v_cache.half(),
+                case.meta, case.scale, case.padding_rows)
+    as_float = Case(half.q.float(), half.k.float(), half.v.float(), half.k_cache.float(), half.v_cache.float(),
+                    case.meta, case.scale, case.padding_rows)
+    ref = reference(as_float)
+    d = case.meta.num_decodes
+    for out, expected, pad in ((run_decode(half, 2), ref[:d], case.padding_rows), (run_prefill(half, d), ref[d:], [])):
+        assert out.dtype == torch.float16 and torch.isfinite(out).all()
+        keep = [i for i in range(out.shape[0]) if i not in pad]
+        torch.testing.assert_close(out[keep].float(), expected[keep], atol=3e-3, rtol=3e-3)
+
+
+def test_backend_mixed_batch():
+    case = make_case(11, MIXED, 1, 8, 128, 16)
+    out = TritonAttentionBackend().forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_matches(out, reference(case), [])
+
+
+def test_backend_decode_only_with_padding_rows():
+    case = make_case(12, [(61, 1), (200, 1), PAD, PAD], 2, 4, 64, 16)
+    out = TritonAttentionBackend().forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_matches(out, reference(case), case.padding_rows)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(256, 8, 4096, 132) == 1  # plenty of programs already
+    assert choose_num_splits(1, 8, 4096, 132) == 16  # 264 / 8 wanted, 16 useful
+    assert choose_num_splits(1, 8, 40960, 132) == 32  # capped at MAX_NUM_SPLITS
+    assert choose_num_splits(1, 8, 300, 132) == 1  # too short to be worth cutting
+    assert choose_num_splits(16, 8, 4096, 132) == 4
+    for b in (1, 3, 17, 100):
+        n = choose_num_splits(b, 2, 2048, 132)
+        assert n >= 1 and n & (n - 1) == 0
+
+
+def _bad_decode_calls(case: Case):
+    """(description, kwargs overriding a valid paged_decode_attention call)."""
+    d = case.meta.num_decodes
+    q, out = case.q[:d], torch.empty_like(case.q[:d])
+    good = dict(q=q, k_cache=case.k_cache, v_cache=case.v_cache, block_tables=case.meta.block_tables[:d],
+                seq_lens=case.meta.seq_lens[:d], scale=case.scale, out=out, num_splits=2)
+    bad = [
+        ("q rank", dict(q=q[0])),
+        ("q dtype", dict(q=q.double(), out=out.double())),
+        ("cache dtype", dict(k_cache=case.k_cache.half())),
+        ("cache shapes differ", dict(v_cache=case.v_cache[:, :, :, :32])),
+        ("head_dim", dict(q=q[:, :, :48], out=out[:, :, :48], k_cache=case.k_cache[..., :48].contiguous(),
+                          v_cache=case.v_cache[..., :48].contiguous())),
+        ("heads not a multiple", dict(q=q[:, :3], out=out[:, :3])),
+        ("out shape", dict(out=out[:1])),
+        ("table dtype", dict(block_tables=case.meta.block_tables[:d].long())),
+        ("seq_lens dtype", dict(seq_lens=case.meta.seq_lens[:d].long())),
+        ("seq_lens shape", dict(seq_lens=case.meta.seq_lens[:1])),
+        ("table rows", dict(block_tables=case.meta.block_tables[:1], seq_lens=case.meta.seq_lens[:1])),
+        ("q strides", dict(q=q.transpose(1, 2).contiguous().transpose(1, 2))),
+        ("num_splits", dict(num_splits=0)),
+        ("scale", dict(scale=float("nan"))),
+    ]
+    return good, bad
+
+
+def test_decode_rejects_bad_inputs():
+    case = make_case(1, [(20, 1), (33, 1)], 2, 2, 64, 16)
+    good, bad = _bad_decode_calls(case)
+    paged_decode_attention(**good)
+    for what, change in bad:
+        with pytest.raises(ValueError):
+            paged_decode_attention(**{**good, **change})
+            pytest.fail(f"accepted bad input: {what}")
+
+
+def test_prefill_rejects_bad_inputs():
+    case = make_case(2, [(0, 5), (10, 3)], 2, 2, 64, 16)
+    m = case.meta
+    good = dict(q=case.q, k_cache=case.k_cache, v_cache=case.v_cache, block_tables=m.block_tables,
+                query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, max_query_len=m.max_query_len,
+                scale=case.scale, out=torch.empty_like(case.q))
+    paged_prefill_attention(**good)
+    bad = [
+        dict(query_start_loc=m.query_start_loc.long()),
+        dict(query_start_loc=m.query_start_loc[:-1]),
+        dict(max_query_len=-1),
+        dict(out=torch.empty_like(case.q).half()),
+        dict(k_cache=case.k_cache.transpose(2, 3).contiguous().transpose(2, 3)),
+    ]
+    for change in bad:
+        with pytest.raises(ValueError):
+            paged_prefill_attention(**{**good, **change})
