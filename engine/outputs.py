@@ -75,3 +75,4 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     new_logprobs: list[Logprobs] = field(default_factory=list)
+    queue_time_s: float | None = None  # arrival to first scheduling; None until the request is scheduled

@@ -225,4 +225,6 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             new_logprobs=new_logprobs or [],
+            queue_time_s=(None if request.first_scheduled_time is None
+                          else request.first_scheduled_time - request.arrival_time),
         )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import random
+from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
@@ -90,3 +93,64 @@ class PagedRunner:
             query_start_loc_cpu=query_start,
             seq_lens_cpu=seq_lens_cpu,
         )
+
+
+# Tiny random-weight configs of every supported architecture, for tests against transformers.
+VOCAB = 320
+
+SMALL_CONFIG = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+TINY_CONFIGS = {
+    "llama-llama3-rope": lambda: transformers.LlamaConfig(
+        **SMALL_CONFIG,
+        rope_theta=10000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "llama-tied-linear-rope": lambda: transformers.LlamaConfig(
+        **{**SMALL_CONFIG, "num_key_value_heads": 4},
+        tie_word_embeddings=True,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    ),
+    "mistral": lambda: transformers.MistralConfig(**SMALL_CONFIG, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL_CONFIG, tie_word_embeddings=False),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL_CONFIG, head_dim=32, tie_word_embeddings=False),
+}
+
+
+def spread_weights(model: torch.nn.Module) -> None:
+    """Replace HF's tiny init with weights that make every block matter in the logits."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.empty_like(param).uniform_(0.5, 1.5, generator=gen))
+            elif param.dim() == 1:  # biases
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
+
+
+def save_tiny_model(name: str, path: Path) -> Path:
+    """Save a tiny HF checkpoint (safetensors, no tokenizer) for ``name`` in TINY_CONFIGS or an alias."""
+    aliases = {"llama": "llama-llama3-rope"}
+    config = TINY_CONFIGS[aliases.get(name, name)]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    spread_weights(model)
+    model.save_pretrained(path)
+    return path

@@ -8,7 +8,6 @@ batches (prefill, chunked prefill, decode, mixed). Logits must match Hugging Fac
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,57 +18,9 @@ import transformers
 from engine.loader import load_model
 from engine.model_config import ModelConfig, normalize_rope_scaling
 from engine.models import MODEL_REGISTRY, get_model_class
-from tests.helpers import PagedRunner
+from tests.helpers import SMALL_CONFIG, TINY_CONFIGS, VOCAB, PagedRunner, spread_weights
 
 ATOL = RTOL = 1e-5
-VOCAB = 320
-
-_SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-)
-
-TINY_CONFIGS = {
-    "llama-llama3-rope": lambda: transformers.LlamaConfig(
-        **_SMALL,
-        rope_theta=10000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 4.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    ),
-    "llama-tied-linear-rope": lambda: transformers.LlamaConfig(
-        **{**_SMALL, "num_key_value_heads": 4},
-        tie_word_embeddings=True,
-        rope_scaling={"rope_type": "linear", "factor": 2.0},
-    ),
-    "mistral": lambda: transformers.MistralConfig(**_SMALL, sliding_window=None),
-    "qwen2": lambda: transformers.Qwen2Config(**_SMALL, tie_word_embeddings=False),
-    "qwen3": lambda: transformers.Qwen3Config(**_SMALL, head_dim=32, tie_word_embeddings=False),
-}
-
-
-def _spread_weights(model: torch.nn.Module) -> None:
-    """Replace HF's tiny init with weights that make every block matter in the logits."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(torch.empty_like(param).uniform_(0.5, 1.5, generator=gen))
-            elif param.dim() == 1:  # biases
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
-
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
 def tiny_pair(request, tmp_path_factory):
@@ -77,7 +28,7 @@ def tiny_pair(request, tmp_path_factory):
     hf_config = TINY_CONFIGS[request.param]()
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
-    _spread_weights(hf_model)
+    spread_weights(hf_model)
     path = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(path)
     assert list(path.glob("*.safetensors")), "save_pretrained wrote no safetensors"
@@ -166,7 +117,7 @@ def test_unknown_architecture_lists_supported():
 
 
 def test_mistral_sliding_window_is_refused():
-    hf_config = transformers.MistralConfig(**_SMALL, sliding_window=16)
+    hf_config = transformers.MistralConfig(**SMALL_CONFIG, sliding_window=16)
     hf_config.architectures = ["MistralForCausalLM"]
     with pytest.raises(ValueError, match="sliding-window attention is not supported"):
         ModelConfig.from_hf_config(hf_config, "unused")
@@ -177,7 +128,7 @@ def test_transformers4_style_config():
     hf_config = SimpleNamespace(
         architectures=["LlamaForCausalLM"],
         model_type="llama",
-        **_SMALL,
+        **SMALL_CONFIG,
         rope_theta=500000.0,
         rope_scaling={"type": "linear", "factor": 2},
         torch_dtype="bfloat16",
@@ -204,7 +155,7 @@ def test_rope_scaling_normalisation():
 
 def _save_tiny_llama(path: Path, **overrides) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**_SMALL, **overrides))
+    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL_CONFIG, **overrides))
     hf_model.save_pretrained(path)
     return hf_model
 

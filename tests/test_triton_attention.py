@@ -142,6 +142,8 @@ DECODES = [(0, 1), (16, 1), (36, 1), (330, 1), (178, 1), (95, 1)]
         (4, 128, 16, 5),
         (1, 128, 32, 8),
         (8, 128, 16, None),
+        (2, 32, 16, 4),
+        (2, 256, 16, 2),
     ],
 )
 def test_decode_matches_reference(group, head_dim, block_size, num_splits):
@@ -165,7 +167,7 @@ MIXED = [(40, 1), (7, 1), (48, 16), (37, 50), (0, 70), (130, 9)]  # decodes, pre
 
 @pytest.mark.parametrize(
     "group, head_dim, block_size",
-    [(1, 64, 16), (4, 128, 32), (8, 64, 16), (4, 64, 32)],
+    [(1, 64, 16), (4, 128, 32), (8, 64, 16), (4, 64, 32), (2, 32, 16), (2, 256, 32)],
 )
 def test_prefill_matches_reference(group, head_dim, block_size):
     case = make_case(100 + group + head_dim + block_size, MIXED, 2 if group < 8 else 1, group, head_dim, block_size)
@@ -214,9 +216,9 @@ def test_backend_decode_only_with_padding_rows():
 
 def test_choose_num_splits():
     assert choose_num_splits(256, 8, 4096, 132) == 1  # plenty of programs already
-    assert choose_num_splits(1, 8, 4096, 132) == 16  # 264 / 8 wanted, 16 useful
-    assert choose_num_splits(1, 8, 40960, 132) == 32  # capped at MAX_NUM_SPLITS
-    assert choose_num_splits(1, 8, 300, 132) == 1  # too short to be worth cutting
+    assert choose_num_splits(1, 8, 4096, 132) == 32  # 264 / 8 wanted, capped at MAX_NUM_SPLITS
+    assert choose_num_splits(4, 8, 512, 132) == 8  # one piece per 64 keys at most
+    assert choose_num_splits(1, 8, 100, 132) == 1  # too short to be worth cutting
     assert choose_num_splits(16, 8, 4096, 132) == 4
     for b in (1, 3, 17, 100):
         n = choose_num_splits(b, 2, 2048, 132)

@@ -39,7 +39,7 @@ import triton.language as tl
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 MAX_NUM_SPLITS = 32
-MIN_TOKENS_PER_SPLIT = 256  # shorter pieces cost more in the merge than they save
+MIN_TOKENS_PER_SPLIT = 64  # one key tile: measured on an H200, splits this short still paid off
 LOG2_E = 1.4426950408889634
 
 
@@ -240,9 +240,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm
     """How many pieces to cut each context into so that a small decode batch still fills the GPU.
 
     One piece per (sequence, KV head) program when there are already about two programs per SM;
-    otherwise enough pieces for that, but none shorter than ``MIN_TOKENS_PER_SPLIT`` keys. A power of
-    two, so that few variants get compiled. Use a context bound fixed by shapes (the block table's
-    capacity) when the launch is captured in a CUDA graph.
+    otherwise enough pieces for that, but about ``MIN_TOKENS_PER_SPLIT`` keys each at the least,
+    rounded up to a power of two so that few variants get compiled. Pieces past a short context
+    are empty and cheap. Under a CUDA graph, pass a bound fixed by shapes (the block table's capacity).
     """
     num_programs = max(num_seqs * num_kv_heads, 1)
     if num_programs >= 2 * sm_count:
@@ -254,7 +254,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm
 
 def _decode_tiles(head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N keys, num_warps, num_stages) of the decode kernel."""
-    return (64 if head_dim <= 128 else 32), 4, 2
+    return (64 if head_dim <= 128 else 32), 4, 3  # best of a sweep on an H200 (bf16, head_dim 128)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -382,13 +382,16 @@ def paged_decode_attention(
 
 
 def _prefill_tiles(max_query_len: int, group: int, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages): rows just big enough for the longest query."""
-    block_m = min(128, max(16, triton.next_power_of_2(max(max_query_len, 1) * group)))
-    if head_dim > 128:
-        block_m = min(block_m, 64)
+    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages): rows just big enough for the longest query.
+
+    64 x 64 tiles with 4 warps were within 3% of the best of a sweep on an H200 (bf16, head_dim 128)
+    and need far fewer registers than 128 x 128.
+    """
+    block_m = min(64, max(16, triton.next_power_of_2(max(max_query_len, 1) * group)))
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one token per tile
-    block_n = 64 if head_dim <= 128 else 32
-    return block_m, block_n, 8 if block_m >= 128 else 4, 2
+    if head_dim <= 128:
+        return block_m, 64, 4, 3
+    return block_m, 32, 4, 2
 
 
 def paged_prefill_attention(

@@ -1,0 +1,149 @@
+"""The whole engine against Hugging Face transformers: greedy tokens, scheduling, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from engine import LLM, SamplingParams
+from engine.llm_engine import RequestError
+from tests.helpers import VOCAB, save_tiny_model
+
+PROMPT_LENS = [3, 17, 31, 40, 9, 64, 23, 50]  # 8 concurrent prompts of different lengths
+
+
+def make_prompts(vocab: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def hf_greedy(model_dir, prompts, max_new_tokens: int) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+        outs.append(gen[0, len(prompt):].tolist())
+    return outs
+
+
+def run(llm: LLM, prompts, params) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny_model(request, tmp_path_factory):
+    return save_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_greedy_batch_matches_hf_generate(tiny_model):
+    """8 concurrent prompts of different lengths, batched by the engine, equal HF's one-by-one greedy tokens."""
+    vocab = transformers.AutoConfig.from_pretrained(tiny_model).vocab_size
+    prompts = make_prompts(vocab)
+    llm = LLM(str(tiny_model), max_model_len=256, num_kvcache_blocks=128)
+    assert run(llm, prompts, greedy(12)) == hf_greedy(tiny_model, prompts, 12)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return save_tiny_model("llama", tmp_path_factory.mktemp("llama-sched"))
+
+
+def test_outputs_identical_across_chunk_sizes_and_under_preemption(llama_dir):
+    prompts = make_prompts(VOCAB, lens=[40, 70, 25, 90, 55, 33, 61, 48])
+    expected = hf_greedy(llama_dir, prompts, 24)
+    for chunk in (16, 64, 100_000):
+        llm = LLM(str(llama_dir), max_model_len=256, max_num_batched_tokens=chunk, num_kvcache_blocks=128)
+        assert run(llm, prompts, greedy(24)) == expected, f"chunk size {chunk}"
+        assert llm.engine.stats().num_preemptions == 0
+    # 20 usable blocks (320 tokens) cannot hold 8 requests of up to 114 tokens: preemption must happen.
+    small = LLM(str(llama_dir), max_model_len=256, max_num_batched_tokens=64, num_kvcache_blocks=21)
+    assert run(small, prompts, greedy(24)) == expected
+    assert small.engine.stats().num_preemptions > 0
+    stats = small.engine.stats().kv
+    assert stats.num_used_blocks == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_prefix_caching_on_and_off_give_the_same_tokens(llama_dir):
+    shared = make_prompts(VOCAB, lens=[48], seed=3)[0]
+    prompts = [shared + tail for tail in make_prompts(VOCAB, lens=[5, 12, 20, 7], seed=4)]
+    outs = {}
+    for caching in (True, False):
+        llm = LLM(str(llama_dir), max_model_len=256, num_kvcache_blocks=128, enable_prefix_caching=caching)
+        first = run(llm, prompts[:1], greedy(10))  # warms the cache with the shared prefix
+        outs[caching] = first + run(llm, prompts[1:], greedy(10))
+        hits = llm.engine.stats().kv.prefix_cache_hits
+        assert (hits >= 3 * 48) if caching else (hits == 0), f"caching={caching}: {hits} hit tokens"
+    assert outs[True] == outs[False]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llama_dir):
+    llm = LLM(str(llama_dir), max_model_len=256, num_kvcache_blocks=128)
+    prompt = make_prompts(VOCAB, lens=[20], seed=5)[0]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = run(llm, [prompt], seeded)[0]
+    others = make_prompts(VOCAB, lens=[30, 8, 45], seed=6)
+    mixed = run(llm, [prompt] + others, [seeded] + [SamplingParams(temperature=1.0, max_tokens=20)] * 3)[0]
+    assert mixed == alone
+    other_seed = run(llm, [prompt], SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True))[0]
+    assert other_seed != alone
+
+
+def test_seeded_sampling_survives_preemption(llama_dir):
+    prompts = make_prompts(VOCAB, lens=[60, 70, 50, 80], seed=7)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=30, ignore_eos=True) for i in range(4)]
+    roomy = LLM(str(llama_dir), max_model_len=160, num_kvcache_blocks=128)
+    tight = LLM(str(llama_dir), max_model_len=160, num_kvcache_blocks=14)
+    assert run(tight, prompts, params) == run(roomy, prompts, params)
+    assert tight.engine.stats().num_preemptions > 0
+
+
+def test_model_without_tokenizer_serves_token_ids_and_rejects_text(llama_dir):
+    llm = LLM(str(llama_dir), max_model_len=64, num_kvcache_blocks=16)
+    assert llm.tokenizer is None
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(4), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(RequestError, match="no tokenizer"):
+        llm.generate(["hello"], greedy(4), use_tqdm=False)
+    with pytest.raises(RequestError, match="out of range"):
+        llm.generate([{"prompt_token_ids": [1, 10**6]}], greedy(4), use_tqdm=False)
+    with pytest.raises(RequestError, match="maximum context length is 64"):
+        llm.generate([{"prompt_token_ids": [1] * 64}], greedy(4), use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def default_llm(default_model_path):
+    return LLM(str(default_model_path), max_model_len=2048, cpu_kvcache_space_gib=0.25)
+
+
+def test_default_model_answers_paris_like_hf(default_llm, default_model_path):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = default_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False).outputs[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop"
+    tok = default_llm.tokenizer
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(ids, list):
+        ids = list(ids["input_ids"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+    ref = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=20)[0, len(ids):].tolist()
+    assert out.token_ids == ref  # both stop at <|im_end|>
+
+
+def test_default_model_text_prompts_and_stop_strings(default_llm):
+    prompt = "The capital of France is"
+    full = default_llm.generate([prompt], greedy(12), use_tqdm=False)[0].outputs[0]
+    assert full.finish_reason == "length" and len(full.text) > 0
+    # Stopping on a word the greedy text contains cuts the text just before it.
+    word = full.text.split()[1]
+    cut = default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop=[word]),
+                               use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == word
+    assert cut.text == full.text[: full.text.index(word)]
