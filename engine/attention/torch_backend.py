@@ -89,6 +89,12 @@ class TorchAttentionBackend:
         nb = (seq_len + block_size - 1) // block_size
         keys = _gather_context(k_cache, block_table[None, :nb])[0, :, :seq_len]  # [kvh, L, hd]
         values = _gather_context(v_cache, block_table[None, :nb])[0, :, :seq_len]
+        if seq_len == n:
+            # No cached context: plain causal attention, with no mask to build.
+            qh = q.transpose(0, 1)  # [H, n, hd]
+            keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
+            o = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale)
+            return o.transpose(0, 1)
         # New token t sits at position seq_len - n + t and sees keys up to that position.
         q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
