@@ -3,12 +3,14 @@
     python bench/attention_kernels.py [--heads 16 --kv-heads 8 --head-dim 128 --block-size 16]
 
 For each shape: relative error ||out - ref|| / ||ref|| against the torch backend run in float64
-on the same (upcast) inputs, which must stay below 1e-2; then median times from
-``triton.testing.do_bench`` for the Triton kernels, the whole Triton backend step and the torch
-backend step. Decode rows report the bandwidth achieved on the bytes that must move (K/V of
+on the same (upcast) inputs, which must stay below 1e-2; then median times. Kernel and "graph"
+times are device times (``do_bench_cudagraph``: launches replayed from a CUDA graph, so host
+overhead drops out); "eager" times are ``do_bench`` on plain calls, host launch overhead included
+where it dominates. Decode rows report the bandwidth achieved on the bytes that must move (K/V of
 every context, q and out) next to a device-to-device copy measured in the same run; prefill rows
 report TFLOP/s. A CUDA-graph check captures a decode step, changes the lengths in place, replays
-it and compares. Prints a table; writes ``$OUT/attention_kernels.json`` when ``OUT`` is set.
+it and compares; the host time of one eager backend call is measured too. Prints tables; writes
+``$OUT/attention_kernels.json`` when ``OUT`` is set.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +100,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench_ms(fn) -> float:
+    """Median eager time: host overhead shows where it exceeds the device time."""
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def device_ms(fn) -> float | None:
+    """Median device time of fn replayed from a CUDA graph; None if fn cannot be captured."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+    except Exception:  # e.g. a host sync inside fn
+        torch.cuda.synchronize()
+        return None
 
 
 def kv_bytes(b: Batch) -> int:
@@ -133,8 +146,8 @@ def run_decode_case(batch_size: int, ctx: int, args, copy_gbs: float) -> dict:
         err = max(err, rel_err(out, ref))
     del ref
     row = dict(kind="decode", batch=batch_size, ctx=ctx, splits=splits, rel_err=err,
-               triton_ms=bench_ms(lambda: decode(splits)), nosplit_ms=bench_ms(lambda: decode(1)),
-               unified_ms=bench_ms(unified))
+               triton_ms=device_ms(lambda: decode(splits)), nosplit_ms=device_ms(lambda: decode(1)),
+               unified_ms=device_ms(unified))
     row.update(_backend_times(b))
     row["gbs"] = kv_bytes(b) / row["triton_ms"] / 1e6
     row["pct_copy"] = 100.0 * row["gbs"] / copy_gbs
@@ -154,17 +167,19 @@ def run_prefill_case(name: str, reqs: list[tuple[int, int]], args) -> dict:
     err = max(err, rel_err(TritonAttentionBackend().forward(b.q, b.k, b.v, b.k_cache, b.v_cache, m, b.scale), ref))
     del ref
     row = dict(kind="prefill", case=name, batch=len(reqs), decodes=d, tokens=b.q.shape[0], rel_err=err,
-               unified_ms=bench_ms(unified))
+               unified_ms=device_ms(unified))
     row.update(_backend_times(b))
     row["tflops"] = attn_flops(b) / row["unified_ms"] / 1e9
     return row
 
 
 def _backend_times(b: Batch) -> dict:
-    """A whole step (write_kv included) through each backend."""
+    """A whole step (write_kv included) through each backend, replayed from a graph and eager."""
     times = {}
     for name, backend in (("backend", TritonAttentionBackend()), ("torch", TorchAttentionBackend())):
-        times[f"{name}_ms"] = bench_ms(lambda: backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale))
+        step = lambda: backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale)
+        times[f"{name}_ms"] = device_ms(step)
+        times[f"{name}_eager_ms"] = bench_ms(step)
     return times
 
 
@@ -195,9 +210,15 @@ def check_cuda_graph(args) -> dict:
     got = out.clone()
     err = rel_err(got[:-1], reference(b)[:-1])
     padding_zero = bool((got[-1] == 0).all())
-    eager_ms = bench_ms(lambda: backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, m, b.scale))
+    calls = 200
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, m, b.scale)
+    host_us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
     return dict(kind="cuda_graph", rel_err=err, padding_row_zero=padding_zero, replay_ms=bench_ms(graph.replay),
-                eager_ms=eager_ms)
+                host_us_per_eager_call=host_us)
 
 
 def copy_bandwidth_gbs() -> float:
@@ -207,23 +228,34 @@ def copy_bandwidth_gbs() -> float:
     return 2 * x.numel() / ms / 1e6
 
 
+def _us(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms * 1e3:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{a / b:.1f}"
+
+
 def print_tables(copy_gbs: float, rows: list[dict], graph: dict) -> None:
-    print(f"\ncopy bandwidth (read + write): {copy_gbs:.0f} GB/s")
-    print(f"\n{'decode':>14} {'splits':>6} {'triton us':>9} {'GB/s':>6} {'%copy':>6} {'1-split us':>10} "
-          f"{'unified us':>10} {'step us':>8} {'torch us':>9} {'x torch':>7} {'rel err':>8}")
+    print(f"\ncopy bandwidth (read + write): {copy_gbs:.0f} GB/s. Times in us; kernel and graph: device time.")
+    head = ("decode", "splits", "kernel", "GB/s", "%copy", "1-split", "unified", "step", "eager", "torch",
+            "t.eager", "x torch", "rel err")
+    print("\n" + " ".join(f"{h:>8}" for h in head).replace(f"{'decode':>8}", f"{'decode':>14}"))
     for r in (r for r in rows if r["kind"] == "decode"):
-        print(f"{'B=%d ctx=%d' % (r['batch'], r['ctx']):>14} {r['splits']:>6} {r['triton_ms'] * 1e3:>9.1f} "
-              f"{r['gbs']:>6.0f} {r['pct_copy']:>5.0f}% {r['nosplit_ms'] * 1e3:>10.1f} {r['unified_ms'] * 1e3:>10.1f} "
-              f"{r['backend_ms'] * 1e3:>8.1f} {r['torch_ms'] * 1e3:>9.1f} {r['torch_ms'] / r['backend_ms']:>7.1f} "
-              f"{r['rel_err']:>8.1e}")
-    print(f"\n{'prefill':>28} {'tokens':>6} {'kernel us':>9} {'TFLOP/s':>7} {'step us':>8} {'torch us':>9} "
-          f"{'x torch':>7} {'rel err':>8}")
+        cells = (r["splits"], _us(r["triton_ms"]), f"{r['gbs']:.0f}", f"{r['pct_copy']:.0f}%", _us(r["nosplit_ms"]),
+                 _us(r["unified_ms"]), _us(r["backend_ms"]), _us(r["backend_eager_ms"]), _us(r["torch_ms"]),
+                 _us(r["torch_eager_ms"]), _ratio(r["torch_ms"], r["backend_ms"]), f"{r['rel_err']:.1e}")
+        print(f"{'B=%d ctx=%d' % (r['batch'], r['ctx']):>14} " + " ".join(f"{c:>8}" for c in cells))
+    head = ("tokens", "kernel", "TFLOP/s", "step", "eager", "torch", "t.eager", "x torch", "rel err")
+    print(f"\n{'prefill':>28} " + " ".join(f"{h:>8}" for h in head))
     for r in (r for r in rows if r["kind"] == "prefill"):
-        print(f"{r['case']:>28} {r['tokens']:>6} {r['unified_ms'] * 1e3:>9.1f} {r['tflops']:>7.1f} "
-              f"{r['backend_ms'] * 1e3:>8.1f} {r['torch_ms'] * 1e3:>9.1f} {r['torch_ms'] / r['backend_ms']:>7.1f} "
-              f"{r['rel_err']:>8.1e}")
+        cells = (r["tokens"], _us(r["unified_ms"]), f"{r['tflops']:.1f}", _us(r["backend_ms"]),
+                 _us(r["backend_eager_ms"]), _us(r["torch_ms"]), _us(r["torch_eager_ms"]),
+                 _ratio(r["torch_ms"], r["backend_ms"]), f"{r['rel_err']:.1e}")
+        print(f"{r['case']:>28} " + " ".join(f"{c:>8}" for c in cells))
     print(f"\ncuda graph decode B=16: rel err {graph['rel_err']:.1e}, padding row zero {graph['padding_row_zero']}, "
-          f"replay {graph['replay_ms'] * 1e3:.1f} us vs eager {graph['eager_ms'] * 1e3:.1f} us")
+          f"eager replay {_us(graph['replay_ms'])} us; host time of one eager backend call "
+          f"{graph['host_us_per_eager_call']:.1f} us")
 
 
 def main() -> int:

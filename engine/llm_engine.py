@@ -36,6 +36,18 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class StepTiming:
+    """Where one step's time went: Python work on the host, and the device's own time."""
+
+    num_reqs: int
+    num_tokens: int
+    graph: bool  # replayed a captured decode graph
+    host_s: float  # scheduling, input building, kernel launches, post-processing
+    device_s: float  # forward pass and sampling on the device (CUDA events)
+    wall_s: float
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot for metrics: queue sizes, counters, and the KV pool."""
 
@@ -68,7 +80,9 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        self.step_timings: list[StepTiming] = []
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -137,12 +151,25 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         """Run one scheduling step and forward pass; return what each request produced."""
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.runner.last_timing = None
         runner_out = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, runner_out)
         if self.config.check_invariants_when_idle and not self.scheduler.has_unfinished_requests():
             self.kv_manager.check_invariants()
+        if self.runner.last_timing is not None:
+            launched, synced, device_s, graph, num_reqs = self.runner.last_timing
+            end = time.perf_counter()
+            self.step_timings.append(StepTiming(
+                num_reqs=num_reqs, num_tokens=sched.total_num_scheduled_tokens, graph=graph,
+                host_s=(launched - start) + (end - synced), device_s=device_s, wall_s=end - start))
         return outputs
+
+    def measure_steps(self, enabled: bool = True) -> None:
+        """Record a StepTiming for every step (host work vs device time), for benchmarks."""
+        self.runner.measure_steps = enabled
+        self.step_timings.clear()
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -18,11 +18,13 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ConfigError, EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import InputBatch
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingTensors, build_logprobs, gather_logprobs
+from engine.step_buffers import StepBuffers
 from kvcache.paged_cache import PagedKVCache
 
 logger = logging.getLogger("minivllm")
@@ -41,6 +43,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # [num_sampled] int64: last token of each sampled request
     sampled_request_ids: list[str]  # requests that get a token, in logits order
     sampled_rows: np.ndarray  # [num_sampled] their InputBatch rows
+    graph_size: int | None = None  # the captured decode graph to replay, if any
 
 
 def make_attention_backend(name: str):
@@ -69,6 +72,11 @@ class ModelRunner:
         self.kv_cache: PagedKVCache | None = None
         max_blocks = -(-max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, max_model_len, max_blocks, model_config.vocab_size, self.device)
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.buffers = StepBuffers(max_tokens, config.max_num_seqs, max_blocks, self.device)
+        self.graphs: DecodeGraphs | None = None
+        self.measure_steps = False  # record host/device time per step (benchmarks)
+        self.last_timing: tuple | None = None
         logger.info("model runner: %s on %s, %s attention backend", self.dtype, self.device, self.backend.name)
 
     # ---------------------------------------------------------------- KV cache
@@ -108,6 +116,15 @@ class ModelRunner:
         for i, layer in enumerate(self.model.attention_layers()):
             layer.bind_kv_cache(*self.kv_cache.layer(i))
         logger.info("KV cache: %s", self.kv_cache.describe())
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs (CUDA with a graph-safe backend, unless ``enforce_eager``)."""
+        if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
+            logger.info("CUDA graphs off: every step runs eagerly")
+            return
+        self.graphs = DecodeGraphs(self.model, self.buffers, self.config.graph_batch_sizes(), self.block_size,
+                                   self.max_model_len)
+        self.graphs.capture()
 
     def _profile_cuda_budget(self) -> int:
         """Run the largest step with a scratch cache; return the bytes left for the KV pool."""
@@ -182,19 +199,44 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput([], [])
         inputs = self._prepare_inputs(sched)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        if len(inputs.sampled_rows) == 0:
-            return ModelRunnerOutput([], [])
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        events = self._start_timing()
+        if inputs.graph_size is not None:
+            logits = self.graphs.replay(inputs.graph_size)[inputs.logits_indices]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            if len(inputs.sampled_rows) == 0:
+                return ModelRunnerOutput([], [])
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         st = self._sampling_tensors(inputs.sampled_rows)
         sampled, raw_logprobs = self.sampler(logits, st)
+        launched = time.perf_counter()
         token_ids = sampled.tolist()  # the step's one host sync
+        if events is not None:
+            self._finish_timing(events, launched, inputs)
         self.batch.append_sampled(inputs.sampled_rows, np.asarray(token_ids, dtype=np.int64))
         sampled_ids = inputs.sampled_request_ids
         output = ModelRunnerOutput(sampled_ids, token_ids)
         if raw_logprobs is not None:
             output.logprobs = self._logprobs(raw_logprobs, sampled, token_ids, inputs.sampled_rows, sampled_ids)
         return output
+
+    def _start_timing(self):
+        if not self.measure_steps:
+            return None
+        if self.device.type != "cuda":
+            return ()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start, end
+
+    def _finish_timing(self, events, launched: float, inputs: StepInputs) -> None:
+        synced = time.perf_counter()
+        device_s = synced - launched  # CPU: the step's compute is all "device" time
+        if events:
+            events[1].record()
+            events[1].synchronize()
+            device_s = events[0].elapsed_time(events[1]) / 1e3
+        self.last_timing = (launched, synced, device_s, inputs.graph_size is not None, int(inputs.meta.num_reqs))
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.freed_request_ids:
@@ -205,50 +247,72 @@ class ModelRunner:
             self.batch.update(data)
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        b = self.batch
+        """Flat step inputs, built with vector ops into the persistent buffers and copied asynchronously."""
+        b, buf, bs = self.batch, self.buffers, self.block_size
         req_ids = list(sched.num_scheduled_tokens)
         rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         counts = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         order = np.argsort(counts > 1, kind="stable")  # decodes (one new token) first
         rows, counts = rows[order], counts[order]
-        req_ids = [req_ids[i] for i in order]
-
-        ends = np.cumsum(counts)  # [num_reqs]
-        token_req = np.repeat(np.arange(len(rows)), counts)  # [num_tokens] batch index of each token
-        positions = b.num_computed[rows][token_req] + np.arange(ends[-1]) - (ends - counts)[token_req]
-        token_rows = rows[token_req]
-        input_ids = b.token_ids[token_rows, positions]
-        slot_mapping = b.block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size
-        slot_mapping += positions % self.block_size
-        seq_lens = b.num_computed[rows] + counts
-        # A request gets a token when this step computes the last of its known tokens.
-        sample_mask = seq_lens >= b.num_tokens[rows]
-        max_seq_len = int(seq_lens.max())
-        block_tables = b.block_table[rows, : -(-max_seq_len // self.block_size)]
+        num_reqs, num_tokens = len(rows), int(counts.sum())
         num_decodes = int(np.count_nonzero(counts == 1))
 
-        def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype, non_blocking=True)
+        ends = np.cumsum(counts)  # [num_reqs]
+        token_req = np.repeat(np.arange(num_reqs), counts)  # [num_tokens] batch index of each token
+        positions = b.num_computed[rows][token_req] + np.arange(num_tokens) - (ends - counts)[token_req]
+        token_rows = rows[token_req]
+        seq_lens = b.num_computed[rows] + counts
+        max_seq_len = int(seq_lens.max())
+        width = -(-max_seq_len // bs)  # block-table columns this step reads
+        # A request gets a token when this step computes the last of its known tokens.
+        sample_mask = seq_lens >= b.num_tokens[rows]
+        sampled = np.nonzero(sample_mask)[0]
 
-        qsl_cpu = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32))
-        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        graph_size = self._graph_size(num_reqs, num_decodes)
+        padded = graph_size or num_reqs
+        padded_tokens = graph_size or num_tokens
+        buf.input_ids.np[:num_tokens] = b.token_ids[token_rows, positions]
+        buf.positions.np[:num_tokens] = positions
+        buf.slot_mapping.np[:num_tokens] = b.block_table[token_rows, positions // bs] * bs + positions % bs
+        buf.seq_lens.np[:num_reqs] = seq_lens
+        buf.query_start_loc.np[0] = 0
+        buf.query_start_loc.np[1 : num_reqs + 1] = ends
+        buf.block_tables.np[:num_reqs, :width] = b.block_table[rows, :width]
+        buf.logits_indices.np[: len(sampled)] = ends[sampled] - 1 if graph_size is None else sampled
+        if graph_size is not None:
+            # Padding rows: length 0, slot 0 of the null block, token 0.
+            for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+                getattr(buf, name).np[num_reqs:padded] = 0
+            buf.query_start_loc.np[num_reqs + 1 : padded + 1] = ends[-1]
+
+        seq_lens_cpu = buf.seq_lens.host[:padded].clone()
+        qsl_cpu = buf.query_start_loc.host[: padded + 1].clone()
         meta = AttentionMetadata(
-            slot_mapping=dev(slot_mapping, torch.long),
-            query_start_loc=qsl_cpu.to(self.device, non_blocking=True),
-            seq_lens=seq_lens_cpu.to(self.device, non_blocking=True),
-            block_tables=dev(block_tables, torch.int32),
-            num_reqs=len(rows), num_decodes=num_decodes, num_decode_tokens=num_decodes,
-            max_query_len=int(counts.max()), max_seq_len=max_seq_len, block_size=self.block_size,
+            slot_mapping=buf.slot_mapping.copy_to_device(padded_tokens),
+            query_start_loc=buf.query_start_loc.copy_to_device(padded + 1),
+            seq_lens=buf.seq_lens.copy_to_device(padded),
+            block_tables=buf.block_tables.copy_to_device(padded, width)[:, :width] if graph_size is None
+            else buf.block_tables.copy_to_device(padded, width),
+            num_reqs=padded, num_decodes=num_decodes if graph_size is None else padded,
+            num_decode_tokens=num_decodes if graph_size is None else padded,
+            max_query_len=int(counts.max()), max_seq_len=max_seq_len, block_size=bs,
             query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu,
         )
         return StepInputs(
-            input_ids=dev(input_ids, torch.long),
-            positions=dev(positions, torch.long),
+            input_ids=buf.input_ids.copy_to_device(padded_tokens),
+            positions=buf.positions.copy_to_device(padded_tokens),
             meta=meta,
-            logits_indices=dev(ends[sample_mask] - 1, torch.long),
-            sampled_request_ids=[req_ids[i] for i in np.nonzero(sample_mask)[0].tolist()],
-            sampled_rows=rows[sample_mask],
+            logits_indices=buf.logits_indices.copy_to_device(len(sampled)),
+            sampled_request_ids=[req_ids[order[i]] for i in sampled.tolist()],
+            sampled_rows=rows[sampled],
+            graph_size=graph_size,
         )
+
+    def _graph_size(self, num_reqs: int, num_decodes: int) -> int | None:
+        """The captured batch size to replay for a decode-only step, or None to run eagerly."""
+        if self.graphs is None or num_decodes != num_reqs:
+            return None
+        return self.graphs.padded_size(num_reqs)
 
     def _sampling_tensors(self, rows: np.ndarray) -> SamplingTensors:
         b = self.batch

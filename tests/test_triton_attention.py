@@ -181,9 +181,9 @@ def test_prefill_kernel_serves_whole_mixed_batch():
     assert_matches(run_prefill(case), reference(case), [])
 
 
-def test_prefill_single_token_prompts_and_tiny_blocks():
-    # Query lengths 1 next to longer ones, a one-token prompt, and contexts of one block.
-    case = make_case(5, [(0, 1), (3, 1), (0, 2), (5, 3), (1, 17)], 1, 4, 32, 16)
+def test_prefill_odd_query_lengths():
+    # Query lengths 1 next to longer ones, requests with no new tokens, a one-token prompt, one-block contexts.
+    case = make_case(5, [(0, 1), (3, 1), (0, 2), (40, 0), (5, 3), (0, 0), (1, 17)], 1, 4, 32, 16)
     assert_matches(run_prefill(case), reference(case), [])
 
 

@@ -16,7 +16,10 @@ it, so each K/V tile is loaded once per group rather than once per query head.
 * ``paged_prefill_attention``: a varlen batch of new tokens (prefill, chunked
   prefill, decode rows too) attending causally to their cached context and to
   themselves. Query tokens of one request are packed with their query heads into
-  row tiles (grid ``(query tiles, num_kv_heads)``).
+  row tiles (grid ``(query tiles, num_kv_heads)``). It is correct for decode rows too,
+  but slower there than the decode kernel (on an H200: 10-35% on large decode-only
+  batches, several times on small ones, which it cannot split, and on decode rows
+  batched with long prompts, whose tile size they get), so the backend uses both.
 
 CUDA-graph safety: grids and compile-time constants depend only on tensor shapes
 and host arguments. Sequence lengths are read on the device, so a captured launch
@@ -147,7 +150,7 @@ def _find_request(query_start_loc_ptr, q_base, tile, num_reqs, BLOCK_Q: tl.const
     at least ``cdiv(query_len(i), BLOCK_Q)`` tiles each, ``num_tokens // BLOCK_Q + num_reqs`` in all,
     strictly increasing. Invariant: first(lo) <= tile < first(hi).
     """
-    lo = num_reqs * 0
+    lo = num_reqs * 0  # a runtime int32 like hi, so both loop variables keep one type
     hi = num_reqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -173,9 +176,8 @@ def _prefill_kernel(
     req = _find_request(query_start_loc_ptr, q_base, tile, num_reqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req) - q_base
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_base - q_start
-    # A request's last tiles see the most keys: hand them out first. Spare tiles get a negative start.
-    first_tok = (tl.cdiv(q_len, BLOCK_Q) - 1 - (tile - (q_start // BLOCK_Q + req))) * BLOCK_Q
-    if first_tok >= 0:
+    first_tok = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q  # this tile's first token within the request
+    if first_tok < q_len:  # spare tiles past the request's tokens do nothing
         seq_len = tl.load(seq_lens_ptr + req)
         ctx_len = seq_len - q_len  # tokens cached before this step's
 
@@ -346,7 +348,7 @@ def paged_decode_attention(
     _check_scale("paged_decode_attention", scale)
     num_seqs, num_heads, head_dim = q.shape
     if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"paged_decode_attention: block_tables has {block_tables.shape[0]} rows for {num_seqs} queries")
+        raise ValueError(f"paged_decode_attention: {block_tables.shape[0]} block table rows for {num_seqs} queries")
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_context_len = block_tables.shape[1] * block_size
     if num_splits is None:

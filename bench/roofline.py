@@ -1,0 +1,84 @@
+"""The physical floor of a throughput workload on this device, from ceilings measured in the same run.
+
+With every request resident from the start, a decode step must at least read the
+weights once plus the KV of every active request (bandwidth-bound), and prefill must at
+least do the matmul FLOPs of every prompt token (compute-bound). The sum of those times
+over the workload is the fastest any engine could finish it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_per_s: float  # device-to-device copy, bytes read + written
+    matmul_flops_per_s: float  # large bf16 matmul on random data
+
+
+def measure_ceilings(device: torch.device, copy_gib: float = 4.0, n: int = 8192) -> Ceilings:
+    def timed(fn, reps: int) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return float(np.median(times))
+
+    src = torch.randn(int(copy_gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src), 10)
+    bandwidth = 2 * src.numel() * src.element_size() / copy_s
+    del src, dst
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    mm_s = timed(lambda: a @ b, 10)
+    return Ceilings(bandwidth, 2 * n**3 / mm_s)
+
+
+@dataclass
+class ModelCosts:
+    weight_bytes: int  # every parameter, read once per decode step
+    matmul_params: int  # parameters that multiply each prompt token (all but the embedding lookup)
+    kv_bytes_per_token: int
+    attn_flops_per_pair: int  # FLOPs per (query, key) pair over all layers: QK^T and PV
+
+
+def model_costs(model: torch.nn.Module, config) -> ModelCosts:
+    params = list(model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    embed = model.model.embed_tokens.weight.numel()
+    tied = config.tie_word_embeddings
+    matmul_params = sum(p.numel() for p in params) - (0 if tied else embed)
+    elem = params[0].element_size()
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * elem
+    attn = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    return ModelCosts(weight_bytes, matmul_params - config.vocab_size * config.hidden_size, kv, attn)
+
+
+def roofline(prompt_lens: list[int], output_lens: list[int], costs: ModelCosts, ceil: Ceilings,
+             vocab: int, hidden: int) -> dict:
+    """Lower bound on the time of the workload, and the output tokens/s it allows."""
+    p = np.asarray(prompt_lens, dtype=np.float64)
+    o = np.asarray(output_lens, dtype=np.float64)
+    # Prefill: every prompt token through the matmuls, causal attention, logits of the last token.
+    prefill_flops = (2 * costs.matmul_params * p.sum() + costs.attn_flops_per_pair * (p * (p + 1) / 2).sum()
+                     + 2 * vocab * hidden * len(p))
+    prefill_s = prefill_flops / ceil.matmul_flops_per_s
+    # Decode step s (1-based) serves the requests with more than s output tokens; each reads its whole KV.
+    decode_s = 0.0
+    for step in range(1, int(o.max())):
+        active = o > step
+        kv_tokens = (p[active] + step).sum()
+        decode_s += (costs.weight_bytes + kv_tokens * costs.kv_bytes_per_token) / ceil.copy_bytes_per_s
+    total_s = prefill_s + decode_s
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": total_s, "tok_s": o.sum() / total_s}

@@ -1,0 +1,43 @@
+"""Persistent step-input buffers: numpy views on (pinned) host memory, mirrored on the device.
+
+A step writes its inputs into the host side with numpy, then each buffer is copied to
+the device with one asynchronous copy of the rows in use. The device side never moves,
+so CUDA graphs captured on it see each step's new inputs on replay. On the CPU the
+two sides are the same tensor and nothing is copied.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class HostDeviceBuffer:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        on_cuda = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
+        self.np: np.ndarray = self.host.numpy()
+        self.device = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.host
+        self._copies = on_cuda
+
+    def copy_to_device(self, rows: int, cols: int | None = None) -> torch.Tensor:
+        """Copy ``[:rows]`` (and ``[:, :cols]`` for 2-D buffers) to the device; return the device view of the rows."""
+        if self._copies:
+            if cols is None:
+                self.device[:rows].copy_(self.host[:rows], non_blocking=True)
+            else:
+                self.device[:rows, :cols].copy_(self.host[:rows, :cols], non_blocking=True)
+        return self.device[:rows]
+
+
+class StepBuffers:
+    """The flat inputs of one step, sized for the largest step the engine can schedule."""
+
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device):
+        self.input_ids = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
+        self.positions = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
+        self.slot_mapping = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
+        self.seq_lens = HostDeviceBuffer((max_num_reqs,), torch.int32, device)
+        self.query_start_loc = HostDeviceBuffer((max_num_reqs + 1,), torch.int32, device)
+        self.block_tables = HostDeviceBuffer((max_num_reqs, max_blocks_per_req), torch.int32, device)
+        self.logits_indices = HostDeviceBuffer((max_num_reqs,), torch.int64, device)

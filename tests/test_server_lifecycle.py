@@ -1,0 +1,225 @@
+"""Requests that end badly, and a server that does: disconnects, a dying engine, overload, SIGTERM, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+pytest.register_assert_rewrite("tests.server_helpers")
+from tests.server_helpers import (  # noqa: E402
+    TINY_MODEL_NAME,
+    assert_error_shape,
+    scrape_metrics,
+    start_server,
+    tiny_server_args,
+    wait_until_idle,
+)
+
+pytest_plugins = ["tests.server_helpers"]
+pytestmark = pytest.mark.usefixtures("server_logs_on_failure")
+
+ABORTS = 'minivllm:request_success_total{finished_reason="abort"}'
+LONG = {"model": TINY_MODEL_NAME, "max_tokens": 4000, "ignore_eos": True}  # far longer than any test waits
+
+
+def async_client(url: str) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+    return httpx.AsyncClient(base_url=url, timeout=120, limits=limits)
+
+
+async def read_some_chunks(client: httpx.AsyncClient, body: dict, num_chunks: int) -> int:
+    """Open a stream, read ``num_chunks`` events, then drop the connection."""
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        seen = 0
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                seen += 1
+                if seen == num_chunks:
+                    break
+    return seen
+
+
+async def read_stream(response: httpx.Response) -> list[str]:
+    return [line[len("data: "):] async for line in response.aiter_lines() if line.startswith("data: ")]
+
+
+def assert_idle_and_serving(url: str, metrics: dict[str, float]) -> None:
+    assert metrics["minivllm:num_requests_running"] == 0
+    assert metrics["minivllm:num_requests_waiting"] == 0
+    assert metrics["minivllm:kv_cache_blocks_used"] == 0
+    assert metrics["minivllm:kv_cache_usage_perc"] == 0.0
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "again", "max_tokens": 3}, timeout=60)
+    assert response.status_code == 200, response.text
+
+
+# --------------------------------------------------------------------- disconnects
+
+
+def test_cancelled_streams_free_everything(tiny_server):
+    before = scrape_metrics(tiny_server.url)
+
+    async def scenario():
+        async with async_client(tiny_server.url) as client:
+            bodies = [{**LONG, "prompt": f"stream number {i}", "stream": True} for i in range(100)]
+            return await asyncio.gather(*(read_some_chunks(client, body, 3) for body in bodies))
+
+    assert asyncio.run(scenario()) == [3] * 100
+    after = wait_until_idle(tiny_server.url, timeout_s=15)
+    assert after[ABORTS] - before[ABORTS] == 100
+    assert_idle_and_serving(tiny_server.url, after)
+
+
+def test_non_streamed_client_timeout_aborts(tiny_server):
+    before = scrape_metrics(tiny_server.url)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{tiny_server.url}/v1/completions", json={**LONG, "prompt": "wait for me"},
+                   timeout=httpx.Timeout(60, read=1.0))
+    after = wait_until_idle(tiny_server.url, timeout_s=15)
+    assert after[ABORTS] - before[ABORTS] == 1
+    assert_idle_and_serving(tiny_server.url, after)
+
+
+# ------------------------------------------------------------------------ metrics
+
+GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_blocks_total", "kv_cache_blocks_free",
+          "kv_cache_blocks_used", "kv_cache_blocks_cached", "kv_cache_usage_perc", "kv_cache_fragmentation_ratio"]
+COUNTERS = ["prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
+            "generation_tokens_total"]
+HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds"]
+
+
+def test_metrics_names_and_counters(tiny_server):
+    before = scrape_metrics(tiny_server.url)
+    for name in GAUGES + COUNTERS:
+        assert f"minivllm:{name}" in before, name
+    for name in HISTOGRAMS:
+        assert f"minivllm:{name}_count" in before and f"minivllm:{name}_sum" in before, name
+    for reason in ("stop", "length", "abort"):
+        assert f'minivllm:request_success_total{{finished_reason="{reason}"}}' in before
+    assert before["minivllm:kv_cache_blocks_total"] > 0
+
+    body = {"prompt": "The same prefix for both requests, long enough to fill a block or two. " * 3,
+            "max_tokens": 5, "ignore_eos": True}
+    for _ in range(2):
+        assert httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    after = scrape_metrics(tiny_server.url)
+    grew = ["prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total"]
+    grew += [f"{name}_count" for name in HISTOGRAMS]
+    for name in grew:
+        assert after[f"minivllm:{name}"] > before[f"minivllm:{name}"], name
+    assert after["minivllm:generation_tokens_total"] - before["minivllm:generation_tokens_total"] == 10
+    length = 'minivllm:request_success_total{finished_reason="length"}'
+    assert after[length] - before[length] == 2
+
+
+# ------------------------------------------------------------------- engine failure
+
+
+@pytest.fixture
+def failing_server(tmp_path_factory, tiny_model_path):
+    server = start_server(tmp_path_factory.mktemp("servers"), "failing",
+                          tiny_server_args(tiny_model_path) + ["--fail-after-steps", "40"])
+    yield server
+    assert server.stop() == 0
+
+
+def test_engine_step_failure_fails_requests_and_health(failing_server):
+    url = failing_server.url
+
+    async def scenario():
+        async with async_client(url) as client:
+            async with client.stream("POST", "/v1/completions", json={**LONG, "prompt": "a", "stream": True}) as stream:
+                assert stream.status_code == 200
+                plain = asyncio.create_task(client.post("/v1/completions", json={**LONG, "prompt": "b"}))
+                events = await asyncio.wait_for(read_stream(stream), timeout=60)
+            return events, await asyncio.wait_for(plain, timeout=60)
+
+    events, plain = asyncio.run(scenario())
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "injected fault" in error["message"]
+    assert_error_shape(plain, 503)
+    assert_error_shape(httpx.get(f"{url}/health", timeout=10), 503)
+    assert_error_shape(httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=10), 503)
+    chat = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+    assert_error_shape(httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=10), 503)
+
+
+# ------------------------------------------------------------ overload and shutdown
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory, tiny_model_path):
+    args = tiny_server_args(tiny_model_path) + ["--max-num-seqs", "2", "--max-waiting-requests", "1",
+                                                 "--shutdown-timeout", "3"]
+    server = start_server(tmp_path_factory.mktemp("servers"), "small", args)
+    yield server
+    server.stop()
+
+
+def wait_for_metric(url: str, name: str, value: float, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while scrape_metrics(url)[name] != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}"
+        time.sleep(0.05)
+
+
+def test_full_waiting_queue_is_503(small_server):
+    url = small_server.url
+
+    async def scenario():
+        async with async_client(url) as client:
+            opened = []
+            for i in range(3):  # two run (max-num-seqs 2), then one waits
+                response = await client.send(client.build_request(
+                    "POST", "/v1/completions", json={**LONG, "prompt": f"r{i}", "stream": True}), stream=True)
+                assert response.status_code == 200
+                opened.append(response)
+                if i == 1:
+                    await asyncio.to_thread(wait_for_metric, url, "minivllm:num_requests_running", 2)
+            await asyncio.to_thread(wait_for_metric, url, "minivllm:num_requests_waiting", 1)
+            refused = await client.post("/v1/completions", json={"prompt": "one too many", "max_tokens": 2})
+            for response in opened:
+                await response.aclose()
+            return refused
+
+    refused = asyncio.run(scenario())
+    assert assert_error_shape(refused, 503)["code"] == "engine_overloaded"
+    assert_idle_and_serving(url, wait_until_idle(url, timeout_s=15))
+
+
+def test_sigterm_drains_then_aborts_then_exits_0(small_server):
+    url = small_server.url
+
+    async def scenario():
+        async with async_client(url) as client:
+            long_req = {**LONG, "prompt": "long", "stream": True}
+            short_req = {**LONG, "prompt": "short", "max_tokens": 40, "stream": True}
+            long_stream = await client.send(client.build_request("POST", "/v1/completions", json=long_req), stream=True)
+            short_stream = await client.send(client.build_request("POST", "/v1/completions", json=short_req),
+                                             stream=True)
+            assert long_stream.status_code == short_stream.status_code == 200
+            small_server.send_signal()
+            await asyncio.sleep(0.3)
+            try:
+                refused = await client.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+                assert_error_shape(refused, 503)
+            except httpx.TransportError:
+                pass  # already gone: also fine
+            short_events = await asyncio.wait_for(read_stream(short_stream), timeout=30)
+            long_events = await asyncio.wait_for(read_stream(long_stream), timeout=30)
+            return short_events, long_events
+
+    short_events, long_events = asyncio.run(scenario())
+    for events, reason in ((short_events, "length"), (long_events, "abort")):
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])["choices"][0]
+        assert last["finish_reason"] == reason
+        assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
+    assert small_server.wait(timeout_s=30) == 0
