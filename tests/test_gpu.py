@@ -33,7 +33,7 @@ def _greedy(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
 def test_triton_with_cuda_graphs_matches_torch_eager_float32(tmp_path):
     model_dir = save_tiny_model("qwen3", tmp_path)
     prompts = _prompts(VOCAB)
-    common = dict(device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=256)
+    common = dict(device="cuda", dtype="float32", max_model_len=256, num_kvcache_blocks=256)
     fast = LLM(str(model_dir), attention_backend="triton", **common)
     assert fast.engine.runner.graphs is not None, "CUDA graphs should be captured"
     reference = LLM(str(model_dir), attention_backend="torch", enforce_eager=True, **common)
