@@ -147,10 +147,12 @@ def result_paths(args: argparse.Namespace, model: str) -> tuple[Path, Path, Path
     return json_path, Path(f"{stem}-latency-cdf.png"), Path(f"{stem}-throughput.png")
 
 
-def request_record(result: RequestResult, t0_s: float) -> dict:
+def request_record(request: SampleRequest, result: RequestResult, t0_s: float) -> dict:
     return {
         "success": result.success,
         "error": result.error,
+        "dataset_prompt_len": request.prompt_len,
+        "max_tokens": request.output_len,
         "start_s": result.start_s - t0_s,
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
@@ -168,8 +170,8 @@ def timeline_records(edges_s: np.ndarray, tokens_per_s: np.ndarray) -> list[dict
             for start, end, rate in zip(edges_s[:-1], edges_s[1:], tokens_per_s)]
 
 
-def result_document(args: argparse.Namespace, model: str, metrics: BenchmarkMetrics, results: list[RequestResult],
-                    t0_s: float, timeline: tuple[np.ndarray, np.ndarray]) -> dict:
+def result_document(args: argparse.Namespace, model: str, metrics: BenchmarkMetrics, requests: list[SampleRequest],
+                    results: list[RequestResult], t0_s: float, timeline: tuple[np.ndarray, np.ndarray]) -> dict:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     config["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
     return {
@@ -178,16 +180,16 @@ def result_document(args: argparse.Namespace, model: str, metrics: BenchmarkMetr
         "config": config,
         **metrics.to_dict(),
         "output_throughput_timeline": timeline_records(*timeline),
-        "requests": [request_record(r, t0_s) for r in results],
+        "requests": [request_record(q, r, t0_s) for q, r in zip(requests, results)],
     }
 
 
-def write_outputs(args: argparse.Namespace, model: str, metrics: BenchmarkMetrics, results: list[RequestResult],
-                  t0_s: float) -> Path:
+def write_outputs(args: argparse.Namespace, model: str, metrics: BenchmarkMetrics, requests: list[SampleRequest],
+                  results: list[RequestResult], t0_s: float) -> Path:
     json_path, cdf_path, throughput_path = result_paths(args, model)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     timeline = output_token_timeline(results, t0_s, metrics.duration_s)
-    document = result_document(args, model, metrics, results, t0_s, timeline)
+    document = result_document(args, model, metrics, requests, results, t0_s, timeline)
     if not args.no_plots:
         from serve_plots import plot_latency_cdfs, plot_throughput
 
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics = compute_metrics(results, duration_s, slos_ms)
     print_failures(results)
     print(format_table(metrics, slos_ms))
-    print(f"results: {write_outputs(args, model, metrics, results, t0_s)}")
+    print(f"results: {write_outputs(args, model, metrics, requests, results, t0_s)}")
     return 0 if metrics.completed else 1
 
 

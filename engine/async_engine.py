@@ -132,14 +132,14 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    def check_accepting(self) -> None:
+    def check_accepting(self, num_new_requests: int = 1) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.dead_error!r}")
         if self.draining:
             raise EngineDeadError("the server is shutting down")
         if self.max_waiting_requests is not None:
             waiting = self.last_stats.num_waiting + len(self._pending)
-            if waiting >= self.max_waiting_requests:
+            if waiting + num_new_requests > self.max_waiting_requests:
                 raise EngineOverloadedError(
                     f"the waiting queue is full ({waiting} requests waiting, the limit is {self.max_waiting_requests})"
                 )
