@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -90,6 +91,9 @@ def run_hf_sequential(model_path: str, prompts, output_lens, dtype, device) -> d
 
 
 def git_commit() -> str:
+    """The checkout's short commit, or $MINIVLLM_COMMIT where the tree is a copy without .git."""
+    if os.environ.get("MINIVLLM_COMMIT"):
+        return os.environ["MINIVLLM_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=Path(__file__).parent).strip()
