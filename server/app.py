@@ -1,0 +1,143 @@
+"""The FastAPI app: OpenAI's routes, plus health, version, metrics and (de)tokenization.
+
+The engine task starts and stops with the app (its lifespan). With an API key, every
+``/v1`` route and ``/tokenize``/``/detokenize`` need ``Authorization: Bearer <key>``; the
+check runs before the body is read, so an unauthenticated client learns nothing else.
+``/health`` and ``/metrics`` stay open for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import secrets
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server import __version__
+from server.chat import create_chat_completion
+from server.completions import create_completion
+from server.errors import SERVER_ERROR, APIError, bad_request, install_error_handlers
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from server.serving import ServingContext
+from server.tokenization import check_token_ids, decode, encode, render_chat, require_tokenizer
+
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def build_app(ctx: ServingContext) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ctx.engine.start()
+        try:
+            yield
+        finally:
+            await ctx.engine.stop()
+
+    app = FastAPI(title="minivllm", version=__version__, lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    if ctx.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=ctx.api_key)
+    _add_openai_routes(app, ctx)
+    _add_tokenizer_routes(app, ctx)
+    _add_ops_routes(app, ctx)
+    return app
+
+
+def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+        return await create_completion(body, raw_request, ctx)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await create_chat_completion(body, raw_request, ctx)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=ctx.served_model_name, root=ctx.model_path, max_model_len=ctx.max_model_len)
+        return ModelList(data=[card])
+
+
+def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
+        if body.messages is not None:
+            token_ids = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt)
+        else:
+            tokenizer = require_tokenizer(ctx.tokenizer, "prompt", "text cannot be tokenized")
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            token_ids = encode(tokenizer, body.prompt, add_special_tokens=add_special)
+        return TokenizeResponse(count=len(token_ids), max_model_len=ctx.max_model_len, tokens=token_ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        ctx.check_model(body.model)
+        tokenizer = require_tokenizer(ctx.tokenizer, "tokens", "token ids cannot be turned into text")
+        check_token_ids(body.tokens, ctx.vocab_size, "tokens")
+        try:
+            text = decode(tokenizer, body.tokens)
+        except Exception as exc:  # noqa: BLE001 - ids past the tokenizer's own vocabulary (padded embeddings)
+            raise bad_request(f"these token ids cannot be decoded: {exc}", param="tokens") from exc
+        return DetokenizeResponse(prompt=text)
+
+
+def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.get("/health")
+    async def health() -> dict:
+        engine = ctx.engine
+        if engine.dead_error is not None:
+            raise APIError(503, f"the engine stopped after an error: {engine.dead_error!r}", SERVER_ERROR,
+                           code="engine_dead")
+        if engine.draining:
+            raise APIError(503, "the server is shutting down", SERVER_ERROR, code="shutting_down")
+        if not engine.healthy:
+            raise APIError(503, "the engine is not running", SERVER_ERROR, code="engine_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics", response_model=None)
+    async def metrics() -> Response:
+        content, content_type = ctx.metrics.render()
+        return Response(content=content, media_type=content_type)
+
+
+class APIKeyMiddleware:
+    """Refuse protected routes without the right bearer token (compared in constant time)."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+            error = self._check(scope)
+            if error is not None:
+                await error.to_response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, scope: Scope) -> APIError | None:
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not token.strip():
+            return APIError(401, "missing API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if not secrets.compare_digest(token.strip(), self.api_key):
+            return APIError(401, "invalid API key", code="invalid_api_key")
+        return None

@@ -1,0 +1,230 @@
+"""``minivllm serve``: load a model, then serve the OpenAI API on uvicorn until SIGTERM.
+
+Shutdown is graceful: the first SIGTERM (or Ctrl-C) stops admitting requests (503),
+lets those in flight finish for up to ``--shutdown-timeout`` seconds, aborts the rest
+(their streams end with ``finish_reason: "abort"``), and only then lets uvicorn close
+its connections and exit with status 0. A second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from engine.async_engine import AsyncEngine
+from engine.config import ConfigError, EngineConfig
+from engine.default_model import DEFAULT_MODEL_NAME
+from engine.llm_engine import LLMEngine
+from server import __version__
+from server.app import build_app
+from server.metrics import ServerMetrics
+from server.serving import ServingContext
+
+logger = logging.getLogger("minivllm.server")
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+_AFTER_DRAIN_GRACE_S = 5  # uvicorn's wait for connections once every request has finished or been aborted
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a default only when it says something (not None, not a plain off switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minivllm", description="A small, readable LLM inference server.")
+    parser.add_argument("--version", action="version", version=f"minivllm {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /tokenize, /detokenize, /health, /version, /metrics).",
+        formatter_class=_HelpFormatter,
+    )
+    _add_model_args(serve.add_argument_group("model"))
+    _add_kvcache_args(serve.add_argument_group("KV cache"))
+    _add_scheduler_args(serve.add_argument_group("scheduling and execution"))
+    _add_server_args(serve.add_argument_group("HTTP server"))
+    return parser
+
+
+def _add_model_args(group) -> None:
+    group.add_argument("--model", default=None,
+                       help="Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct "
+                            "(converted into ~/.cache/minivllm on first use)")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory; default: the model directory")
+    group.add_argument("--served-model-name", default=None,
+                       help="the model name clients send; default: the model directory's name "
+                            f"({DEFAULT_MODEL_NAME} for the default model)")
+    group.add_argument("--dtype", default=_DEFAULTS["dtype"], choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weights and activations; auto: bfloat16 on CUDA, float32 on CPU")
+    group.add_argument("--device", default=_DEFAULTS["device"], help="auto, cpu, cuda or cuda:N")
+    group.add_argument("--load-format", default=_DEFAULTS["load_format"], choices=["auto", "safetensors", "dummy"],
+                       help="dummy: random weights (for benchmarks and tests)")
+    group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="random seed of the engine")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (prompt + output) in tokens; default: the model's maximum")
+
+
+def _add_kvcache_args(group) -> None:
+    group.add_argument("--kvcache-block-size", type=int, default=_DEFAULTS["kvcache_block_size"],
+                       help="tokens per KV cache block (a multiple of 8)")
+    group.add_argument("--num-kvcache-blocks", type=int, default=_DEFAULTS["num_kvcache_blocks"],
+                       help="KV cache blocks in the pool; -1: size the pool from the memory budget")
+    group.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS["gpu_memory_utilization"],
+                       help="fraction of GPU memory the engine may use (weights, activations and KV cache)")
+    group.add_argument("--cpu-kvcache-space-gib", type=float, default=_DEFAULTS["cpu_kvcache_space_gib"],
+                       help="KV cache size in GiB when running on the CPU")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=_DEFAULTS["enable_prefix_caching"],
+                       help="share the KV cache blocks of common prompt prefixes between requests")
+
+
+def _add_scheduler_args(group) -> None:
+    group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
+                       help="most requests in one running batch")
+    group.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS["max_num_batched_tokens"],
+                       help="token budget of one engine step")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=_DEFAULTS["enable_chunked_prefill"],
+                       help="split long prompts across steps so they share steps with decodes")
+    group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
+                       choices=["auto", "torch", "triton"], help="auto: triton on CUDA, torch elsewhere")
+    group.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+
+
+def _add_server_args(group) -> None:
+    group.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize "
+                            "(default: $MINIVLLM_API_KEY; none: no authentication)")
+    group.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="answer 503 when this many requests already wait to be scheduled; default: no limit")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="log level of the server and the engine")
+    group.add_argument("--fail-after-steps", type=int, default=None, metavar="N",
+                       help="fault injection, for testing only: make the engine's step raise after N steps, "
+                            "which kills the engine (requests in flight fail, /health and new requests get 503)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, tokenizer=args.tokenizer, served_model_name=served_model_name(args), dtype=args.dtype,
+        device=args.device, load_format=args.load_format, seed=args.seed, max_model_len=args.max_model_len,
+        kvcache_block_size=args.kvcache_block_size, num_kvcache_blocks=args.num_kvcache_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization, cpu_kvcache_space_gib=args.cpu_kvcache_space_gib,
+        enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+    )
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(args.model)
+    return path.name if path.exists() else args.model
+
+
+def inject_step_failure(engine: LLMEngine, num_steps: int) -> None:
+    """Fault injection: the engine's step raises once it has run ``num_steps`` steps."""
+    step = engine.step
+    counter = itertools.count(1)
+
+    def failing_step():
+        if next(counter) > num_steps:
+            raise RuntimeError(f"injected fault: the engine step fails after {num_steps} steps (--fail-after-steps)")
+        return step()
+
+    engine.step = failing_step  # type: ignore[method-assign]
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first exit signal drains the engine before uvicorn shuts down.
+
+    uvicorn closes its listening sockets as soon as it starts shutting down; draining first
+    keeps them open, so a client arriving during the drain gets a 503 rather than a refused
+    connection. Signals are not re-raised after shutdown, so the process exits with 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout_s: float):
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+        self._signalled = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._signalled or self._loop is None:
+            self.force_exit = self.should_exit  # a signal while uvicorn already shuts down: stop waiting
+            self.should_exit = True
+            return
+        self._signalled = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            logger.info("shutting down: no new requests; %d in flight get up to %.1f s to finish",
+                        self.engine.num_in_flight, self.shutdown_timeout_s)
+            num_aborted = await self.engine.drain(self.shutdown_timeout_s)
+            if num_aborted:
+                logger.info("aborted %d requests that did not finish in time", num_aborted)
+        finally:
+            self.should_exit = True
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config_from_args(args)
+        engine = AsyncEngine(LLMEngine(config), args.max_waiting_requests)
+    except (ConfigError, OSError, ValueError) as exc:  # a bad flag or model directory: say so, no traceback
+        logger.debug("the engine could not start", exc_info=True)
+        print(f"minivllm serve: error: {exc}", file=sys.stderr)
+        return 2
+    if args.fail_after_steps is not None:
+        logger.warning("fault injection: the engine step will fail after %d steps", args.fail_after_steps)
+        inject_step_failure(engine.engine, args.fail_after_steps)
+    ctx = ServingContext(engine, ServerMetrics(engine), served_model_name(args), engine.engine.model_path,
+                         api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
+    uvicorn_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=_AFTER_DRAIN_GRACE_S)
+    logger.info("serving %s as %r on http://%s:%d", ctx.model_path, ctx.served_model_name, args.host, args.port)
+    DrainingServer(uvicorn_config, engine, args.shutdown_timeout).run()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

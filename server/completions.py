@@ -1,0 +1,99 @@
+"""``POST /v1/completions``: text in, text out, streamed or whole.
+
+A prompt is a string, a list of strings, a list of token ids, or a list of lists of token
+ids; each prompt gets ``n`` choices, indexed ``prompt_idx * n + sample_idx``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import Request
+
+from engine.outputs import Logprobs
+from server.errors import bad_request
+from server.generation import Generation
+from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from server.serving import ServingContext, clamp_logprob, collect, respond, usage_info
+from server.tokenization import decode, encode_completion_prompts, token_text
+
+
+async def create_completion(body: CompletionRequest, raw_request: Request, ctx: ServingContext):
+    ctx.check_model(body.model)
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported: prompt logprobs are not computed",
+                          param="echo")
+    params = body.to_sampling_params(body.max_tokens, body.logprobs)
+    prompts = encode_completion_prompts(ctx.tokenizer, body.prompt)
+    generation = ctx.start_generation("cmpl", prompts, params)
+    view = _CompletionView(ctx, body, generation)
+    return await respond(raw_request, bool(body.stream), view.chunks, view.response)
+
+
+class _CompletionView:
+    """Renders one generation as a completion response or as its stream of chunks."""
+
+    def __init__(self, ctx: ServingContext, body: CompletionRequest, generation: Generation):
+        self.ctx = ctx
+        self.body = body
+        self.generation = generation
+        self.created = int(time.time())
+        self.id = generation.request_id
+
+    def _echo(self, prompt_index: int) -> str:
+        if not self.body.echo:
+            return ""
+        prompt = self.generation.prompts[prompt_index]
+        if prompt.text is not None:
+            return prompt.text
+        return decode(self.ctx.tokenizer, prompt.token_ids) if self.ctx.tokenizer is not None else ""
+
+    def _logprobs(self, entries: list[Logprobs], text_offset: int) -> CompletionLogprobs | None:
+        if self.body.logprobs is None:
+            return None
+        tokenizer = self.ctx.tokenizer
+        out = CompletionLogprobs()
+        for entry in entries:
+            token = token_text(tokenizer, entry.token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(clamp_logprob(entry.logprob))
+            out.top_logprobs.append({
+                token_text(tokenizer, tid): clamp_logprob(lp) for tid, lp in zip(entry.top_token_ids, entry.top_logprobs)
+            })
+            out.text_offset.append(text_offset)
+            text_offset += len(token)
+        return out
+
+    async def response(self) -> CompletionResponse:
+        results = await collect(self.generation)
+        choices = []
+        for index, result in enumerate(results):
+            prefix = self._echo(index // self.generation.params.n)
+            choices.append(CompletionChoice(index=index, text=prefix + result.text,
+                                            logprobs=self._logprobs(result.logprobs, len(prefix)),
+                                            finish_reason=result.finish_reason))
+        return CompletionResponse(id=self.id, created=self.created, model=self.ctx.served_model_name,
+                                  choices=choices, usage=usage_info(self.generation.usage()))
+
+    async def chunks(self) -> AsyncIterator[CompletionResponse]:
+        text_offsets: dict[int, int] = {}  # choice index -> where its next generated text starts
+        async with aclosing(self.generation.updates()) as updates:
+            async for update in updates:
+                text = update.text
+                if update.index not in text_offsets:
+                    text = self._echo(update.prompt_index) + text
+                    text_offsets[update.index] = len(text) - len(update.text)
+                has_logprobs = self.body.logprobs is not None and update.logprobs
+                if not text and update.finish_reason is None and not has_logprobs:
+                    continue  # the detokenizer is holding text back; nothing to say yet
+                logprobs = self._logprobs(update.logprobs, text_offsets[update.index])
+                text_offsets[update.index] += len(update.text)
+                choice = CompletionChoice(index=update.index, text=text, logprobs=logprobs,
+                                          finish_reason=update.finish_reason)
+                yield CompletionResponse(id=self.id, created=self.created, model=self.ctx.served_model_name,
+                                         choices=[choice])
+        if self.body.include_usage:
+            yield CompletionResponse(id=self.id, created=self.created, model=self.ctx.served_model_name,
+                                     choices=[], usage=usage_info(self.generation.usage()))

@@ -1,0 +1,143 @@
+"""What completions and chat share: the serving context, admission, and the two ways to answer.
+
+    request ─> check model ─> tokenize ─> SamplingParams ─> admit (validate every prompt
+    against the engine before anything starts) ─> Generation ─┬─> collect() ─> one JSON body
+                                                               └─> chunks ─> sse_stream() ─> SSE
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from fastapi import Request, Response
+from pydantic import BaseModel
+
+from engine.async_engine import AsyncEngine
+from engine.outputs import Logprobs
+from engine.sampling_params import SamplingParams
+from server.errors import APIError, INVALID_REQUEST, as_api_error, bad_request
+from server.generation import Generation, Usage
+from server.metrics import ServerMetrics
+from server.protocol import PromptTokensDetails, UsageInfo
+from server.streaming import (
+    DONE,
+    ClientDisconnected,
+    SSEResponse,
+    client_closed_response,
+    run_until_disconnected,
+    sse_event,
+)
+from server.tokenization import TokenizedPrompt
+
+logger = logging.getLogger("minivllm.server")
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class ServingContext:
+    """Everything a handler needs: the engine, the names clients use, metrics, and the API key."""
+
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    served_model_name: str
+    model_path: str
+    api_key: str | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.model_config.vocab_size
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+                           INVALID_REQUEST, param="model", code="model_not_found")
+
+    def start_generation(self, prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams) -> Generation:
+        """Admit a request: every prompt is checked before any engine request starts, so a bad
+        prompt (or a full queue) answers a plain error instead of a half-started stream."""
+        if params.stop and self.tokenizer is None:
+            raise bad_request("stop strings need a tokenizer, and this model has none", param="stop")
+        # Every sample is an engine request: all of them must fit in the waiting queue.
+        self.engine.check_accepting(num_new_requests=len(prompts) * params.n)
+        for prompt in prompts:
+            self.engine.engine.validate_request(prompt.token_ids, params)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        return Generation(self.engine, self.metrics, request_id, prompts, params, self.tokenizer)
+
+
+@dataclass
+class ChoiceResult:
+    """A whole choice, for non-streamed responses."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def collect(generation: Generation) -> list[ChoiceResult]:
+    results = [ChoiceResult() for _ in range(generation.num_choices)]
+    async with aclosing(generation.updates()) as updates:
+        async for update in updates:
+            result = results[update.index]
+            result.text += update.text
+            result.token_ids += update.token_ids
+            result.logprobs += update.logprobs
+            result.finish_reason = update.finish_reason
+    return results
+
+
+def usage_info(usage: Usage) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.prompt_tokens + usage.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+    )
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+async def respond(
+    raw_request: Request,
+    stream: bool,
+    chunks: Callable[[], AsyncIterator[BaseModel]],
+    response: Callable[[], Awaitable[BaseModel]],
+) -> Response:
+    """Stream the chunks as SSE, or build the whole response unless the client leaves first."""
+    if stream:
+        return SSEResponse(sse_stream(chunks()))
+    try:
+        body = await run_until_disconnected(raw_request, response())
+    except ClientDisconnected:
+        return client_closed_response()
+    return Response(content=body.model_dump_json(), media_type="application/json")
+
+
+async def sse_stream(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    """``data: {chunk}`` events, then ``data: [DONE]``. An error mid-stream becomes an error event."""
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield sse_event(chunk)
+    except Exception as exc:  # noqa: BLE001 - the status line is sent already; tell the client in-band
+        error = as_api_error(exc)
+        if error.status_code >= 500 and error.status_code != 503:
+            logger.exception("error while streaming")
+        yield sse_event(error.to_dict())
+    yield DONE

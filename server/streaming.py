@@ -1,0 +1,78 @@
+"""How results travel back: server-sent events, and noticing a client that went away.
+
+A streamed response is cancelled by Starlette when the client disconnects; ``SSEResponse``
+also closes its body iterator explicitly, so the generation behind it is torn down (and
+its engine requests aborted) right away, not when the garbage collector gets to it.
+A non-streamed request runs in a task raced against the client's disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request, Response
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+
+T = TypeVar("T")
+
+DONE = "data: [DONE]\n\n"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody receives it
+
+
+def sse_event(payload: BaseModel | dict) -> str:
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else _json(payload)
+    return f"data: {body}\n\n"
+
+
+def _json(payload: dict) -> str:
+    return json.dumps(payload, separators=(",", ":"))
+
+
+class SSEResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str]):
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()  # type: ignore[attr-defined]
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+async def run_until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the client disconnects first (that aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message is the disconnect (uvicorn blocks until then).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def client_closed_response() -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)

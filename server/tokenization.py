@@ -1,0 +1,95 @@
+"""Text to token ids and back: completion prompts, chat templates, and per-token strings.
+
+A model directory without a tokenizer still serves token-id prompts; everything that
+needs text answers a 400 there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.errors import bad_request
+from server.protocol import ChatMessageParam
+
+
+@dataclass
+class TokenizedPrompt:
+    token_ids: list[int]
+    text: str | None = None  # the prompt as text, when it came as text (used by echo)
+
+
+def require_tokenizer(tokenizer, param: str, what: str):
+    if tokenizer is None:
+        raise bad_request(f"this model has no tokenizer, so {what}; send prompts as token ids", param=param)
+    return tokenizer
+
+
+def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def encode_completion_prompts(tokenizer, prompt: str | list) -> list[TokenizedPrompt]:
+    """One entry per prompt: a string, a list of strings, a list of ids, or a list of lists of ids."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("the prompt is empty: it must contain at least one token", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [TokenizedPrompt(list(prompt))]
+    prompts = []
+    for item in prompt:
+        if isinstance(item, str):
+            require_tokenizer(tokenizer, "prompt", "text prompts cannot be tokenized")
+            prompts.append(TokenizedPrompt(encode(tokenizer, item), item))
+        else:
+            prompts.append(TokenizedPrompt(list(item)))
+    return prompts
+
+
+def render_chat(tokenizer, messages: list[ChatMessageParam], add_generation_prompt: bool) -> list[int]:
+    """The conversation rendered by the tokenizer's chat template, as token ids."""
+    require_tokenizer(tokenizer, "messages", "it has no chat template")
+    if not messages:
+        raise bad_request("messages must contain at least one message", param="messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model's tokenizer has no chat template", param="messages")
+    conversation = [_plain_message(i, m) for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - a template may raise anything on input it rejects
+        raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") from exc
+    return encode(tokenizer, text, add_special_tokens=False)
+
+
+def _plain_message(index: int, message: ChatMessageParam) -> dict:
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"content parts of type {part.type!r} are not supported; only 'text' is",
+                                  param=f"messages.{index}.content")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    plain = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        plain["name"] = message.name
+    return plain
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is out of range: the vocabulary has {vocab_size} tokens "
+                          f"(0..{vocab_size - 1})", param=param)
+
+
+def decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """One token as text, for logprobs; ``token_id:N`` when there is no tokenizer."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return decode(tokenizer, [token_id])
