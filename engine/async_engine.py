@@ -68,6 +68,9 @@ class AsyncEngine:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="minivllm-engine")
 
     async def stop(self) -> None:
+        """Stop the engine task; requests still in flight end with EngineDeadError."""
+        if self.dead_error is None:
+            self._fail_all(EngineDeadError("the engine was stopped"))
         if self._task is not None:
             self._task.cancel()
             try:

@@ -39,6 +39,9 @@ class InputBatch:
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # Rows still under min_tokens: the token ids (EOS, stop tokens) they may not sample yet.
+        self.banned_until_min: dict[int, list[int]] = {}
         self.generators: dict[int, torch.Generator] = {}
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -46,7 +49,7 @@ class InputBatch:
     def __len__(self) -> int:
         return len(self.row_of)
 
-    def add(self, data: NewRequestData) -> None:
+    def add(self, data: NewRequestData, eos_token_ids: frozenset[int] = frozenset()) -> None:
         if data.request_id in self.row_of:
             self.remove(data.request_id)
         row = self._free_rows.pop()
@@ -67,6 +70,10 @@ class InputBatch:
         self.frequency_penalty[row] = p.frequency_penalty
         self.repetition_penalty[row] = p.repetition_penalty
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.min_tokens[row] = p.min_tokens
+        if p.min_tokens > 0:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            self.banned_until_min[row] = sorted(t for t in banned if 0 <= t < self.vocab_size)
         if p.seed is not None and not p.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(p.seed)
@@ -86,6 +93,7 @@ class InputBatch:
         if row is None:
             return
         self.generators.pop(row, None)
+        self.banned_until_min.pop(row, None)
         self._free_rows.append(row)
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:

@@ -77,7 +77,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, self.eos_token_ids)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
         self.runner.capture_cuda_graphs()

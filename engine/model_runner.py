@@ -57,10 +57,12 @@ def make_attention_backend(name: str):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.block_size = config.kvcache_block_size
@@ -242,7 +244,7 @@ class ModelRunner:
         for rid in sched.freed_request_ids:
             self.batch.remove(rid)
         for data in sched.new_requests:
-            self.batch.add(data)
+            self.batch.add(data, self.eos_token_ids)
         for data in sched.cached_requests:
             self.batch.update(data)
 
@@ -332,11 +334,23 @@ class ModelRunner:
             all_greedy=bool((temperature == 0).all()),
             max_num_logprobs=int(b.num_logprobs[rows].max()),
         )
+        if b.banned_until_min:
+            st.banned = self._banned_tokens(rows)
         pres, freq, rep = b.presence_penalty[rows], b.frequency_penalty[rows], b.repetition_penalty[rows]
         if (pres != 0).any() or (freq != 0).any() or (rep != 1).any():
             st.presence_penalty, st.frequency_penalty, st.repetition_penalty = dev(pres), dev(freq), dev(rep)
             st.output_token_counts, st.prompt_token_mask = self._token_counts(rows)
         return st
+
+    def _banned_tokens(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(row, token) pairs to mask: EOS and stop tokens of rows that have not reached min_tokens."""
+        b = self.batch
+        pairs = [(i, t) for i, r in enumerate(rows.tolist()) if r in b.banned_until_min
+                 and b.num_tokens[r] - b.num_prompt_tokens[r] < b.min_tokens[r] for t in b.banned_until_min[r]]
+        if not pairs:
+            return None
+        idx = torch.tensor(pairs, dtype=torch.long).T.to(self.device)
+        return idx[0], idx[1]
 
     def _token_counts(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: how often each vocab token was generated [N, V], and which are in the prompt [N, V]."""

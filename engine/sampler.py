@@ -33,6 +33,8 @@ class SamplingTensors:
     output_token_counts: torch.Tensor | None = None  # [N, vocab] int: how often each token was generated
     prompt_token_mask: torch.Tensor | None = None  # [N, vocab] bool: tokens present in the prompt
     max_num_logprobs: int = -1  # -1: no row wants logprobs
+    # (rows, token ids) that must not be sampled yet: EOS and stop tokens before min_tokens.
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Sampler:
@@ -43,6 +45,8 @@ class Sampler:
         log-softmax [N, vocab] of the model's distribution (before penalties and filters).
         """
         raw_logprobs = torch.log_softmax(logits, dim=-1) if st.max_num_logprobs >= 0 else None
+        if st.banned is not None:
+            logits = logits.index_put(st.banned, torch.tensor(float("-inf"), device=logits.device))
         if st.repetition_penalty is not None:
             logits = apply_penalties(logits, st)
         greedy = logits.argmax(dim=-1)

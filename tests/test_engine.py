@@ -147,3 +147,13 @@ def test_default_model_text_prompts_and_stop_strings(default_llm):
                                use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == word
     assert cut.text == full.text[: full.text.index(word)]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens(llama_dir):
+    llm = LLM(str(llama_dir), max_model_len=128, num_kvcache_blocks=32)
+    prompt = make_prompts(VOCAB, lens=[12], seed=9)[0]
+    first = run(llm, [prompt], greedy(1))[0][0]  # the token greedy decoding picks first
+    stopped = run(llm, [prompt], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[first]))[0]
+    assert stopped == [first]
+    held = run(llm, [prompt], SamplingParams(temperature=0, max_tokens=6, min_tokens=3, stop_token_ids=[first]))[0]
+    assert len(held) >= 3 and first not in held[:3]

@@ -1,0 +1,91 @@
+"""The batched sampler on its own: filters, penalties, seeds, and the sampled distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, SamplingTensors, apply_penalties, apply_top_k_top_p
+from engine.sampling_params import SamplingParams, SamplingParamsError
+
+
+def tensors(n: int, temperature=1.0, top_k=None, top_p=None, min_p=None, **kw) -> SamplingTensors:
+    full = lambda v, dtype=torch.float32: None if v is None else torch.full((n,), v, dtype=dtype)  # noqa: E731
+    return SamplingTensors(temperature=torch.full((n,), float(temperature)), top_k=full(top_k, torch.long),
+                           top_p=full(top_p), min_p=full(min_p), **kw)
+
+
+def test_greedy_rows_take_the_argmax_and_random_rows_sample():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    st = tensors(4)
+    st.temperature[:2] = 0.0
+    sampled, _ = Sampler()(logits, st)
+    assert sampled[:2].tolist() == logits[:2].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=0.999)])
+def test_filters_that_keep_one_token_reduce_to_greedy(filters):
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1))
+    sampled, _ = Sampler()(logits, tensors(8, **filters))
+    assert sampled.tolist() == logits.argmax(-1).tolist()
+
+
+def test_top_k_and_top_p_mask_exactly_the_tail():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    masked = apply_top_k_top_p(logits, torch.tensor([3]), None)
+    assert torch.isinf(masked[0, 3:]).all() and torch.isfinite(masked[0, :3]).all()
+    # top_p 0.8: 0.5 + 0.2 = 0.7 < 0.8, so the third token (mass before it 0.7) stays, the fourth goes.
+    masked = apply_top_k_top_p(logits, None, torch.tensor([0.8]))
+    assert torch.isfinite(masked[0, :3]).all() and torch.isinf(masked[0, 3:]).all()
+
+
+def test_samples_follow_the_softmax_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    n = 20000
+    logits = probs.log().repeat(n, 1)
+    sampled, _ = Sampler()(logits, tensors(n))
+    freq = torch.bincount(sampled, minlength=3).float() / n
+    assert torch.allclose(freq, probs, atol=0.02), freq
+
+
+def test_temperature_sharpens_the_distribution():
+    logits = torch.tensor([1.0, 0.0]).repeat(20000, 1)
+    cold, _ = Sampler()(logits, tensors(20000, temperature=0.25))
+    # softmax([4, 0])[0] ~ 0.982
+    assert abs((cold == 0).float().mean().item() - 0.982) < 0.01
+
+
+def test_seeded_rows_do_not_depend_on_their_batch_mates():
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+
+    def run(rows):
+        gens = {i: torch.Generator().manual_seed(7) for i in range(len(rows)) if rows[i] == 0}
+        st = tensors(len(rows), generators=gens)
+        return Sampler()(logits[rows], st)[0].tolist()
+
+    alone = run([0])[0]
+    assert run([1, 0, 2])[1] == alone and run([2, 1, 0])[2] == alone
+
+
+def test_penalties_match_their_definitions():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
+    counts = torch.tensor([[2, 1, 0, 0]])
+    prompt = torch.tensor([[False, False, False, True]])
+    st = SamplingTensors(temperature=torch.ones(1), top_k=None, top_p=None, min_p=None,
+                         presence_penalty=torch.tensor([0.5]), frequency_penalty=torch.tensor([0.25]),
+                         repetition_penalty=torch.tensor([2.0]), output_token_counts=counts, prompt_token_mask=prompt)
+    out = apply_penalties(logits, st)
+    # Token 0: 2/2 - 0.25*2 - 0.5; token 1: -1*2 - 0.25 - 0.5; token 2 untouched; token 3 (prompt only): 1/2.
+    assert torch.allclose(out, torch.tensor([[0.0, -2.75, 0.5, 0.5]]))
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
+    (dict(top_k=2**40), "top_k"), (dict(seed=2**64), "seed"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
+    (dict(logprobs=21), "logprobs"), (dict(min_p=1.5), "min_p"), (dict(stop=[""]), "stop"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(repetition_penalty=0), "repetition_penalty"),
+])
+def test_invalid_params_name_the_field(kwargs, param):
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == param
