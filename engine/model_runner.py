@@ -201,15 +201,19 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput([], [])
         inputs = self._prepare_inputs(sched)
+        # Built before the forward pass is queued, so their small host-to-device copies never
+        # wait behind it.
+        st = self._sampling_tensors(inputs.sampled_rows) if len(inputs.sampled_rows) else None
         events = self._start_timing()
         if inputs.graph_size is not None:
             logits = self.graphs.replay(inputs.graph_size)[inputs.logits_indices]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-            if len(inputs.sampled_rows) == 0:
+            if st is None:
                 return ModelRunnerOutput([], [])
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        st = self._sampling_tensors(inputs.sampled_rows)
+        if st is None:
+            return ModelRunnerOutput([], [])
         sampled, raw_logprobs = self.sampler(logits, st)
         launched = time.perf_counter()
         token_ids = sampled.tolist()  # the step's one host sync
