@@ -80,8 +80,6 @@ def sample_requests(args: argparse.Namespace) -> list[SampleRequest]:
     rng = np.random.default_rng(args.seed)
     tokenizer = load_tokenizer(args.tokenizer)
     if args.dataset_name == "sharegpt":
-        if args.dataset_path is None:
-            raise SystemExit("--dataset-name sharegpt needs --dataset-path")
         return sample_sharegpt(args.dataset_path, args.num_prompts, tokenizer, rng, args.sharegpt_output_len)
     token_ids = allowed_token_ids(tokenizer, args.random_vocab_size)
     return sample_random(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
@@ -191,7 +189,7 @@ def write_outputs(args: argparse.Namespace, model: str, metrics: BenchmarkMetric
     timeline = output_token_timeline(results, t0_s, metrics.duration_s)
     document = result_document(args, model, metrics, requests, results, t0_s, timeline)
     if not args.no_plots:
-        from serve_plots import plot_latency_cdfs, plot_throughput
+        from serve_plots import plot_latency_cdfs, plot_throughput  # needs matplotlib
 
         title = f"{model}: {len(results)} requests, rate {document['config']['request_rate']}/s"
         plot_latency_cdfs(latency_samples_ms(results), cdf_path, title)
@@ -209,11 +207,36 @@ def print_failures(results: list[RequestResult], max_shown: int = 5) -> None:
         print(f"... and {len(errors) - max_shown} more failed requests", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, float]]:
+    """The arguments, checked, and the goodput SLOs in ms."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.num_prompts < 1:
-        raise SystemExit("--num-prompts must be at least 1")
-    slos_ms = parse_goodput(args.goodput)
+        parser.error("--num-prompts must be at least 1")
+    if not args.request_rate > 0:
+        parser.error("--request-rate must be positive (inf: all at once)")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        parser.error("--max-concurrency must be at least 1")
+    if args.dataset_name == "sharegpt" and args.dataset_path is None:
+        parser.error("--dataset-name sharegpt needs --dataset-path")
+    try:
+        return args, parse_goodput(args.goodput)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def print_chunking_note(results: list[RequestResult]) -> None:
+    """Warn when chunks carried many tokens each: TTFT and ITL then describe chunks, not tokens."""
+    ok = [r for r in results if r.success and r.completion_tokens > 1]
+    num_chunks, num_tokens = sum(len(r.chunk_times_s) for r in ok), sum(r.completion_tokens for r in ok)
+    if ok and num_chunks < 0.5 * num_tokens:
+        print(f"note: {num_tokens} tokens came in {num_chunks} chunks, so TTFT and ITL time chunks, not tokens "
+              "(the server sends text only once it decodes; a model without a tokenizer sends none until the end)",
+              file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, slos_ms = parse_args(argv)
     requests = sample_requests(args)
     model = asyncio.run(resolve_model(args))
     config = ClientConfig(base_url=args.base_url, model=model, api_key=args.api_key, ignore_eos=args.ignore_eos,
@@ -225,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         run_benchmark(config, requests, args.request_rate, args.max_concurrency, args.seed, not args.disable_tqdm))
     metrics = compute_metrics(results, duration_s, slos_ms)
     print_failures(results)
+    print_chunking_note(results)
     print(format_table(metrics, slos_ms))
     print(f"results: {write_outputs(args, model, metrics, requests, results, t0_s)}")
     return 0 if metrics.completed else 1

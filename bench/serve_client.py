@@ -86,7 +86,7 @@ async def send_request(client: httpx.AsyncClient, config: ClientConfig, request:
                 result.error = f"HTTP {response.status_code}: {body[:500]}"
                 return result
             await read_stream(response, result)
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:  # includes malformed JSON
         result.error = f"{type(exc).__name__}: {exc}"
     return result
 
