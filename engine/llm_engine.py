@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from engine.config import ConfigError, EngineConfig
 from engine.model_config import ModelConfig
@@ -55,6 +57,9 @@ class EngineStats:
     num_waiting: int
     num_preemptions: int
     kv: KVCacheStats
+    # int8 [num_blocks], BlockPool.block_states() values: a copy taken with the rest of the
+    # snapshot, so the dashboard's map always agrees with ``kv`` (a memcpy: ~5 us for 100k blocks).
+    block_states: np.ndarray = field(compare=False, repr=False)
 
 
 def resolve_model_path(config: EngineConfig) -> str:
@@ -177,6 +182,7 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             num_preemptions=self.scheduler.num_preemptions_total,
             kv=self.kv_manager.get_stats(),
+            block_states=self.kv_manager.pool.block_states(),
         )
 
 

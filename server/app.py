@@ -1,9 +1,9 @@
-"""The FastAPI app: OpenAI's routes, plus health, version, metrics and (de)tokenization.
+"""The FastAPI app: OpenAI's routes, plus health, version, metrics, (de)tokenization and the KV dashboard.
 
 The engine task starts and stops with the app (its lifespan). With an API key, every
 ``/v1`` route and ``/tokenize``/``/detokenize`` need ``Authorization: Bearer <key>``; the
 check runs before the body is read, so an unauthenticated client learns nothing else.
-``/health`` and ``/metrics`` stay open for probes and scrapers.
+``/health``, ``/metrics`` and ``/dashboard`` stay open for probes, scrapers and people.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server import __version__
 from server.chat import create_chat_completion
 from server.completions import create_completion
+from server.dashboard import dashboard_router
 from server.errors import SERVER_ERROR, APIError, bad_request, install_error_handlers
 from server.protocol import (
     ChatCompletionRequest,
@@ -51,6 +52,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     _add_openai_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
     _add_ops_routes(app, ctx)
+    app.include_router(dashboard_router(ctx))
     return app
 
 
