@@ -1,10 +1,20 @@
-"""Shared fixtures."""
+"""Shared fixtures and test-session set-up."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config):
+    import torch
+
+    if not torch.cuda.is_available():
+        # Without a GPU the Triton kernels run on CPU tensors through Triton's interpreter.
+        # It is chosen when a kernel is defined, so this must happen before any kernel module is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
