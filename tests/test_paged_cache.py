@@ -69,7 +69,7 @@ def test_rejects_bad_sizes() -> None:
         PagedKVCache(num_layers=0, num_blocks=4, block_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32, device="cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu  # deselected by default; run with `pytest -m gpu` on a GPU host
 def test_cuda_allocation() -> None:
     cache = PagedKVCache(num_blocks=4, dtype=torch.bfloat16, device="cuda", **DIMS)
     k, _ = cache.layer(0)

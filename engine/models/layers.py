@@ -3,10 +3,18 @@
 The numerics follow Hugging Face's Llama/Qwen implementations step by step (including where
 they cast between float32 and the model dtype), so that our logits match theirs closely in
 float32 and bfloat16 alike.
+
+``RMSNorm``, ``SiluAndMul`` and ``RotaryEmbedding`` each have two paths: the torch code here,
+the reference (CPU tests compare it with transformers), and a fused Triton kernel from
+``engine.models.fused_ops`` that rounds in the same order. Each module's ``use_triton``
+picks one: ``None`` (the default) means Triton for CUDA tensors when triton is installed,
+torch otherwise; ``set_use_triton`` forces one path on a whole model.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,6 +23,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _use_triton(setting: bool | None, x: torch.Tensor) -> bool:
+    """A module's ``use_triton`` resolved for input ``x``: ``None`` means CUDA tensors (with triton installed)."""
+    return (x.is_cuda and _triton_installed()) if setting is None else setting
+
+
+def _fused_ops():
+    # Imported on first use so that the torch path never needs triton.
+    from engine.models import fused_ops
+
+    return fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -29,10 +54,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.use_triton: bool | None = None  # see the module docstring
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if _use_triton(self.use_triton, x):
+            return self._forward_triton(x, residual)
         if residual is not None:
             # Add in the model dtype, as Hugging Face does, so the stored residual is exactly theirs.
             x = x + residual
@@ -44,17 +72,34 @@ class RMSNorm(nn.Module):
         out = self.weight * x32.to(dtype)
         return out if residual is None else (out, residual)
 
+    def _forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None):
+        rows = x.reshape(-1, x.shape[-1])  # the kernels take [num_tokens, hidden]; a view for 2-D input
+        if residual is None:
+            return _fused_ops().rms_norm(rows, self.weight, self.eps).view(x.shape)
+        out, residual = _fused_ops().fused_add_rms_norm(rows, residual.reshape(rows.shape), self.weight, self.eps)
+        return out.view(x.shape), residual.view(x.shape)
+
 
 class SiluAndMul(nn.Module):
     """SwiGLU activation on a fused [gate | up] projection."""
 
+    def __init__(self):
+        super().__init__()
+        self.use_triton: bool | None = None  # see the module docstring
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * intermediate]
+        if _use_triton(self.use_triton, x):
+            return _fused_ops().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up  # [num_tokens, intermediate]
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate-half, as in HF Llama/Qwen) from a cached cos/sin table."""
+    """Neox-style rotary embedding (rotate-half, as in HF Llama/Qwen) from a cached cos/sin table.
+
+    Qwen3 passes its per-head ``q_norm``/``k_norm`` to ``forward``, which applies them first:
+    on the Triton path, norms and rope are one kernel for q and k together.
+    """
 
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor):
         super().__init__()
@@ -67,13 +112,25 @@ class RotaryEmbedding(nn.Module):
         target_device = torch.empty(0).device
         # Not persistent: it is derived from the config, never read from a checkpoint.
         self.register_buffer("cos_sin_cache", cache.to(target_device), persistent=False)
+        self.use_triton: bool | None = None  # see the module docstring
 
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]; rows may be strided (a view of qkv)
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        q_norm: RMSNorm | None = None,  # per-head norms applied before rope, both or neither
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if _use_triton(self.use_triton, q):
+            if q_norm is None:
+                return _fused_ops().rotary(positions, q, k, self.cos_sin_cache)
+            # Both norms are built from the same config eps (LlamaAttention), so one eps serves both.
+            return _fused_ops().qk_norm_rotary(
+                positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos_sin_cache
+            )
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         # The table stays float32; cos/sin are rounded to the activation dtype as Hugging Face does.
         cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # [num_tokens, head_dim // 2] each
         cos, sin = cos[:, None, :], sin[:, None, :]
@@ -83,6 +140,13 @@ class RotaryEmbedding(nn.Module):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)  # [num_tokens, heads, head_dim // 2] each
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def set_use_triton(model: nn.Module, enabled: bool | None) -> None:
+    """Set ``use_triton`` on every norm, activation and rotary module of ``model`` (None: by device)."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
+            module.use_triton = enabled
 
 
 def get_rope(

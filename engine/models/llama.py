@@ -65,9 +65,9 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.reshape(n, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        # Qwen3 norms each head of q and k before rope; on the GPU norms and rope are one kernel.
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        q, k = self.rotary_emb(positions, q, k, q_norm, k_norm)
         out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v, meta)  # [num_tokens, q_size]
         return self.o_proj(out)
 
