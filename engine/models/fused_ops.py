@@ -1,0 +1,302 @@
+"""Fused Triton kernels for the small ops of a decoder layer, each with a wrapper that checks its inputs.
+
+Eagerly, a decoder layer spends most of its kernel launches on tiny elementwise ops: RMSNorm
+alone is half a dozen (cast, square, mean, rsqrt, scale, cast back, weight), rotary embedding
+a dozen more. Each costs a few microseconds even when replayed from a CUDA graph. Here each
+group is one kernel:
+
+* ``rms_norm`` / ``fused_add_rms_norm``: one program per row, the whole row in registers.
+* ``rotary`` / ``qk_norm_rotary``: neox-style rope (rotate-half) of q and k, optionally after
+  Qwen3's per-head RMSNorm; grid ``(num_tokens, 2)``, one program per token for q, one for k.
+* ``silu_and_mul``: SwiGLU on a fused ``[gate | up]`` projection.
+
+Numerics: every kernel rounds where the torch code in ``engine.models.layers`` rounds
+(Hugging Face's order): the residual add in the model dtype; the norm in float32, cast to the
+model dtype, then times the weight in the model dtype; rope with cos/sin rounded to the model
+dtype and each product and sum rounded. Only reduction order and the float32 ``rsqrt``/``exp``
+differ, so bfloat16 results agree with torch's to a rounding step at most, and float32 ones to
+about 1e-6. Floating-point contraction (mul + add into fma) is turned off for the same reason.
+
+All wrappers are out of place (inputs are never written), take rows with any stride as long
+as the last dim is contiguous, and launch grids that depend only on shapes: they are safe to
+capture in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HIDDEN_SIZE = 16384  # one row per program, held in registers
+_ROPE_TILE = 2048  # elements per half-head tile of the rope kernel: heads are processed in groups this big
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round(x, out_ptr):
+    """``x`` (float32) rounded to ``out_ptr``'s element type and back: one torch op's rounding."""
+    return x.to(out_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    eps, hidden_size, stride_x, stride_r, stride_o, stride_ro,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden_size
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _round(x + r, out_ptr)  # the residual stream is kept in the model dtype
+        tl.store(residual_out_ptr + row * stride_ro + offs, x.to(residual_out_ptr.dtype.element_ty), mask=mask)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = w * _round(x * rstd, out_ptr)  # cast back before the weight, like Hugging Face
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_rope_heads(
+    x_ptr, out_ptr, weight_ptr, cos, sin, eps, num_heads, stride_h, stride_oh,
+    HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """One token's heads of q (or k), ``BLOCK_H`` at a time: optional per-head RMSNorm, then rotate-half.
+
+    Each head is read as two halves ``x1 = x[:D/2]``, ``x2 = x[D/2:]``; ``cos``/``sin`` are
+    ``[1, HALF_PAD]`` float32, already rounded to the model dtype.
+    """
+    half = HEAD_DIM // 2
+    offs_d = tl.arange(0, HALF_PAD)
+    d_mask = offs_d < half
+    if HAS_NORM:
+        w1 = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(weight_ptr + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    for h0 in range(0, num_heads, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        mask = (heads < num_heads)[:, None] & d_mask[None, :]
+        in_ptrs = x_ptr + heads[:, None] * stride_h + offs_d[None, :]
+        x1 = tl.load(in_ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HALF_PAD]
+        x2 = tl.load(in_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+            x1 = _round(w1 * _round(x1 * rstd, out_ptr), out_ptr)
+            x2 = _round(w2 * _round(x2 * rstd, out_ptr), out_ptr)
+        # torch rounds every product and every sum: x1 * cos - x2 * sin, x2 * cos + x1 * sin.
+        o1 = _round(x1 * cos, out_ptr) - _round(x2 * sin, out_ptr)
+        o2 = _round(x2 * cos, out_ptr) + _round(x1 * sin, out_ptr)
+        out_ptrs = out_ptr + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, o1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs + half, o2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr,
+    eps, num_q_heads, num_k_heads, stride_p,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_c,
+    HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + tok * stride_p).to(tl.int64)
+    offs_d = tl.arange(0, HALF_PAD)
+    d_mask = offs_d < HEAD_DIM // 2
+    # Table row: [cos | sin], float32; rounded to the activation dtype first, as torch does.
+    row_ptr = cos_sin_ptr + pos * stride_c
+    cos = _round(tl.load(row_ptr + offs_d, mask=d_mask, other=0.0), q_out_ptr)[None, :]
+    sin = _round(tl.load(row_ptr + HEAD_DIM // 2 + offs_d, mask=d_mask, other=0.0), q_out_ptr)[None, :]
+    if tl.program_id(1) == 0:
+        _norm_rope_heads(q_ptr + tok * stride_qt, q_out_ptr + tok * stride_qot, q_weight_ptr, cos, sin, eps,
+                         num_q_heads, stride_qh, stride_qoh, HEAD_DIM, HALF_PAD, BLOCK_HQ, HAS_NORM)
+    else:
+        _norm_rope_heads(k_ptr + tok * stride_kt, k_out_ptr + tok * stride_kot, k_weight_ptr, cos, sin, eps,
+                         num_k_heads, stride_kh, stride_koh, HEAD_DIM, HALF_PAD, BLOCK_HK, HAS_NORM)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter_size
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter_size + offs, mask=mask, other=0.0).to(tl.float32)
+    act = _round(gate / (1.0 + tl.exp(-gate)), out_ptr)  # F.silu, rounded to the model dtype
+    tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------------
+
+
+def _runs_on(t: torch.Tensor) -> bool:
+    """CUDA tensors always; CPU tensors only when the kernels were built by Triton's interpreter."""
+    return t.is_cuda or not isinstance(_rms_norm_kernel, triton.runtime.JITFunction)
+
+
+def _check_activation(name: str, what: str, t: torch.Tensor, dim: int) -> None:
+    if t.dim() != dim:
+        raise ValueError(f"{name}: {what} must be {dim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name}: {what} dtype {t.dtype} is not supported (one of {SUPPORTED_DTYPES})")
+    if not _runs_on(t):
+        raise ValueError(f"{name}: {what} is on {t.device}: the kernels need CUDA tensors (or TRITON_INTERPRET=1)")
+    if t.numel() > 0 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: {what} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def _check_weight(name: str, what: str, w: torch.Tensor, size: int, like: torch.Tensor) -> None:
+    if w.shape != (size,) or w.dtype != like.dtype or w.device != like.device or w.stride(0) != 1:
+        raise ValueError(f"{name}: {what} must be a contiguous ({size},) {like.dtype} tensor on {like.device}, "
+                         f"got {tuple(w.shape)} {w.dtype} on {w.device} with strides {w.stride()}")
+
+
+def _norm_launch(hidden_size: int) -> tuple[int, int]:
+    """(BLOCK, num_warps): the whole row in one tile, about 8 to 32 elements per thread."""
+    block = triton.next_power_of_2(hidden_size)
+    return block, min(max(block // 256, 1), 16)
+
+
+# --------------------------------------------------------------------------------------------
+# Wrappers
+# --------------------------------------------------------------------------------------------
+
+
+def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    _check_activation(name, "x", x, 2)
+    num_tokens, hidden_size = x.shape
+    if not 0 < hidden_size <= MAX_HIDDEN_SIZE:
+        raise ValueError(f"{name}: hidden size {hidden_size} is outside (0, {MAX_HIDDEN_SIZE}]")
+    _check_weight(name, "weight", weight, hidden_size, x)
+    if residual is not None:
+        _check_activation(name, "residual", residual, 2)
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(f"{name}: residual must match x ({tuple(x.shape)} {x.dtype} on {x.device}), "
+                             f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    out = torch.empty((num_tokens, hidden_size), dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(out) if residual is not None else None
+    if num_tokens > 0:
+        block, num_warps = _norm_launch(hidden_size)
+        res_in = residual if residual is not None else x  # unused without HAS_RESIDUAL
+        res_out = new_residual if new_residual is not None else out
+        _rms_norm_kernel[(num_tokens,)](
+            x, res_in, weight, out, res_out, float(eps), hidden_size,
+            x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps, enable_fp_fusion=False,
+        )
+    return out, new_residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of ``x`` [num_tokens, hidden] (any row stride): a new [num_tokens, hidden] tensor."""
+    out, _ = _rms_norm("rms_norm", x, None, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``, the sum rounded to the model dtype; inputs are not written."""
+    return _rms_norm("fused_add_rms_norm", x, residual, weight, eps)
+
+
+def rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding of q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim].
+
+    ``cos_sin_cache`` is [max_position, head_dim] float32, cos in the first half and sin in the
+    second; ``positions`` [tokens] int32/int64, any order, each below max_position (not checked:
+    that would need a host sync). q and k may be strided views (e.g. of a fused qkv output).
+    Returns new contiguous tensors ``(q_out, k_out)``.
+    """
+    return _rope("rotary", positions, q, k, cos_sin_cache, None, None, 0.0)
+
+
+def qk_norm_rotary(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,  # [head_dim], in q's dtype
+    k_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k (over head_dim), then ``rotary``; one kernel, out of place."""
+    return _rope("qk_norm_rotary", positions, q, k, cos_sin_cache, q_weight, k_weight, eps)
+
+
+def _rope(
+    name: str,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_activation(name, "q", q, 3)
+    _check_activation(name, "k", k, 3)
+    num_tokens, num_q_heads, head_dim = q.shape
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim or k.dtype != q.dtype or k.device != q.device:
+        raise ValueError(f"{name}: k must be [{num_tokens}, kv_heads, {head_dim}] {q.dtype} on {q.device}, "
+                         f"got {tuple(k.shape)} {k.dtype} on {k.device}")
+    if head_dim % 2 != 0:
+        raise ValueError(f"{name}: head_dim must be even, got {head_dim}")
+    if positions.shape != (num_tokens,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: positions must be int32/int64 of shape ({num_tokens},), "
+                         f"got {tuple(positions.shape)} {positions.dtype}")
+    if (cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.dtype != torch.float32
+            or cos_sin_cache.stride(1) != 1):
+        raise ValueError(f"{name}: cos_sin_cache must be [max_position, {head_dim}] float32 with a contiguous "
+                         f"last dim, got {tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}")
+    for what, t in (("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: {what} is on {t.device}, q on {q.device}")
+    has_norm = q_weight is not None
+    if has_norm:
+        _check_weight(name, "q_weight", q_weight, head_dim, q)
+        _check_weight(name, "k_weight", k_weight, head_dim, q)
+    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    half_pad = triton.next_power_of_2(head_dim // 2)
+    heads_per_tile = max(_ROPE_TILE // half_pad, 1)
+    _rope_kernel[(num_tokens, 2)](
+        positions, q, k, q_out, k_out, q_weight if has_norm else q, k_weight if has_norm else k, cos_sin_cache,
+        float(eps), num_q_heads, k.shape[1], positions.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
+        HEAD_DIM=head_dim, HALF_PAD=half_pad,
+        BLOCK_HQ=min(triton.next_power_of_2(num_q_heads), heads_per_tile),
+        BLOCK_HK=min(triton.next_power_of_2(max(k.shape[1], 1)), heads_per_tile),
+        HAS_NORM=has_norm, num_warps=4, enable_fp_fusion=False,
+    )
+    return q_out, k_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of ``x`` [num_tokens, 2 * inter] (any row stride): ``silu(gate) * up``, [num_tokens, inter]."""
+    _check_activation("silu_and_mul", "x", x, 2)
+    num_tokens, width = x.shape
+    if width % 2 != 0:
+        raise ValueError(f"silu_and_mul: the last dim must be even ([gate | up]), got {width}")
+    inter_size = width // 2
+    out = torch.empty((num_tokens, inter_size), dtype=x.dtype, device=x.device)
+    if num_tokens > 0 and inter_size > 0:
+        block = min(triton.next_power_of_2(inter_size), 1024)
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter_size, block))](
+            x, out, inter_size, x.stride(0), out.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=False,
+        )
+    return out

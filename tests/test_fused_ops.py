@@ -1,0 +1,261 @@
+"""Fused Triton ops (norms, rope, SwiGLU) against the torch code of ``engine.models.layers``, the reference.
+
+On a GPU they run as compiled kernels on CUDA tensors. Without one they run in Triton's
+interpreter on CPU tensors (``TRITON_INTERPRET=1``, which conftest sets on hosts without CUDA).
+
+The interpreter casts float32 to bfloat16 by truncation instead of rounding to nearest, so
+bfloat16 is checked only loosely there (indexing, not rounding); float32 and float16 are tight.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine.loader import load_model  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from engine.models import fused_ops  # noqa: E402
+from engine.models.layers import RMSNorm, SiluAndMul, get_rope, set_use_triton  # noqa: E402
+from tests.helpers import VOCAB, PagedRunner, save_tiny_model  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU: run with TRITON_INTERPRET=1 to test the kernels on the CPU", allow_module_level=True)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:
+        return dict(atol=1e-6, rtol=1e-6)
+    if dtype == torch.float16 or DEVICE == "cuda":
+        return dict(atol=1e-2, rtol=1e-2)
+    return dict(atol=6e-2, rtol=6e-2)  # the interpreter's bfloat16 truncation, a few times over
+
+
+def _assert_matches(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Close, and for 16-bit dtypes rounded in the same order: nearly every element bit-identical.
+
+    Only float32 reduction order and rsqrt/exp differ, which flip a 16-bit rounding rarely; rounding
+    at a different step (say, the weight multiplied before the cast back) changes a large fraction.
+    """
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    torch.testing.assert_close(got, ref, **_tol(got.dtype))
+    if got.dtype == torch.float16 or (got.dtype == torch.bfloat16 and DEVICE == "cuda"):
+        identical = (got == ref).float().mean().item()
+        assert identical > 0.99, f"only {identical:.1%} of elements bit-identical: different rounding order?"
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=DEVICE)
+
+
+def _strided_rows(num_tokens: int, width: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    """[num_tokens, width] whose rows are ``width + 24`` elements apart and start 8 in: not contiguous."""
+    return _randn(num_tokens, width + 24, dtype=dtype, seed=seed, scale=scale)[:, 8 : 8 + width]
+
+
+def _torch_norm(hidden_size: int, dtype: torch.dtype, seed: int, eps: float = 1e-6) -> RMSNorm:
+    norm = RMSNorm(hidden_size, eps).to(device=DEVICE, dtype=dtype)
+    norm.use_triton = False
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        norm.weight.copy_(torch.empty(hidden_size).uniform_(0.5, 1.5, generator=gen))
+    return norm
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden_size", [576, 1024, 96])
+def test_rms_norm_matches_torch(dtype, hidden_size):
+    norm = _torch_norm(hidden_size, dtype, seed=1)
+    x = _strided_rows(7, hidden_size, dtype, seed=2)
+    _assert_matches(fused_ops.rms_norm(x, norm.weight, norm.eps), norm(x))
+    x = _randn(5, hidden_size, dtype=dtype, seed=3, scale=30.0)  # large values: the float32 sum must not lose them
+    _assert_matches(fused_ops.rms_norm(x, norm.weight, norm.eps), norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden_size", [576, 1024])
+def test_fused_add_rms_norm_matches_torch(dtype, hidden_size):
+    norm = _torch_norm(hidden_size, dtype, seed=4, eps=1e-5)
+    x = _strided_rows(9, hidden_size, dtype, seed=5)
+    residual = _strided_rows(9, hidden_size, dtype, seed=6)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, new_residual = fused_ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    ref_out, ref_residual = norm(x, residual)
+    # The sum is one correctly rounded add on both paths (except under the interpreter's bfloat16 truncation).
+    interpreted_bf16 = dtype == torch.bfloat16 and DEVICE == "cpu"
+    exact = dict(atol=0, rtol=0)
+    torch.testing.assert_close(new_residual, ref_residual, **(_tol(dtype) if interpreted_bf16 else exact))
+    _assert_matches(out, ref_out)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before), "inputs must not be written"
+
+
+def test_rms_norm_module_uses_the_kernel_on_3d_views():
+    """The module flattens leading dims (a qkv view here) and restores them."""
+    norm = _torch_norm(32, torch.float32, seed=7)
+    qkv = _randn(5, 3 * 4 * 32, dtype=torch.float32, seed=8)
+    q = qkv[:, : 4 * 32].reshape(5, 4, 32)
+    ref = norm(q)
+    norm.use_triton = True
+    torch.testing.assert_close(norm(q), ref, atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary embedding (+ Qwen3's per-head q/k norm)
+
+
+def _qk_views(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, seed: int):
+    """q, k as strided views of one fused qkv projection output, as the attention module passes them."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = _randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, seed=seed, scale=2.0)
+    q = qkv[:, :q_size].reshape(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, num_kv_heads, head_dim)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    return q, k
+
+
+# (num_heads, num_kv_heads, head_dim): Qwen3-0.6B-like GQA, SmolLM2's 9/3 x 64, a head_dim whose half
+# is not a power of two, and more heads than one tile holds (the kernel loops over head groups).
+ROPE_SHAPES = [(16, 8, 128), (9, 3, 64), (6, 2, 96), (40, 8, 128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("with_norm", [False, True], ids=["rope", "qk_norm_rope"])
+def test_rotary_matches_torch(dtype, shape, with_norm):
+    num_heads, num_kv_heads, head_dim = shape
+    rope = get_rope(head_dim, 4096, 1e6).to(DEVICE)
+    rope.use_triton = False
+    positions = torch.tensor([3, 4095, 0, 17, 17, 1000, 2], device=DEVICE)  # out of order, repeated
+    q, k = _qk_views(len(positions), num_heads, num_kv_heads, head_dim, dtype, seed=head_dim)
+    q_before, k_before = q.clone(), k.clone()
+    if with_norm:
+        q_norm, k_norm = _torch_norm(head_dim, dtype, seed=10), _torch_norm(head_dim, dtype, seed=11)
+        got = fused_ops.qk_norm_rotary(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, rope.cos_sin_cache)
+        ref = rope(positions, q, k, q_norm, k_norm)
+    else:
+        got = fused_ops.rotary(positions.to(torch.int32), q, k, rope.cos_sin_cache)
+        ref = rope(positions, q, k)
+    for g, r in zip(got, ref):
+        assert g.is_contiguous()
+        _assert_matches(g, r)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before), "inputs must not be written"
+
+
+def test_rotary_with_llama3_table_and_strided_heads():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    rope = get_rope(64, 512, 5e5, scaling).to(DEVICE)
+    rope.use_triton = False
+    positions = torch.tensor([511, -1, 0, -1, 100, -1, 63], device=DEVICE)[::2]  # strided too
+    # MHA (as many kv heads as q heads), and heads that are not adjacent: strided in dims 0 and 1.
+    q = _randn(4, 4, 80, dtype=torch.float32, seed=12)[:, :, 16:]
+    k = _randn(4, 8, 64, dtype=torch.float32, seed=13)[:, ::2]
+    for g, r in zip(fused_ops.rotary(positions, q, k, rope.cos_sin_cache), rope(positions, q, k)):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# SwiGLU
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter_size", [300, 1536])  # 1536: more than one column block per row
+def test_silu_and_mul_matches_torch(dtype, inter_size):
+    x = _strided_rows(6, 2 * inter_size, dtype, seed=13, scale=3.0)  # well into silu's curved range
+    ref_module = SiluAndMul()
+    ref_module.use_triton = False
+    _assert_matches(fused_ops.silu_and_mul(x), ref_module(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks and edge cases
+
+
+def test_empty_batches_launch_nothing():
+    w = torch.ones(64, device=DEVICE)
+    x = torch.empty(0, 64, device=DEVICE)
+    assert fused_ops.rms_norm(x, w, 1e-6).shape == (0, 64)
+    assert [t.shape for t in fused_ops.fused_add_rms_norm(x, x, w, 1e-6)] == [(0, 64), (0, 64)]
+    assert fused_ops.silu_and_mul(torch.empty(0, 128, device=DEVICE)).shape == (0, 64)
+    q, k = torch.empty(0, 4, 32, device=DEVICE), torch.empty(0, 2, 32, device=DEVICE)
+    cache = torch.zeros(16, 32, device=DEVICE)
+    q_out, k_out = fused_ops.rotary(torch.empty(0, dtype=torch.long, device=DEVICE), q, k, cache)
+    assert q_out.shape == (0, 4, 32) and k_out.shape == (0, 2, 32)
+
+
+def test_wrappers_reject_bad_input():
+    x = torch.randn(4, 64, device=DEVICE)
+    w = torch.ones(64, device=DEVICE)
+    bad_norm_calls = {
+        "3-D": lambda: fused_ops.rms_norm(x[None], w, 1e-6),
+        "weight size": lambda: fused_ops.rms_norm(x, torch.ones(32, device=DEVICE), 1e-6),
+        "weight dtype": lambda: fused_ops.rms_norm(x, w.half(), 1e-6),
+        "last dim strided": lambda: fused_ops.rms_norm(torch.randn(64, 4, device=DEVICE).t(), w, 1e-6),
+        "int dtype": lambda: fused_ops.rms_norm(x.long(), w.long(), 1e-6),
+        "residual shape": lambda: fused_ops.fused_add_rms_norm(x, x[:3], w, 1e-6),
+        "residual dtype": lambda: fused_ops.fused_add_rms_norm(x, x.double(), w, 1e-6),
+        "odd silu width": lambda: fused_ops.silu_and_mul(x[:, :63]),
+    }
+    _assert_all_rejected(bad_norm_calls)
+
+    positions = torch.arange(4, device=DEVICE)
+    q, k = torch.randn(4, 4, 32, device=DEVICE), torch.randn(4, 2, 32, device=DEVICE)
+    cache = get_rope(32, 64, 1e4).to(DEVICE).cos_sin_cache
+    bad_rope_calls = {
+        "q 2-D": lambda: fused_ops.rotary(positions, q[:, 0], k, cache),
+        "k tokens": lambda: fused_ops.rotary(positions, q, k[:3], cache),
+        "k head_dim": lambda: fused_ops.rotary(positions, q, torch.randn(4, 2, 16, device=DEVICE), cache),
+        "k dtype": lambda: fused_ops.rotary(positions, q, k.half(), cache),
+        "odd head_dim": lambda: fused_ops.rotary(positions, q[..., :31], k[..., :31], cache[:, :31]),
+        "positions float": lambda: fused_ops.rotary(positions.float(), q, k, cache),
+        "positions length": lambda: fused_ops.rotary(positions[:3], q, k, cache),
+        "cache width": lambda: fused_ops.rotary(positions, q, k, cache[:, :16]),
+        "cache dtype": lambda: fused_ops.rotary(positions, q, k, cache.half()),
+        "norm weight size": lambda: fused_ops.qk_norm_rotary(positions, q, k, w, w, 1e-6, cache),
+        "norm weight dtype": lambda: fused_ops.qk_norm_rotary(
+            positions, q, k, torch.ones(32, device=DEVICE, dtype=torch.half), torch.ones(32, device=DEVICE),
+            1e-6, cache),
+    }
+    _assert_all_rejected(bad_rope_calls)
+
+
+def _assert_all_rejected(calls: dict) -> None:
+    for what, call in calls.items():
+        try:
+            call()
+        except ValueError:
+            continue
+        pytest.fail(f"accepted bad input: {what}")
+
+
+# ----------------------------------------------------------------------------------------------
+# A whole model
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama-llama3-rope"])
+def test_tiny_model_fused_matches_torch_path(name, tmp_path):
+    """Prefill, then a decode and a mixed step: the fused path's logits match the torch path's."""
+    model = load_model(ModelConfig.from_pretrained(save_tiny_model(name, tmp_path)), torch.float32, DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (19, 33)]
+    steps = [[(0, prompts[0][:-1]), (1, prompts[1][:-1])],
+             [(0, prompts[0][-1:]), (1, prompts[1][-1:]), (2, prompts[0][:5])]]
+    outputs = {}
+    for use_triton in (False, True):
+        set_use_triton(model, use_triton)
+        runner = PagedRunner(model)
+        outputs[use_triton] = [runner.step(chunks) for chunks in steps]
+    for ref_step, got_step in zip(outputs[False], outputs[True]):
+        for ref, got in zip(ref_step, got_step):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
