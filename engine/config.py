@@ -40,6 +40,8 @@ class EngineConfig:
     # Execution.
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     enforce_eager: bool = False
+    # Queue the next step on the device before returning this step's outputs (None: on CUDA only).
+    overlap_steps: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # empty: 1, 2, 4, 8, 16, 24, ... max_num_seqs
     check_invariants_when_idle: bool = True
 

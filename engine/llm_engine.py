@@ -44,7 +44,7 @@ class StepTiming:
     num_reqs: int
     num_tokens: int
     graph: bool  # replayed a captured decode graph
-    host_s: float  # scheduling, input building, kernel launches, post-processing
+    host_s: float  # scheduling, input building and kernel launches: the device waits for these
     device_s: float  # forward pass and sampling on the device (CUDA events)
     wall_s: float
 
@@ -88,6 +88,10 @@ class LLMEngine:
         self.runner.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.step_timings: list[StepTiming] = []
+        self._last_sync: float | None = None
+        self._inflight: tuple | None = None  # (SchedulerOutput, StepHandle, prepare start) of a launched step
+        self.overlap_steps = (config.overlap_steps if config.overlap_steps is not None
+                              else self.runner.device.type == "cuda")
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -155,26 +159,49 @@ class LLMEngine:
     # --------------------------------------------------------------------- step
 
     def step(self) -> list[EngineOutput]:
-        """Run one scheduling step and forward pass; return what each request produced."""
+        """Finish one step and return what each request produced.
+
+        With overlapped steps (CUDA by default) the next step is scheduled and queued on the
+        device before this returns, so the device computes while the caller handles these
+        outputs (detokenization, streaming) and while the next call waits on it. Requests
+        added or aborted in between take effect from the step after; an aborted request's
+        result from the step in flight is dropped.
+        """
+        if self._inflight is None:
+            self._inflight = self._launch_next()
+        sched, handle, prepare_start = self._inflight
+        self._inflight = None
+        self.runner.last_timing = None
+        runner_out = self.runner.finish(handle)
+        synced = time.perf_counter()
+        outputs = self.scheduler.update_from_output(sched, runner_out)
+        self._record_timing(sched, prepare_start, synced)
+        if self.overlap_steps and self.scheduler.has_unfinished_requests():
+            self._inflight = self._launch_next()
+        elif self.config.check_invariants_when_idle and not self.scheduler.has_unfinished_requests():
+            self.kv_manager.check_invariants()
+        return outputs
+
+    def _launch_next(self) -> tuple:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
-        self.runner.last_timing = None
-        runner_out = self.runner.execute(sched)
-        outputs = self.scheduler.update_from_output(sched, runner_out)
-        if self.config.check_invariants_when_idle and not self.scheduler.has_unfinished_requests():
-            self.kv_manager.check_invariants()
-        if self.runner.last_timing is not None:
-            launched, synced, device_s, graph, num_reqs = self.runner.last_timing
-            end = time.perf_counter()
-            self.step_timings.append(StepTiming(
-                num_reqs=num_reqs, num_tokens=sched.total_num_scheduled_tokens, graph=graph,
-                host_s=(launched - start) + (end - synced), device_s=device_s, wall_s=end - start))
-        return outputs
+        return sched, self.runner.launch(sched), start
+
+    def _record_timing(self, sched, prepare_start: float, synced: float) -> None:
+        if self.runner.last_timing is None:
+            return
+        launched, _, device_s, graph, num_reqs = self.runner.last_timing
+        wall = synced - (self._last_sync if self._last_sync is not None else prepare_start)
+        self._last_sync = synced
+        self.step_timings.append(StepTiming(num_reqs=num_reqs, num_tokens=sched.total_num_scheduled_tokens,
+                                            graph=graph, host_s=launched - prepare_start, device_s=device_s,
+                                            wall_s=wall))
 
     def measure_steps(self, enabled: bool = True) -> None:
         """Record a StepTiming for every step (host work vs device time), for benchmarks."""
         self.runner.measure_steps = enabled
         self.step_timings.clear()
+        self._last_sync = None
 
     def stats(self) -> EngineStats:
         return EngineStats(

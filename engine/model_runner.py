@@ -34,6 +34,19 @@ _PROFILE_REQUEST_LEN = 512
 
 
 @dataclass
+class StepHandle:
+    """A launched step: its inputs and where its sampled tokens will be."""
+
+    inputs: "StepInputs | None" = None
+    sampled: torch.Tensor | None = None  # [num_sampled] on the device
+    sampled_host: torch.Tensor | None = None  # pinned host copy, valid once ``ready`` has passed
+    raw_logprobs: torch.Tensor | None = None
+    ready: "torch.cuda.Event | None" = None
+    events: tuple | None = None  # timing events when steps are measured
+    launched: float = 0.0
+
+
+@dataclass
 class StepInputs:
     """The flat tensors of one step, plus which rows get a sampled token."""
 
@@ -77,6 +90,7 @@ class ModelRunner:
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.buffers = StepBuffers(max_tokens, config.max_num_seqs, max_blocks, self.device)
         self.graphs: DecodeGraphs | None = None
+        self._sampled_host = torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self.measure_steps = False  # record host/device time per step (benchmarks)
         self.last_timing: tuple | None = None
         logger.info("model runner: %s on %s, %s attention backend", self.dtype, self.device, self.backend.name)
@@ -195,11 +209,20 @@ class ModelRunner:
 
     # --------------------------------------------------------------- one step
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step to completion."""
+        return self.finish(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Queue one step's forward pass and sampling on the device; return without waiting for it.
+
+        The sampled tokens are copied to pinned host memory behind the step, so ``finish``
+        waits for exactly this step and nothing queued after it.
+        """
         self._update_states(sched)
         if sched.is_empty:
-            return ModelRunnerOutput([], [])
+            return StepHandle()
         inputs = self._prepare_inputs(sched)
         # Built before the forward pass is queued, so their small host-to-device copies never
         # wait behind it.
@@ -209,21 +232,41 @@ class ModelRunner:
             logits = self.graphs.replay(inputs.graph_size)[inputs.logits_indices]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-            if st is None:
-                return ModelRunnerOutput([], [])
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self.model.compute_logits(hidden[inputs.logits_indices]) if st is not None else None
         if st is None:
-            return ModelRunnerOutput([], [])
+            if events:
+                events[1].record()
+            return StepHandle(inputs=inputs, events=events, launched=time.perf_counter())
         sampled, raw_logprobs = self.sampler(logits, st)
-        launched = time.perf_counter()
-        token_ids = sampled.tolist()  # the step's one host sync
-        if events is not None:
-            self._finish_timing(events, launched, inputs)
+        sampled_host = self._sampled_host[: len(inputs.sampled_rows)]
+        sampled_host.copy_(sampled, non_blocking=True)
+        if events:
+            events[1].record()
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return StepHandle(inputs, sampled, sampled_host, raw_logprobs, ready, events, time.perf_counter())
+
+    @torch.inference_mode()
+    def finish(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Wait for a launched step; record its tokens and return them."""
+        if handle.inputs is None:
+            return ModelRunnerOutput([], [])
+        if handle.ready is not None:
+            handle.ready.synchronize()  # the step's one host sync
+        if handle.events is not None:
+            self._finish_timing(handle.events, handle.launched, handle.inputs)
+        if handle.sampled is None:
+            return ModelRunnerOutput([], [])
+        inputs = handle.inputs
+        token_ids = handle.sampled_host.tolist()
         self.batch.append_sampled(inputs.sampled_rows, np.asarray(token_ids, dtype=np.int64))
         sampled_ids = inputs.sampled_request_ids
         output = ModelRunnerOutput(sampled_ids, token_ids)
-        if raw_logprobs is not None:
-            output.logprobs = self._logprobs(raw_logprobs, sampled, token_ids, inputs.sampled_rows, sampled_ids)
+        if handle.raw_logprobs is not None:
+            output.logprobs = self._logprobs(handle.raw_logprobs, handle.sampled, token_ids, inputs.sampled_rows,
+                                             sampled_ids)
         return output
 
     def _start_timing(self):
@@ -239,7 +282,6 @@ class ModelRunner:
         synced = time.perf_counter()
         device_s = synced - launched  # CPU: the step's compute is all "device" time
         if events:
-            events[1].record()
             events[1].synchronize()
             device_s = events[0].elapsed_time(events[1]) / 1e3
         self.last_timing = (launched, synced, device_s, inputs.graph_size is not None, int(inputs.meta.num_reqs))

@@ -157,3 +157,31 @@ def test_min_tokens_masks_eos_and_stop_tokens(llama_dir):
     assert stopped == [first]
     held = run(llm, [prompt], SamplingParams(temperature=0, max_tokens=6, min_tokens=3, stop_token_ids=[first]))[0]
     assert len(held) >= 3 and first not in held[:3]
+
+
+def test_overlapped_steps_give_the_same_tokens_under_preemption_and_aborts(llama_dir):
+    """Queueing the next step before returning outputs (the CUDA default) changes no token."""
+    prompts = make_prompts(VOCAB, lens=[40, 70, 25, 90, 55, 33, 61, 48])
+    expected = hf_greedy(llama_dir, prompts, 24)
+    llm = LLM(str(llama_dir), max_model_len=256, max_num_batched_tokens=64, num_kvcache_blocks=21,
+              overlap_steps=True)
+    assert llm.engine.overlap_steps
+    assert run(llm, prompts, greedy(24)) == expected
+    assert llm.engine.stats().num_preemptions > 0
+    # Abort two requests while a step is in flight: the others are unaffected and no block leaks.
+    eng = llm.engine
+    for i, p in enumerate(prompts[:4]):
+        eng.add_request(f"x{i}", p, greedy(24))
+    got = {f"x{i}": [] for i in range(4)}
+    for _ in range(3):
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    eng.abort_requests(["x1", "x2"])
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    eng.step()  # drains the step that was in flight when the last request finished
+    assert got["x0"] == expected[0] and got["x3"] == expected[3]
+    stats = eng.stats().kv
+    assert stats.num_used_blocks == 0
+    eng.kv_manager.check_invariants()
