@@ -19,7 +19,7 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hit: these tokens' KV is already in the pool
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """A request the runner already holds; only what changed since its last step."""
 
@@ -63,7 +63,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineOutput:
     """What one step produced for one request: its new tokens and whether it is done."""
 
