@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from offline_throughput import git_commit  # noqa: E402
+from peers import run_transformers_cb  # noqa: E402
 from roofline import measure_ceilings, model_costs, roofline  # noqa: E402
 from workloads import WORKLOADS, shape_dir  # noqa: E402
 
@@ -68,31 +69,12 @@ def step_summary(llm: LLM) -> dict:
 
 
 def run_peer(model_dir: Path, prompts, output_lens) -> dict:
-    """transformers continuous batching (generate_batch machinery, sdpa), random bf16 weights, EOS off."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    """The peer on random bf16 weights in the same shape (sdpa attention)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max(output_lens), eos_token_id=-1, pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=gen)
-    manager.start()
-    try:
-        start = time.perf_counter()
-        for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
-            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
-        num_out, done = 0, 0
-        while done < len(prompts):
-            result = manager.get_result(timeout=300)
-            if result is None:
-                raise RuntimeError("the peer stopped before finishing")
-            if result.is_finished():
-                done += 1
-                num_out += len(result.generated_tokens)
-        elapsed = time.perf_counter() - start
-    finally:
-        manager.stop(block=True)
-    return {"name": "transformers-cb", "requests": len(prompts), "elapsed_s": elapsed, "output_tokens": num_out,
-            "tok_s": num_out / elapsed}
+    return run_transformers_cb(model, prompts, output_lens)
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from peers import run_transformers_cb  # noqa: E402
 from workloads import WORKLOADS, Workload  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
@@ -50,29 +51,7 @@ def _hf_model(model_path: str, dtype: torch.dtype, device: str):
 
 
 def run_hf_continuous_batching(model_path: str, prompts, output_lens, dtype, device) -> dict:
-    """transformers' own continuous batching (the generate_batch machinery), per-request lengths, EOS off."""
-    from transformers import GenerationConfig
-
-    model = _hf_model(model_path, dtype, device)
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(output_lens), eos_token_id=-1, pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=config)
-    manager.start()
-    try:
-        start = time.perf_counter()
-        for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
-            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
-        num_out, done = 0, 0
-        while done < len(prompts):
-            result = manager.get_result(timeout=600)
-            if result is None:
-                raise RuntimeError("transformers' continuous batching stopped before finishing")
-            if result.is_finished():
-                done += 1
-                num_out += len(result.generated_tokens)
-        elapsed = time.perf_counter() - start
-    finally:
-        manager.stop(block=True)
-    return {"name": "transformers-cb", "elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed}
+    return run_transformers_cb(_hf_model(model_path, dtype, device), prompts, output_lens)
 
 
 def run_hf_sequential(model_path: str, prompts, output_lens, dtype, device) -> dict:
