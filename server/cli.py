@@ -103,6 +103,9 @@ def _add_scheduler_args(group) -> None:
     group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
                        choices=["auto", "torch", "triton"], help="auto: triton on CUDA, torch elsewhere")
     group.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    group.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
+                       help="queue the next step on the device before handing out this step's tokens; "
+                            "default: on with CUDA, off on the CPU")
 
 
 def _add_server_args(group) -> None:
@@ -131,6 +134,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        overlap_steps=args.overlap_steps,
     )
 
 
