@@ -75,7 +75,9 @@ class TorchAttentionBackend:
         keys = _gather_context(k_cache, tables)  # [d, kvh, L, hd]
         values = _gather_context(v_cache, tables)
         positions = torch.arange(nb * block_size, device=q.device)
-        mask = positions[None, :] < meta.seq_lens[:d, None]  # [d, L]
+        beyond = positions[None, :] >= meta.seq_lens[:d, None]  # [d, L]: padding past each context
+        # An additive mask: SDPA's CPU kernel takes it without converting a boolean one per call.
+        mask = torch.zeros(beyond.shape, dtype=q.dtype, device=q.device).masked_fill_(beyond, float("-inf"))
         # Fold the query heads of one KV head into the query axis: GQA without repeating K/V.
         qg = q.view(d, num_kv_heads, group, head_dim)  # [d, kvh, group, hd]
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
