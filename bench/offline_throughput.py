@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF model directory (default: the embedded default model)")
     parser.add_argument("--peer", default="cb", choices=["cb", "sequential", "both", "none"])
     parser.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
