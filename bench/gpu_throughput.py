@@ -36,7 +36,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 def run_minivllm(model_dir: Path, prompts, output_lens, args) -> tuple[dict, LLM]:
     llm = LLM(str(model_dir), load_format="dummy", max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     warm = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 4
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], warm, use_tqdm=False)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true", help="plan each step before the last one's tokens")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -171,21 +171,25 @@ class LLMEngine:
             self._inflight = self._launch_next()
         sched, handle, prepare_start = self._inflight
         self._inflight = None
+        if self.config.async_scheduling and self.scheduler.can_schedule_ahead():
+            # Plan and queue the next step before this one's tokens are known: the device goes
+            # from one step straight to the next while the host waits and does the bookkeeping.
+            self._inflight = self._launch_next(in_flight=handle)
         self.runner.last_timing = None
         runner_out = self.runner.finish(handle)
         synced = time.perf_counter()
         outputs = self.scheduler.update_from_output(sched, runner_out)
         self._record_timing(sched, prepare_start, synced)
-        if self.overlap_steps and self.scheduler.has_unfinished_requests():
+        if self._inflight is None and self.overlap_steps and self.scheduler.has_unfinished_requests():
             self._inflight = self._launch_next()
         elif self.config.check_invariants_when_idle and not self.scheduler.has_unfinished_requests():
             self.kv_manager.check_invariants()
         return outputs
 
-    def _launch_next(self) -> tuple:
+    def _launch_next(self, in_flight=None) -> tuple:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
-        return sched, self.runner.launch(sched), start
+        return sched, self.runner.launch(sched, in_flight), start
 
     def _record_timing(self, sched, prepare_start: float, synced: float) -> None:
         if self.runner.last_timing is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -57,6 +57,9 @@ class StepInputs:
     sampled_request_ids: list[str]  # requests that get a token, in logits order
     sampled_rows: np.ndarray  # [num_sampled] their InputBatch rows
     graph_size: int | None = None  # the captured decode graph to replay, if any
+    # Tokens whose id a step in flight is still sampling: their batch positions and requests.
+    placeholder_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    placeholder_request_ids: list[str] = field(default_factory=list)
 
 
 def make_attention_backend(name: str):
@@ -90,7 +93,10 @@ class ModelRunner:
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.buffers = StepBuffers(max_tokens, config.max_num_seqs, max_blocks, self.device)
         self.graphs: DecodeGraphs | None = None
-        self._sampled_host = torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        pin = self.device.type == "cuda"
+        self._sampled_host = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._sampled_turn = 0
+        self._inputs_copied: torch.cuda.Event | None = None  # the last step's input copies
         self.measure_steps = False  # record host/device time per step (benchmarks)
         self.last_timing: tuple | None = None
         logger.info("model runner: %s on %s, %s attention backend", self.dtype, self.device, self.backend.name)
@@ -214,16 +220,20 @@ class ModelRunner:
         return self.finish(self.launch(sched))
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> StepHandle:
+    def launch(self, sched: SchedulerOutput, in_flight: StepHandle | None = None) -> StepHandle:
         """Queue one step's forward pass and sampling on the device; return without waiting for it.
 
         The sampled tokens are copied to pinned host memory behind the step, so ``finish``
-        waits for exactly this step and nothing queued after it.
+        waits for exactly this step and nothing queued after it. When the step was planned
+        while ``in_flight`` was still running, the tokens that step is sampling are fed to this
+        one on the device, without a round trip through the host.
         """
         self._update_states(sched)
         if sched.is_empty:
             return StepHandle()
         inputs = self._prepare_inputs(sched)
+        if len(inputs.placeholder_tokens):
+            self._feed_in_flight_tokens(inputs, in_flight)
         # Built before the forward pass is queued, so their small host-to-device copies never
         # wait behind it.
         st = self._sampling_tensors(inputs.sampled_rows) if len(inputs.sampled_rows) else None
@@ -238,7 +248,10 @@ class ModelRunner:
                 events[1].record()
             return StepHandle(inputs=inputs, events=events, launched=time.perf_counter())
         sampled, raw_logprobs = self.sampler(logits, st)
-        sampled_host = self._sampled_host[: len(inputs.sampled_rows)]
+        # Two pinned buffers in turn: with a step planned ahead, this copy may land while the
+        # host still reads the previous step's tokens.
+        self._sampled_turn ^= 1
+        sampled_host = self._sampled_host[self._sampled_turn][: len(inputs.sampled_rows)]
         sampled_host.copy_(sampled, non_blocking=True)
         if events:
             events[1].record()
@@ -261,13 +274,27 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         inputs = handle.inputs
         token_ids = handle.sampled_host.tolist()
-        self.batch.append_sampled(inputs.sampled_rows, np.asarray(token_ids, dtype=np.int64))
+        # Rows by request id: a request dropped since this step was launched (finished,
+        # preempted) has no row any more, and its row may already belong to another request.
+        rows = [self.batch.row_of.get(rid, -1) for rid in inputs.sampled_request_ids]
+        live = [i for i, row in enumerate(rows) if row >= 0]
+        self.batch.append_sampled(np.asarray([rows[i] for i in live], dtype=np.int64),
+                                  np.asarray([token_ids[i] for i in live], dtype=np.int64))
         sampled_ids = inputs.sampled_request_ids
         output = ModelRunnerOutput(sampled_ids, token_ids)
         if handle.raw_logprobs is not None:
             output.logprobs = self._logprobs(handle.raw_logprobs, handle.sampled, token_ids, inputs.sampled_rows,
                                              sampled_ids)
         return output
+
+    def _feed_in_flight_tokens(self, inputs: StepInputs, in_flight: StepHandle | None) -> None:
+        """Write the tokens the in-flight step is sampling into this step's input ids, on the device."""
+        if in_flight is None or in_flight.sampled is None:
+            raise RuntimeError("a step needs tokens of a step in flight, but none was given")
+        index_of = {rid: i for i, rid in enumerate(in_flight.inputs.sampled_request_ids)}
+        src = torch.tensor([index_of[rid] for rid in inputs.placeholder_request_ids], dtype=torch.long)
+        dst = torch.from_numpy(inputs.placeholder_tokens)
+        inputs.input_ids[dst.to(self.device)] = in_flight.sampled[src.to(self.device)]
 
     def _start_timing(self):
         if not self.measure_steps:
@@ -297,6 +324,9 @@ class ModelRunner:
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         """Flat step inputs, built with vector ops into the persistent buffers and copied asynchronously."""
         b, buf, bs = self.batch, self.buffers, self.block_size
+        if self._inputs_copied is not None:
+            # With a step planned ahead, the previous step's copies may still be reading the pinned buffers.
+            self._inputs_copied.synchronize()
         req_ids = list(sched.num_scheduled_tokens)
         rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         counts = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
@@ -346,7 +376,7 @@ class ModelRunner:
             max_query_len=int(counts.max()), max_seq_len=max_seq_len, block_size=bs,
             query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu,
         )
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=buf.input_ids.copy_to_device(padded_tokens),
             positions=buf.positions.copy_to_device(padded_tokens),
             meta=meta,
@@ -355,6 +385,14 @@ class ModelRunner:
             sampled_rows=rows[sampled],
             graph_size=graph_size,
         )
+        if self.device.type == "cuda":
+            self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
+        unknown = np.nonzero(positions >= b.num_tokens[token_rows])[0]  # ids a step in flight is sampling
+        if len(unknown):
+            inputs.placeholder_tokens = unknown
+            inputs.placeholder_request_ids = [req_ids[order[token_req[t]]] for t in unknown.tolist()]
+        return inputs
 
     def _graph_size(self, num_reqs: int, num_decodes: int) -> int | None:
         """The captured batch size to replay for a decode-only step, or None to run eagerly."""

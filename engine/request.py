@@ -42,6 +42,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens being sampled by steps in flight, not yet appended (0, or 1 while steps are planned ahead).
+        self.num_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
@@ -55,6 +57,19 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """Known tokens plus the ones steps in flight are sampling."""
+        return len(self.all_token_ids) + self.num_placeholders
+
+    def reached_limits_ahead(self, max_model_len: int) -> bool:
+        """True when the tokens in flight already take the request to max_tokens or the context limit."""
+        if not self.num_placeholders:
+            return False
+        max_tokens = self.sampling_params.max_tokens
+        num_out = self.num_tokens_ahead - len(self.prompt_token_ids)
+        return (max_tokens is not None and num_out >= max_tokens) or self.num_tokens_ahead >= max_model_len
 
     @property
     def num_output_tokens(self) -> int:

@@ -93,13 +93,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.reached_limits_ahead(self.max_model_len):
+                i += 1  # its last token is already being sampled; it finishes when that arrives
+                continue
+            num_new = min(request.num_tokens_ahead - request.num_computed_tokens, budget)
             new_block_ids, preempted = self._allocate_or_preempt(request, num_new)
             num_preempted += preempted
             if new_block_ids is None:  # the request itself was preempted
                 break
             cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
             num_scheduled[request.request_id] = num_new
+            self._advance(request, num_new)
             budget -= num_new
             i += 1
 
@@ -114,6 +118,7 @@ class Scheduler:
             new_data, num_new = scheduled
             new_reqs.append(new_data)
             num_scheduled[request.request_id] = num_new
+            self._advance(request, num_new)
             budget -= num_new
 
         freed, self._freed_ids = self._freed_ids, set()
@@ -127,16 +132,17 @@ class Scheduler:
         )
 
     def update_from_output(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineOutput]:
-        """Advance computed-token counts, append sampled tokens, finish what stopped."""
-        for rid, n in sched.num_scheduled_tokens.items():
-            request = self.requests.get(rid)
-            if request is not None:  # None: aborted while the step ran
-                request.num_computed_tokens += n
+        """Append the sampled tokens (resolving their placeholders) and finish what stopped.
+
+        A request that finished here may be in a step already planned ahead; that step's
+        token for it is dropped (the request is gone by then).
+        """
         outputs: list[EngineOutput] = []
         for rid, token_id in zip(runner_out.request_ids, runner_out.sampled_token_ids):
             request = self.requests.get(rid)
-            if request is None:  # aborted while the step ran
+            if request is None:  # aborted or finished while the step ran
                 continue
+            request.num_placeholders -= 1
             request.append_token(token_id)
             status = request.check_stop(self.max_model_len)
             logprobs = runner_out.logprobs.get(rid)
@@ -144,12 +150,30 @@ class Scheduler:
             if status is None:
                 outputs.append(self._output(request, [token_id], new_logprobs=new_logprobs))
                 continue
-            self.running.remove(request)
+            # A request preempted while this token was in flight is already back in the queue.
+            (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
             self._finish(request, status)
             outputs.append(self._output(request, [token_id], finished=True, new_logprobs=new_logprobs))
         return outputs
 
     # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _advance(request: Request, num_new: int) -> None:
+        """Count the scheduled tokens as computed now, so the next step can be planned before this
+        one's tokens are known; a step that completes the known tokens leaves one placeholder
+        for the token it samples."""
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens_ahead:
+            request.num_placeholders += 1
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be planned before this step's tokens are known.
+
+        Not while a running request needs its exact output so far to sample: penalties count
+        generated tokens, and min_tokens counts them to mask EOS.
+        """
+        return not any(r.sampling_params.has_penalties or r.sampling_params.min_tokens for r in self.running)
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int] | None, int]:
         """Blocks for ``num_new`` more tokens, preempting newer requests until they fit.
@@ -161,7 +185,7 @@ class Scheduler:
         while True:
             new_block_ids = self.kv.allocate_slots(
                 request.request_id, request.all_token_ids, request.num_computed_tokens, num_new
-            )
+            )  # a placeholder's block is hashed once its token is known
             if new_block_ids is not None:
                 return new_block_ids, num_preempted
             victim = self.running.pop()  # the newest running request
@@ -172,6 +196,8 @@ class Scheduler:
 
     def _schedule_waiting(self, request: Request, budget: int) -> tuple[NewRequestData, int] | None:
         """Admit the head of the queue with as many tokens as fit, or None if it cannot run now."""
+        if request.num_placeholders:
+            return None  # preempted while its last token was being sampled: wait for that token
         cached_blocks, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
         num_new = request.num_tokens - num_cached
         if num_new > budget and not self.enable_chunked_prefill:

@@ -28,6 +28,11 @@ from kvcache.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_to
 from kvcache.metrics import KVCacheStats
 
 
+# Slots may be allocated for one token not known yet: the token a step in flight is sampling,
+# when the engine plans the next step before that token arrives.
+MAX_UNKNOWN_TOKENS = 1
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -220,7 +225,7 @@ class KVCacheManager:
     ) -> None:
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"request {request_id}: negative token counts ({num_computed_tokens}, {num_new_tokens})")
-        if len(token_ids) < num_computed_tokens + num_new_tokens:
+        if len(token_ids) + MAX_UNKNOWN_TOKENS < num_computed_tokens + num_new_tokens:
             raise ValueError(
                 f"request {request_id}: {len(token_ids)} token ids known but "
                 f"{num_computed_tokens} + {num_new_tokens} tokens to allocate"
@@ -249,7 +254,8 @@ class KVCacheManager:
         return hashes
 
     def _cache_full_blocks(self, request_id: str, table: _BlockTable, token_ids: Sequence[int]) -> None:
-        num_full_blocks = table.num_tokens // self.block_size
+        # A block whose last token is still being sampled is cached by a later call, once it is known.
+        num_full_blocks = min(table.num_tokens, len(token_ids)) // self.block_size
         if num_full_blocks <= table.num_cached_blocks:
             return
         hashes = self._hashes_upto(request_id, token_ids, num_full_blocks)

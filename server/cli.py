@@ -106,6 +106,9 @@ def _add_scheduler_args(group) -> None:
     group.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
                        help="queue the next step on the device before handing out this step's tokens; "
                             "default: on with CUDA, off on the CPU")
+    group.add_argument("--async-scheduling", action="store_true",
+                       help="also plan each step before the previous step's tokens are known, so the device "
+                            "does not wait for the host between decode steps")
 
 
 def _add_server_args(group) -> None:
@@ -134,7 +137,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        overlap_steps=args.overlap_steps,
+        overlap_steps=args.overlap_steps, async_scheduling=args.async_scheduling,
     )
 
 

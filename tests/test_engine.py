@@ -185,3 +185,38 @@ def test_overlapped_steps_give_the_same_tokens_under_preemption_and_aborts(llama
     stats = eng.stats().kv
     assert stats.num_used_blocks == 0
     eng.kv_manager.check_invariants()
+
+
+@pytest.mark.parametrize("chunk,blocks", [(100_000, 128), (64, 21)])
+def test_steps_planned_ahead_give_the_same_tokens(llama_dir, chunk, blocks):
+    """async_scheduling plans step N+1 before N's tokens are known; greedy tokens must not change,
+    with preemption (21 blocks), chunked prefill, stop tokens, seeds and aborts in the mix."""
+    prompts = make_prompts(VOCAB, lens=[40, 70, 25, 90, 55, 33, 61, 48])
+    expected = hf_greedy(llama_dir, prompts, 24)
+    llm = LLM(str(llama_dir), max_model_len=256, max_num_batched_tokens=chunk, num_kvcache_blocks=blocks,
+              overlap_steps=True, async_scheduling=True)
+    assert run(llm, prompts, greedy(24)) == expected
+    if blocks == 21:
+        assert llm.engine.stats().num_preemptions > 0
+    # A stop token ends a request while the step after it is already planned: nothing leaks.
+    stop_at = expected[1][5]
+    stopped = run(llm, [prompts[1]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at]))[0]
+    assert stopped == expected[1][: expected[1].index(stop_at) + 1]
+    seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True) for i in range(4)]
+    reference = LLM(str(llama_dir), max_model_len=256, num_kvcache_blocks=128)
+    assert run(llm, prompts[:4], seeded) == run(reference, prompts[:4], seeded)
+    eng = llm.engine
+    for i, p in enumerate(prompts[:4]):
+        eng.add_request(f"y{i}", p, greedy(24))
+    got = {f"y{i}": [] for i in range(4)}
+    for _ in range(4):
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    eng.abort_requests(["y0", "y2"])
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    eng.step()  # the step planned ahead of the last one
+    assert got["y1"] == expected[1] and got["y3"] == expected[3]
+    assert eng.stats().kv.num_used_blocks == 0
+    eng.kv_manager.check_invariants()

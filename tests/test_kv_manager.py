@@ -147,7 +147,7 @@ def test_allocate_returns_new_block_ids_in_order() -> None:
 def test_allocate_rejects_bad_arguments() -> None:
     mgr = KVCacheManager(num_blocks=10, block_size=4)
     with pytest.raises(ValueError):
-        mgr.allocate_slots("a", [1, 2], 0, 3)  # more tokens than known
+        mgr.allocate_slots("a", [1, 2], 0, 4)  # two more tokens than known
     prompt = list(range(9))
     mgr.allocate_slots("a", prompt, 0, 9)
     blocks, n = mgr.get_computed_blocks("b", prompt)
@@ -155,6 +155,20 @@ def test_allocate_rejects_bad_arguments() -> None:
         mgr.allocate_slots("a", prompt + [1], 9, 1, blocks)  # hit blocks after the first allocation
     with pytest.raises(ValueError):
         mgr.allocate_slots("b", prompt, 0, 9, blocks)  # hit blocks not counted as computed
+
+
+def test_a_block_ending_in_an_unknown_token_is_cached_once_the_token_is_known() -> None:
+    """Slots for the token a step in flight is sampling: allocated now, hashed when it arrives."""
+    mgr = KVCacheManager(num_blocks=10, block_size=4)
+    known = [5, 6, 7]
+    assert mgr.allocate_slots("a", known, 0, 4) == [1]  # 3 known tokens + 1 being sampled
+    assert mgr.pool.num_cached_blocks == 0  # its 4th token is unknown: not cached yet
+    mgr.check_invariants()
+    assert mgr.allocate_slots("a", known + [8], 4, 1) == [2]  # the token arrived; the next one is in flight
+    assert mgr.pool.num_cached_blocks == 1
+    blocks, num_cached = mgr.get_computed_blocks("b", [5, 6, 7, 8, 9])
+    assert num_cached == 4 and [b.block_id for b in blocks] == [1]
+    mgr.check_invariants()
 
 
 def test_free_in_reverse_order_evicts_tail_first() -> None:

@@ -27,10 +27,8 @@ def make_request(rid: str, prompt_len: int, max_tokens: int = 4, first_token: in
 def run_step(sched: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list]:
     """Schedule, then 'sample' ``token`` for every request whose known tokens are all computed."""
     out = sched.schedule()
-    sampled = [
-        rid for rid, n in out.num_scheduled_tokens.items()
-        if sched.requests[rid].num_computed_tokens + n == sched.requests[rid].num_tokens
-    ]
+    # A request samples when the step computes its last known token: it then holds a placeholder.
+    sampled = [rid for rid in out.num_scheduled_tokens if sched.requests[rid].num_placeholders > 0]
     events = sched.update_from_output(out, ModelRunnerOutput(sampled, [token] * len(sampled)))
     sched.kv.check_invariants()
     return out, events
