@@ -159,6 +159,26 @@ def test_min_tokens_masks_eos_and_stop_tokens(llama_dir):
     assert len(held) >= 3 and first not in held[:3]
 
 
+def check_aborts_while_a_step_is_in_flight(llm: LLM, prompts, expected) -> None:
+    """Abort requests 1 and 2 after a few steps, while the next step is already queued: the others
+    still get exactly their expected tokens, and every block comes back."""
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"x{i}", p, greedy(len(expected[i])))
+    got = {f"x{i}": [] for i in range(len(prompts))}
+    for _ in range(3):
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    eng.abort_requests(["x1", "x2"])
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    eng.step()  # the step queued after the last request finished; its tokens are dropped
+    assert got["x0"] == expected[0] and got["x3"] == expected[3]
+    assert eng.stats().kv.num_used_blocks == 0
+    eng.kv_manager.check_invariants()
+
+
 def test_overlapped_steps_give_the_same_tokens_under_preemption_and_aborts(llama_dir):
     """Queueing the next step before returning outputs (the CUDA default) changes no token."""
     prompts = make_prompts(VOCAB, lens=[40, 70, 25, 90, 55, 33, 61, 48])
@@ -168,23 +188,7 @@ def test_overlapped_steps_give_the_same_tokens_under_preemption_and_aborts(llama
     assert llm.engine.overlap_steps
     assert run(llm, prompts, greedy(24)) == expected
     assert llm.engine.stats().num_preemptions > 0
-    # Abort two requests while a step is in flight: the others are unaffected and no block leaks.
-    eng = llm.engine
-    for i, p in enumerate(prompts[:4]):
-        eng.add_request(f"x{i}", p, greedy(24))
-    got = {f"x{i}": [] for i in range(4)}
-    for _ in range(3):
-        for out in eng.step():
-            got[out.request_id] += out.new_token_ids
-    eng.abort_requests(["x1", "x2"])
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            got[out.request_id] += out.new_token_ids
-    eng.step()  # drains the step that was in flight when the last request finished
-    assert got["x0"] == expected[0] and got["x3"] == expected[3]
-    stats = eng.stats().kv
-    assert stats.num_used_blocks == 0
-    eng.kv_manager.check_invariants()
+    check_aborts_while_a_step_is_in_flight(llm, prompts[:4], expected[:4])
 
 
 @pytest.mark.parametrize("chunk,blocks", [(100_000, 128), (64, 21)])
@@ -205,18 +209,4 @@ def test_steps_planned_ahead_give_the_same_tokens(llama_dir, chunk, blocks):
     seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True) for i in range(4)]
     reference = LLM(str(llama_dir), max_model_len=256, num_kvcache_blocks=128)
     assert run(llm, prompts[:4], seeded) == run(reference, prompts[:4], seeded)
-    eng = llm.engine
-    for i, p in enumerate(prompts[:4]):
-        eng.add_request(f"y{i}", p, greedy(24))
-    got = {f"y{i}": [] for i in range(4)}
-    for _ in range(4):
-        for out in eng.step():
-            got[out.request_id] += out.new_token_ids
-    eng.abort_requests(["y0", "y2"])
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            got[out.request_id] += out.new_token_ids
-    eng.step()  # the step planned ahead of the last one
-    assert got["y1"] == expected[1] and got["y3"] == expected[3]
-    assert eng.stats().kv.num_used_blocks == 0
-    eng.kv_manager.check_invariants()
+    check_aborts_while_a_step_is_in_flight(llm, prompts[:4], expected[:4])
