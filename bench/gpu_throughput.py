@@ -48,7 +48,8 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args) -> tuple[dict, LLM
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == sum(output_lens)
     return {"name": "minivllm", "elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed,
-            "preemptions": llm.engine.stats().num_preemptions, "steps": step_summary(llm)}, llm
+            "preemptions": llm.engine.stats().num_preemptions, "steps_planned_ahead": llm.engine.num_steps_planned_ahead,
+            "steps": step_summary(llm)}, llm
 
 
 def step_summary(llm: LLM) -> dict:
@@ -123,7 +124,8 @@ def main() -> None:
           f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s; roofline {roof['tok_s']:.0f} tok/s "
           f"(prefill {roof['prefill_s']:.2f} s + decode {roof['decode_s']:.2f} s)")
     print(f"  minivllm: {result['tok_s']:.0f} tok/s in {result['elapsed_s']:.1f} s = "
-          f"{result['tok_s'] / roof['tok_s']:.1%} of the roofline; preemptions {result['preemptions']}")
+          f"{result['tok_s'] / roof['tok_s']:.1%} of the roofline; preemptions {result['preemptions']}, "
+          f"steps planned ahead {result['steps_planned_ahead']}")
     for kind, s in result["steps"].items():
         print(f"    {kind}: {s['steps']} steps, median host {s['host_ms_median']:.2f} ms, device "
               f"{s['device_ms_median']:.2f} ms, wall {s['wall_ms_median']:.2f} ms, GPU busy "

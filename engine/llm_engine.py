@@ -90,6 +90,7 @@ class LLMEngine:
         self.step_timings: list[StepTiming] = []
         self._last_sync: float | None = None
         self._inflight: tuple | None = None  # (SchedulerOutput, StepHandle, prepare start) of a launched step
+        self.num_steps_planned_ahead = 0  # steps launched before the previous step's tokens were known
         self.overlap_steps = (config.overlap_steps if config.overlap_steps is not None
                               else self.runner.device.type == "cuda")
         self.scheduler = Scheduler(
@@ -175,6 +176,7 @@ class LLMEngine:
             # Plan and queue the next step before this one's tokens are known: the device goes
             # from one step straight to the next while the host waits and does the bookkeeping.
             self._inflight = self._launch_next(in_flight=handle)
+            self.num_steps_planned_ahead += 1
         self.runner.last_timing = None
         runner_out = self.runner.finish(handle)
         synced = time.perf_counter()

@@ -200,6 +200,7 @@ def test_steps_planned_ahead_give_the_same_tokens(llama_dir, chunk, blocks):
     llm = LLM(str(llama_dir), max_model_len=256, max_num_batched_tokens=chunk, num_kvcache_blocks=blocks,
               overlap_steps=True, async_scheduling=True)
     assert run(llm, prompts, greedy(24)) == expected
+    assert llm.engine.num_steps_planned_ahead > 0
     if blocks == 21:
         assert llm.engine.stats().num_preemptions > 0
     # A stop token ends a request while the step after it is already planned: nothing leaks.

@@ -30,16 +30,18 @@ def _greedy(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_triton_with_cuda_graphs_matches_torch_eager_float32(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_triton_with_cuda_graphs_matches_torch_eager_float32(tmp_path, async_scheduling):
     model_dir = save_tiny_model("qwen3", tmp_path)
     prompts = _prompts(VOCAB)
     common = dict(device="cuda", dtype="float32", max_model_len=256, num_kvcache_blocks=256)
-    fast = LLM(str(model_dir), attention_backend="triton", **common)
+    fast = LLM(str(model_dir), attention_backend="triton", async_scheduling=async_scheduling, **common)
     assert fast.engine.runner.graphs is not None, "CUDA graphs should be captured"
     reference = LLM(str(model_dir), attention_backend="torch", enforce_eager=True, **common)
     fast.engine.measure_steps(True)
     got = _greedy(fast, prompts, 40)
     assert any(t.graph for t in fast.engine.step_timings), "decode steps should replay graphs"
+    assert (fast.engine.num_steps_planned_ahead > 0) == async_scheduling
     assert got == _greedy(reference, prompts, 40)
 
 
