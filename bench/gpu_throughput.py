@@ -117,7 +117,8 @@ def main() -> None:
               "num_requests": len(prompts), "ceilings": ceil.__dict__, "roofline": roof, "results": results}
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"gpu_{args.shape}_{workload.name}.json").write_text(json.dumps(record, indent=2))
+    suffix = "_async" if args.async_scheduling else ""
+    (out_dir / f"gpu_{args.shape}_{workload.name}{suffix}.json").write_text(json.dumps(record, indent=2))
     print(f"\n{args.shape} {workload.name} ({len(prompts)} requests, {sum(output_lens)} output tokens) on "
           f"{record['gpu']}, commit {record['commit']}")
     print(f"  ceilings: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
