@@ -48,7 +48,8 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args) -> tuple[dict, LLM
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == sum(output_lens)
     return {"name": "minivllm", "elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed,
-            "preemptions": llm.engine.stats().num_preemptions, "steps_planned_ahead": llm.engine.num_steps_planned_ahead,
+            "preemptions": llm.engine.stats().num_preemptions, "async_scheduling": llm.engine.async_scheduling,
+            "steps_planned_ahead": llm.engine.num_steps_planned_ahead,
             "steps": step_summary(llm)}, llm
 
 
@@ -88,7 +89,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--async-scheduling", action="store_true", help="plan each step before the last one's tokens")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan each step before the last one's tokens (default: the engine's, on with CUDA)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -117,7 +119,7 @@ def main() -> None:
               "num_requests": len(prompts), "ceilings": ceil.__dict__, "roofline": roof, "results": results}
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = "_async" if args.async_scheduling else ""
+    suffix = "_sync" if args.async_scheduling is False else ""
     (out_dir / f"gpu_{args.shape}_{workload.name}{suffix}.json").write_text(json.dumps(record, indent=2))
     print(f"\n{args.shape} {workload.name} ({len(prompts)} requests, {sum(output_lens)} output tokens) on "
           f"{record['gpu']}, commit {record['commit']}")

@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=160)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     args = parser.parse_args()
 
     model_dir = shape_dir(args.shape)
@@ -85,7 +85,7 @@ def main() -> None:
     total_us = sum(r[2] for r in rows)
     print(f"\n{args.shape}: {len(contexts)} requests decoding, context mean {contexts.mean():.0f} "
           f"(max {contexts.max()}), {'eager' if args.enforce_eager else 'CUDA graphs'}"
-          f"{', async scheduling' if args.async_scheduling else ''}")
+          f"{', async scheduling' if engine.async_scheduling else ''}")
     print(f"step roofline {roof_ms:.2f} ms (copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s); kernels "
           f"{total_us / 1e3:.2f} ms of device time per step; timed steps: host "
           f"{np.median([t.host_s for t in timings]) * 1e3:.2f} / device "

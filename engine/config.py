@@ -42,10 +42,10 @@ class EngineConfig:
     enforce_eager: bool = False
     # Queue the next step on the device before returning this step's outputs (None: on CUDA only).
     overlap_steps: bool | None = None
-    # Also plan the next step before this step's tokens are known (the device never waits for the
-    # host between decode steps). Off until measured as a default; penalties and min_tokens turn it
-    # off for the steps they run in.
-    async_scheduling: bool = False
+    # Also plan the next step before this step's tokens are known, so the device never waits for the
+    # host between decode steps (None: on with CUDA). Penalties and min_tokens turn it off for the
+    # steps they run in.
+    async_scheduling: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # empty: 1, 2, 4, 8, 16, 24, ... max_num_seqs
     check_invariants_when_idle: bool = True
 

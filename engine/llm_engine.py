@@ -91,8 +91,9 @@ class LLMEngine:
         self._last_sync: float | None = None
         self._inflight: tuple | None = None  # (SchedulerOutput, StepHandle, prepare start) of a launched step
         self.num_steps_planned_ahead = 0  # steps launched before the previous step's tokens were known
-        self.overlap_steps = (config.overlap_steps if config.overlap_steps is not None
-                              else self.runner.device.type == "cuda")
+        on_cuda = self.runner.device.type == "cuda"
+        self.overlap_steps = config.overlap_steps if config.overlap_steps is not None else on_cuda
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else on_cuda
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -172,7 +173,7 @@ class LLMEngine:
             self._inflight = self._launch_next()
         sched, handle, prepare_start = self._inflight
         self._inflight = None
-        if self.config.async_scheduling and self.scheduler.can_schedule_ahead():
+        if self.async_scheduling and self.scheduler.can_schedule_ahead():
             # Plan and queue the next step before this one's tokens are known: the device goes
             # from one step straight to the next while the host waits and does the bookkeeping.
             self._inflight = self._launch_next(in_flight=handle)

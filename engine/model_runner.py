@@ -57,6 +57,7 @@ class StepInputs:
     sampled_request_ids: list[str]  # requests that get a token, in logits order
     sampled_rows: np.ndarray  # [num_sampled] their InputBatch rows
     graph_size: int | None = None  # the captured decode graph to replay, if any
+    samples_leading_rows: bool = False  # logits_indices == 0..num_sampled-1
     # Tokens whose id a step in flight is still sampling: their batch positions and requests.
     placeholder_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     placeholder_request_ids: list[str] = field(default_factory=list)
@@ -239,7 +240,10 @@ class ModelRunner:
         st = self._sampling_tensors(inputs.sampled_rows) if len(inputs.sampled_rows) else None
         events = self._start_timing()
         if inputs.graph_size is not None:
-            logits = self.graphs.replay(inputs.graph_size)[inputs.logits_indices]
+            logits = self.graphs.replay(inputs.graph_size)
+            # Every row of a decode step is sampled, in order: a view instead of a gather.
+            n = len(inputs.sampled_rows)
+            logits = logits[:n] if inputs.samples_leading_rows else logits[inputs.logits_indices]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices]) if st is not None else None
@@ -363,6 +367,8 @@ class ModelRunner:
                 getattr(buf, name).np[num_reqs:padded] = 0
             buf.query_start_loc.np[num_reqs + 1 : padded + 1] = ends[-1]
 
+        num_decode_rows = padded if graph_size is not None else num_decodes  # padding rows: length 0, last
+        buf.decode_order.np[:num_decode_rows] = np.argsort(-buf.seq_lens.np[:num_decode_rows], kind="stable")
         seq_lens_cpu = buf.seq_lens.host[:padded].clone()
         qsl_cpu = buf.query_start_loc.host[: padded + 1].clone()
         meta = AttentionMetadata(
@@ -375,6 +381,7 @@ class ModelRunner:
             num_decode_tokens=num_decodes if graph_size is None else padded,
             max_query_len=int(counts.max()), max_seq_len=max_seq_len, block_size=bs,
             query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu,
+            decode_order=buf.decode_order.copy_to_device(num_decode_rows) if num_decode_rows else None,
         )
         inputs = StepInputs(
             input_ids=buf.input_ids.copy_to_device(padded_tokens),
@@ -384,6 +391,7 @@ class ModelRunner:
             sampled_request_ids=[req_ids[order[i]] for i in sampled.tolist()],
             sampled_rows=rows[sampled],
             graph_size=graph_size,
+            samples_leading_rows=bool(graph_size is not None and len(sampled) and sampled[-1] == len(sampled) - 1),
         )
         if self.device.type == "cuda":
             self._inputs_copied = torch.cuda.Event()

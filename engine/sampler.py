@@ -39,11 +39,15 @@ class SamplingTensors:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sample one token per row of ``logits`` [N, vocab] (float32).
+        """Sample one token per row of ``logits`` [N, vocab] (any float dtype; computed in float32).
 
         Returns the sampled ids [N] and, when any row asked for logprobs, the raw
         log-softmax [N, vocab] of the model's distribution (before penalties and filters).
         """
+        argmax_only = st.all_greedy and st.max_num_logprobs < 0 and st.banned is None and st.repetition_penalty is None
+        if argmax_only:
+            return logits.argmax(dim=-1), None  # exact in any dtype: upcasting preserves the order
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if st.max_num_logprobs >= 0 else None
         if st.banned is not None:
             logits = logits.index_put(st.banned, torch.tensor(float("-inf"), device=logits.device))

@@ -41,3 +41,4 @@ class StepBuffers:
         self.query_start_loc = HostDeviceBuffer((max_num_reqs + 1,), torch.int32, device)
         self.block_tables = HostDeviceBuffer((max_num_reqs, max_blocks_per_req), torch.int32, device)
         self.logits_indices = HostDeviceBuffer((max_num_reqs,), torch.int64, device)
+        self.decode_order = HostDeviceBuffer((max_num_reqs,), torch.int32, device)

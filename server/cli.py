@@ -106,9 +106,9 @@ def _add_scheduler_args(group) -> None:
     group.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
                        help="queue the next step on the device before handing out this step's tokens; "
                             "default: on with CUDA, off on the CPU")
-    group.add_argument("--async-scheduling", action="store_true",
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="also plan each step before the previous step's tokens are known, so the device "
-                            "does not wait for the host between decode steps")
+                            "does not wait for the host between decode steps; default: on with CUDA")
 
 
 def _add_server_args(group) -> None:

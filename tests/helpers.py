@@ -60,7 +60,7 @@ class PagedRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         with torch.no_grad():
-            logits = self.model.compute_logits(self.model(ids, pos, meta))  # [num_tokens, vocab]
+            logits = self.model.compute_logits(self.model(ids, pos, meta)).float()  # [num_tokens, vocab]
         return list(logits.split(query_lens))
 
     def _grow_table(self, req_id: int, seq_len: int) -> list[int]:

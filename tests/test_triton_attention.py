@@ -24,6 +24,7 @@ from engine.attention.triton_kernels import (  # noqa: E402
     choose_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
+    write_paged_kv,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -112,11 +113,11 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, padding_rows: list[int]
         assert (out[padding_rows] == 0).all(), "a seq_len 0 row must come out as zeros"
 
 
-def run_decode(case: Case, num_splits: int | None) -> torch.Tensor:
+def run_decode(case: Case, num_splits: int | None, order: torch.Tensor | None = None) -> torch.Tensor:
     d = case.meta.num_decodes
     out = torch.full_like(case.q[:d], float("nan"))
     paged_decode_attention(case.q[:d], case.k_cache, case.v_cache, case.meta.block_tables[:d],
-                           case.meta.seq_lens[:d], case.scale, out, num_splits)
+                           case.meta.seq_lens[:d], case.scale, out, num_splits, order)
     return out
 
 
@@ -152,6 +153,63 @@ def test_decode_matches_reference(group, head_dim, block_size, num_splits):
     d = case.meta.num_decodes
     ref = reference(case)[:d]
     assert_matches(run_decode(case, num_splits), ref, case.padding_rows)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_row_order_changes_only_the_launch_order(num_splits):
+    """Rows handed out longest first (as the runner does), or in any other order, give the same outputs."""
+    case = make_case(21, DECODES + [PAD, PAD], 2, 4, 64, 16)
+    d = case.meta.num_decodes
+    ref = reference(case)[:d]
+    longest_first = torch.argsort(case.meta.seq_lens_cpu[:d], descending=True, stable=True).to(torch.int32)
+    shuffled = torch.randperm(d, generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    for order in (longest_first, shuffled):
+        assert_matches(run_decode(case, num_splits, order.to(DEVICE)), ref, case.padding_rows)
+    meta = case.meta
+    meta.decode_order = longest_first.to(DEVICE)
+    out = TritonAttentionBackend().forward(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale)
+    assert_matches(out, reference(case), case.padding_rows)
+
+
+@pytest.mark.parametrize("num_kv_heads, head_dim", [(2, 64), (1, 128), (3, 32)])
+def test_write_paged_kv_matches_indexed_copy(num_kv_heads, head_dim):
+    """One kernel stores K and V rows, including rows that are views into a fused qkv tensor."""
+    gen = torch.Generator().manual_seed(num_kv_heads * head_dim)
+    num_blocks, block_size, n = 9, 16, 37
+    cache = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE) for _ in range(2)]
+    cache += [c.clone() for c in cache]
+    row = num_kv_heads * head_dim
+    qkv = torch.randn(n + 3, 2 * row + row, generator=gen).to(DEVICE)  # padded rows past the slots
+    k = qkv[:, row:2 * row].view(n + 3, num_kv_heads, head_dim)
+    v = qkv[:, 2 * row:].view(n + 3, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n].to(DEVICE)
+    write_kv(cache[0], cache[1], k[:n], v[:n], slots)
+    write_paged_kv(k, v, cache[2], cache[3], slots)
+    assert torch.equal(cache[0], cache[2]) and torch.equal(cache[1], cache[3])
+    before = cache[2].clone()
+    skipped = slots.clone()
+    skipped[::2] = -1  # negative slots are skipped
+    write_paged_kv(k + 1, v + 1, cache[2], cache[3], skipped)
+    changed = (cache[2] != before).any(-1).any(-1).view(-1).nonzero().view(-1)
+    assert sorted(changed.tolist()) == sorted(slots[1::2].tolist())
+
+
+def test_write_paged_kv_rejects_bad_inputs():
+    cache = torch.zeros(4, 16, 2, 64, device=DEVICE)
+    k = torch.zeros(5, 2, 64, device=DEVICE)
+    slots = torch.arange(5, device=DEVICE)
+    write_paged_kv(k, k, cache, cache.clone(), slots)
+    bad = [
+        (k[:, :1], k, cache, cache, slots),  # wrong head count
+        (k.half(), k, cache, cache, slots),  # dtype
+        (k.transpose(1, 2).contiguous().transpose(1, 2), k, cache, cache, slots),  # rows not contiguous
+        (k, k, cache, cache[:, :8], slots),  # cache shapes differ
+        (k, k, cache, cache, slots.int()),  # slot dtype
+        (k[:3], k[:3], cache, cache, slots),  # fewer rows than slots
+    ]
+    for args in bad:
+        with pytest.raises(ValueError):
+            write_paged_kv(*args)
 
 
 def test_decode_splits_agree_including_empty_splits():
@@ -246,6 +304,8 @@ def _bad_decode_calls(case: Case):
         ("table rows", dict(block_tables=case.meta.block_tables[:1], seq_lens=case.meta.seq_lens[:1])),
         ("q strides", dict(q=q.transpose(1, 2).contiguous().transpose(1, 2))),
         ("num_splits", dict(num_splits=0)),
+        ("order dtype", dict(order=torch.arange(d, device=q.device))),
+        ("order shape", dict(order=torch.arange(d + 1, dtype=torch.int32, device=q.device))),
         ("scale", dict(scale=float("nan"))),
     ]
     return good, bad

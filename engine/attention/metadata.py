@@ -39,6 +39,9 @@ class AttentionMetadata:
     block_size: int
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, on the CPU
     seq_lens_cpu: torch.Tensor  # [num_reqs] int32, on the CPU
+    # [num_decodes] int32 on the device: the decode rows by context length, longest first (None: in order).
+    # Kernels that give each row its own program start the long ones first, so the short ones fill the tail.
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_prefills(self) -> int:

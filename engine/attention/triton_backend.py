@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import write_kv
 from engine.attention.triton_kernels import (
     choose_num_splits,
     num_sms,
     paged_decode_attention,
     paged_prefill_attention,
+    write_paged_kv,
 )
 
 
@@ -34,7 +34,7 @@ class TritonAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         num_tokens = meta.slot_mapping.shape[0]
-        write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping)
+        write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = meta.num_decodes
         if d > 0:
@@ -42,8 +42,9 @@ class TritonAttentionBackend:
             # the table's shape is what stays fixed across replays.
             max_context_len = meta.block_tables.shape[1] * k_cache.shape[1]
             num_splits = choose_num_splits(d, k_cache.shape[2], max_context_len, num_sms(q.device))
+            order = meta.decode_order[:d] if meta.decode_order is not None else None
             paged_decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
-                                   out[:d], num_splits)
+                                   out[:d], num_splits, order)
         if meta.num_reqs > d:
             # Decode rows come first, one token each, so the prefill tokens start at row d.
             n = meta.num_reqs

@@ -62,15 +62,18 @@ def _load_kv_tile(cache_ptr, table_ptr, pos, valid, kv_head, stride_b, stride_s,
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, max_context_len,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
 ):
     seq = tl.program_id(0)
+    if HAS_ORDER:
+        seq = tl.load(order_ptr + seq)  # longest contexts first, so that short ones fill the tail
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     offs_g = tl.arange(0, GROUP_PAD)  # query heads of this KV head, padded for tl.dot
@@ -140,6 +143,22 @@ def _decode_merge_kernel(
     denom = tl.sum(w, 0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_kt, stride_vt,
+    ROW: tl.constexpr, ROW_PAD: tl.constexpr,
+):
+    """One token's K and V rows (num_kv_heads * head_dim each) into its cache slot; slot < 0 skips."""
+    tok = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    offs = tl.arange(0, ROW_PAD)
+    mask = (offs < ROW) & (slot >= 0)
+    k = tl.load(k_ptr + tok * stride_kt + offs, mask=mask)
+    v = tl.load(v_ptr + tok * stride_vt + offs, mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
 
 
 @triton.jit
@@ -337,18 +356,25 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written in full
     num_splits: int | None = None,
+    order: torch.Tensor | None = None,  # [num_seqs] int32: a permutation of the rows, longest context first
+    tiles: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages), for tuning sweeps
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole cached context (flash-decoding).
 
     ``num_splits`` pieces of each context run in parallel and are merged by a second kernel
-    (``None``: chosen by ``choose_num_splits`` from the table's capacity). A sequence of length 0
-    (padding) gets zeros. Returns ``out``.
+    (``None``: chosen by ``choose_num_splits`` from the table's capacity). ``order`` is the
+    order in which rows are handed to the GPU's schedulers: longest first keeps a batch of
+    mixed lengths from ending on one long context. A sequence of length 0 (padding) gets
+    zeros. Returns ``out``.
     """
     _check_attention_args("paged_decode_attention", q, k_cache, v_cache, block_tables, seq_lens, out)
     _check_scale("paged_decode_attention", scale)
     num_seqs, num_heads, head_dim = q.shape
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"paged_decode_attention: {block_tables.shape[0]} block table rows for {num_seqs} queries")
+    if order is not None and (order.shape != (num_seqs,) or order.dtype != torch.int32 or order.device != q.device):
+        raise ValueError(f"paged_decode_attention: order must be int32 of shape ({num_seqs},) on {q.device}, got "
+                         f"{tuple(order.shape)} {order.dtype} on {order.device}")
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_context_len = block_tables.shape[1] * block_size
     if num_splits is None:
@@ -358,21 +384,22 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    block_n, num_warps, num_stages = _decode_tiles(head_dim)
+    block_n, num_warps, num_stages = tiles or _decode_tiles(head_dim)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused: the kernel writes out directly
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, part_out, part_lse,
         scale * LOG2_E, max_context_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), HAS_ORDER=order is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -443,3 +470,38 @@ def paged_prefill_attention(
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def write_paged_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; a negative slot is skipped
+) -> None:
+    """Store the new tokens' K and V in their cache slots with one kernel launch."""
+    def fail(msg: str) -> None:
+        raise ValueError(f"write_paged_kv: {msg}")
+
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        fail(f"caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] of one shape, got "
+             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    row_shape = tuple(k_cache.shape[2:])
+    num_tokens = slot_mapping.shape[0]
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3 or tuple(t.shape[1:]) != row_shape or t.shape[0] < num_tokens:
+            fail(f"{name} must be [>= {num_tokens}, {row_shape[0]}, {row_shape[1]}], got {tuple(t.shape)}")
+        if t.dtype != k_cache.dtype or t.device != k_cache.device:
+            fail(f"{name} is {t.dtype} on {t.device}, the cache {k_cache.dtype} on {k_cache.device}")
+        if t.stride(2) != 1 or t.stride(1) != row_shape[1]:
+            fail(f"{name} rows must be contiguous (num_kv_heads * head_dim), got strides {t.stride()}")
+    if slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64 or slot_mapping.device != k_cache.device:
+        fail(f"slot_mapping must be 1-D int64 on {k_cache.device}, got {tuple(slot_mapping.shape)} "
+             f"{slot_mapping.dtype} on {slot_mapping.device}")
+    if num_tokens == 0:
+        return
+    row = row_shape[0] * row_shape[1]
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+        ROW=row, ROW_PAD=triton.next_power_of_2(row), num_warps=4,
+    )
