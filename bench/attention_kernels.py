@@ -154,6 +154,39 @@ def run_decode_case(batch_size: int, ctx: int, args, copy_gbs: float) -> dict:
     return row
 
 
+def run_mixed_decode_sweep(batch_size: int, args, copy_gbs: float) -> list[dict]:
+    """A decode batch as W1 produces it: contexts uniform in [100, 2048]. Rows in batch order vs
+    longest first, a few split counts, and a sweep of (BLOCK_N, num_warps, num_stages)."""
+    gen = torch.Generator().manual_seed(batch_size)
+    lens = torch.randint(100, 2049, (batch_size,), generator=gen).tolist()
+    b = make_batch([(s - 1, 1) for s in lens], args, seed=batch_size)
+    m = b.meta
+    out = torch.empty_like(b.q)
+    longest_first = torch.argsort(m.seq_lens, descending=True, stable=True).to(torch.int32)
+    ref = reference(b)
+    rows = []
+
+    def measure(label: str, splits: int, order, tiles=None) -> None:
+        fn = lambda: paged_decode_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.seq_lens, b.scale, out,
+                                            splits, order, tiles)
+        out.fill_(float("nan"))
+        fn()
+        ms = device_ms(fn)
+        rows.append(dict(kind="decode-mixed", case=f"B={batch_size} {label}", batch=batch_size, splits=splits,
+                         ordered=order is not None, tiles=tiles, rel_err=rel_err(out, ref), triton_ms=ms,
+                         pct_copy=100.0 * kv_bytes(b) / ms / 1e6 / copy_gbs))
+
+    for splits in (1, 2, 4):
+        measure(f"in order, {splits} split(s)", splits, None)
+        measure(f"longest first, {splits} split(s)", splits, longest_first)
+    for block_n in (32, 64, 128):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                measure(f"longest first, tiles {block_n}/{warps}w/{stages}s", 1, longest_first,
+                        (block_n, warps, stages))
+    return rows
+
+
 def run_prefill_case(name: str, reqs: list[tuple[int, int]], args) -> dict:
     b = make_batch(reqs, args, seed=len(reqs) + sum(n for _, n in reqs))
     m, d = b.meta, b.meta.num_decodes
@@ -264,12 +297,24 @@ def main() -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mixed-sweep", action="store_true",
+                   help="only the mixed-length decode batches: row order, splits and tile sizes")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("attention_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth_gbs()
+    if args.mixed_sweep:
+        rows = [r for bsz in (160, 256) for r in run_mixed_decode_sweep(bsz, args, copy_gbs)]
+        print(f"copy bandwidth {copy_gbs:.0f} GB/s")
+        for r in rows:
+            print(f"{r['case']:>48}: {r['triton_ms'] * 1e3:8.1f} us  {r['pct_copy']:5.1f}% of copy  "
+                  f"rel err {r['rel_err']:.1e}")
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "attention_mixed_sweep.json"), "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), copy_gbs=copy_gbs, rows=rows), f, indent=1)
+        return 0 if all(r["rel_err"] < MAX_REL_ERR for r in rows) else 1
     rows = [run_decode_case(bsz, ctx, args, copy_gbs) for bsz in (1, 16, 64, 256) for ctx in (512, 1024, 4096)]
     prefill_cases = {
         "1 x 4096 fresh": [(0, 4096)],
