@@ -65,6 +65,7 @@ def step_summary(llm: LLM) -> dict:
         wall = np.array([t.wall_s for t in steps]) * 1e3
         out[kind] = {"steps": len(steps), "host_ms_median": float(np.median(host)),
                      "device_ms_median": float(np.median(dev)), "wall_ms_median": float(np.median(wall)),
+                     "wall_ms_max": float(wall.max()), "wall_s_total": float(wall.sum() / 1e3),
                      "gpu_busy_fraction": float(dev.sum() / wall.sum()),
                      "mean_batch": float(np.mean([t.num_reqs for t in steps]))}
     return out
@@ -131,7 +132,8 @@ def main() -> None:
           f"steps planned ahead {result['steps_planned_ahead']}")
     for kind, s in result["steps"].items():
         print(f"    {kind}: {s['steps']} steps, median host {s['host_ms_median']:.2f} ms, device "
-              f"{s['device_ms_median']:.2f} ms, wall {s['wall_ms_median']:.2f} ms, GPU busy "
+              f"{s['device_ms_median']:.2f} ms, wall {s['wall_ms_median']:.2f} ms (max {s['wall_ms_max']:.1f}, "
+              f"total {s['wall_s_total']:.2f} s), GPU busy "
               f"{s['gpu_busy_fraction']:.0%}, mean batch {s['mean_batch']:.0f}")
     for peer in results[1:]:
         print(f"  {peer['name']} on the first {peer['requests']} requests: {peer['tok_s']:.0f} tok/s "

@@ -85,6 +85,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, self.max_model_len, self.eos_token_ids)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
+        self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.step_timings: list[StepTiming] = []

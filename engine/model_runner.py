@@ -140,6 +140,15 @@ class ModelRunner:
             layer.bind_kv_cache(*self.kv_cache.layer(i))
         logger.info("KV cache: %s", self.kv_cache.describe())
 
+    def warm_up_kernels(self) -> None:
+        """Compile the attention kernels' variants before the first request rather than during it."""
+        start = time.perf_counter()
+        layer = self.model.attention_layers()[0]
+        n = self.backend.warm_up(layer.num_heads, layer.k_cache, layer.v_cache, self.buffers.block_tables.device,
+                                 max(self.config.max_num_batched_tokens, 1))
+        if n:
+            logger.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - start)
+
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs (CUDA with a graph-safe backend, unless ``enforce_eager``)."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":

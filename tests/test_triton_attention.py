@@ -22,6 +22,7 @@ from engine.attention.torch_backend import TorchAttentionBackend, write_kv  # no
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from engine.attention.triton_kernels import (  # noqa: E402
     choose_num_splits,
+    compile_variants,
     paged_decode_attention,
     paged_prefill_attention,
     write_paged_kv,
@@ -270,6 +271,14 @@ def test_backend_decode_only_with_padding_rows():
     case = make_case(12, [(61, 1), (200, 1), PAD, PAD], 2, 4, 64, 16)
     out = TritonAttentionBackend().forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
     assert_matches(out, reference(case), case.padding_rows)
+
+
+def test_compile_variants_covers_every_split_count_and_tile_height():
+    cache = torch.zeros(3, 16, 2, 64, device=DEVICE)
+    table = torch.zeros(4, 8, dtype=torch.int32, device=DEVICE)
+    # 6 split counts (1..32) and prefill tiles of 16, 32 and 64 rows (group 2: 1-8, 16 and 32+ tokens).
+    assert compile_variants(4, cache, cache, table, 8192) == 6 + 3
+    assert compile_variants(4, cache, cache, table, 4) == 6 + 1
 
 
 def test_choose_num_splits():

@@ -40,6 +40,11 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_tables: torch.Tensor, max_query_len: int) -> int:
+        """Nothing to compile: plain torch ops."""
+        return 0
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]

@@ -7,6 +7,7 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.triton_kernels import (
     choose_num_splits,
+    compile_variants,
     num_sms,
     paged_decode_attention,
     paged_prefill_attention,
@@ -54,3 +55,8 @@ class TritonAttentionBackend:
         if num_tokens < q.shape[0]:
             out[num_tokens:].zero_()  # padding rows beyond the batch: finite, like a seq_len 0 row
         return out
+
+    def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_tables: torch.Tensor, max_query_len: int) -> int:
+        """Compile the kernels' variants before the first step (see ``compile_variants``)."""
+        return compile_variants(num_heads, k_cache, v_cache, block_tables, max_query_len)

@@ -60,7 +60,9 @@ def _load_kv_tile(cache_ptr, table_ptr, pos, valid, kv_head, stride_b, stride_s,
     return tl.load(cache_ptr + offs[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
 
 
-@triton.jit
+# Ints that change from step to step are not specialized on (Triton would otherwise compile a variant
+# for values equal to 1 or divisible by 16): a running server compiles nothing after warm_up.
+@triton.jit(do_not_specialize=["max_context_len"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -180,7 +182,7 @@ def _find_request(query_start_loc_ptr, q_base, tile, num_reqs, BLOCK_Q: tl.const
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "max_context_len"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     qk_scale, num_reqs, max_context_len,
@@ -273,9 +275,16 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm
     return min(triton.next_power_of_2(min(wanted, useful)), MAX_NUM_SPLITS)
 
 
-def _decode_tiles(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N keys, num_warps, num_stages) of the decode kernel."""
-    return (64 if head_dim <= 128 else 32), 4, 3  # best of a sweep on an H200 (bf16, head_dim 128)
+def _decode_tiles(head_dim: int, num_splits: int) -> tuple[int, int, int]:
+    """(BLOCK_N keys, num_warps, num_stages) of the decode kernel.
+
+    From sweeps on an H200 (bf16, head_dim 128): 64-key tiles for split (short or few) contexts;
+    128-key tiles gain ~3% on large unsplit batches of mixed lengths (bench/attention_kernels.py
+    --mixed-sweep). 8 warps were slower everywhere.
+    """
+    if head_dim > 128:
+        return 32, 4, 3
+    return (128 if num_splits == 1 else 64), 4, 3
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -384,7 +393,7 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    block_n, num_warps, num_stages = tiles or _decode_tiles(head_dim)
+    block_n, num_warps, num_stages = tiles or _decode_tiles(head_dim, num_splits)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -505,3 +514,33 @@ def write_paged_kv(
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
         ROW=row, ROW_PAD=triton.next_power_of_2(row), num_warps=4,
     )
+
+
+def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     max_query_len: int) -> int:
+    """Compile every kernel variant a step can pick (each split count, each prefill tile height) now,
+    so that no step waits for a compile mid-run. ``block_tables`` should be the caller's own table
+    buffer, so that its row stride matches the steps' tables. Returns how many variants ran; once
+    Triton's on-disk cache holds them this takes well under a second.
+    """
+    head_dim, device = k_cache.shape[3], k_cache.device
+    group = num_heads // k_cache.shape[2]
+    table = block_tables[:1]
+    q = torch.zeros(1, num_heads, head_dim, dtype=k_cache.dtype, device=device)
+    out = torch.empty_like(q)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)  # position 0 of the block the row names
+    order = torch.zeros(1, dtype=torch.int32, device=device)
+    query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    num_splits, variants = 1, 0
+    while num_splits <= MAX_NUM_SPLITS:
+        paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits, order)
+        num_splits, variants = num_splits * 2, variants + 1
+    tiles, query_len = set(), 1
+    while query_len < 2 * max(max_query_len, 1):
+        n = min(query_len, max_query_len)
+        tile = _prefill_tiles(n, group, head_dim)
+        if tile not in tiles:
+            tiles.add(tile)
+            paged_prefill_attention(q, k_cache, v_cache, table, query_start_loc, seq_lens, n, 1.0, out)
+        query_len *= 2
+    return variants + len(tiles)
