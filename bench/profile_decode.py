@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=160)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--prefill", action="store_true",
+                        help="profile the first step instead (the prompts' prefill, up to 16,384 tokens)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     args = parser.parse_args()
 
@@ -63,11 +65,19 @@ def main() -> None:
               max_num_batched_tokens=16384, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=2048, ignore_eos=True)
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts if not args.prefill else []):
         engine.add_request(str(i), p, params)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+    if args.prefill:
+        # Warm the kernels on other requests first; the profiled step is a fresh 16k-token prefill.
+        other = [[(t + 1) % config.vocab_size for t in p] for p in prompts[:16]]  # no prefix-cache hits
+        llm.generate([{"prompt_token_ids": p} for p in other], SamplingParams(max_tokens=2), use_tqdm=False)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"p{i}", p, params)
+        args.steps = 1
+    while not args.prefill and (engine.scheduler.waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)):
         engine.step()
-    for _ in range(10):
+    for _ in range(0 if args.prefill else 10):
         engine.step()
     engine.measure_steps(True)
     torch.cuda.synchronize()
@@ -78,6 +88,11 @@ def main() -> None:
         torch.cuda.synchronize()
     timings = engine.step_timings[-args.steps:]
 
+    if args.prefill:
+        sched_tokens = timings[-1].num_tokens
+        flops = 2 * (model_costs(engine.runner.model, config).matmul_params - config.vocab_size * config.hidden_size) \
+            * sched_tokens
+        print(f"\nprefill step of {sched_tokens} tokens: matmul floor {flops / ceil.matmul_flops_per_s * 1e3:.2f} ms")
     contexts = np.array([r.num_computed_tokens for r in engine.scheduler.running])
     costs = model_costs(engine.runner.model, config)
     roof_ms = (costs.weight_bytes + costs.kv_bytes_per_token * contexts.sum()) / ceil.copy_bytes_per_s * 1e3
@@ -96,7 +111,7 @@ def main() -> None:
         print(f"{name:90s} {n:6d} {us:9.1f} {us / total_us:6.1%}")
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = "eager" if args.enforce_eager else "graphs"
+    suffix = "prefill" if args.prefill else "eager" if args.enforce_eager else "graphs"
     (out_dir / f"decode_kernels_{args.shape}_{suffix}.json").write_text(json.dumps(
         {"shape": args.shape, "batch": len(contexts), "context_mean": float(contexts.mean()),
          "roofline_ms": roof_ms, "kernels": rows}, indent=1))
