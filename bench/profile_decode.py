@@ -62,7 +62,10 @@ def main() -> None:
     prompts = (prompts * (args.batch // len(prompts) + 1))[: args.batch]
     ceil = measure_ceilings(torch.device("cuda"))
     llm = LLM(str(model_dir), load_format="dummy", max_model_len=4096, max_num_seqs=max(args.batch, 1),
-              max_num_batched_tokens=16384, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+              max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
+              # A prefill profile holds exactly one step: nothing queued behind it.
+              async_scheduling=False if args.prefill else args.async_scheduling,
+              overlap_steps=False if args.prefill else None)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=2048, ignore_eos=True)
     for i, p in enumerate(prompts if not args.prefill else []):

@@ -32,6 +32,7 @@ Everything accumulates in float32.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 
@@ -60,9 +61,20 @@ def _load_kv_tile(cache_ptr, table_ptr, pos, valid, kv_head, stride_b, stride_s,
     return tl.load(cache_ptr + offs[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
 
 
-# Ints that change from step to step are not specialized on (Triton would otherwise compile a variant
-# for values equal to 1 or divisible by 16): a running server compiles nothing after warm_up.
-@triton.jit(do_not_specialize=["max_context_len"])
+def _jit_without_specializing(*names: str):
+    """``triton.jit`` that compiles one variant whatever values these arguments take from step to step.
+
+    Triton otherwise specializes ints on being 1 or a multiple of 16 and pointers on 16-byte alignment;
+    a slice such as ``seq_lens[d:]`` is aligned or not depending on the number of decodes ``d``, so a
+    running server would compile new variants mid-run. Only scalar loads go through these arguments.
+    """
+    kwargs = {"do_not_specialize": list(names)}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        kwargs["do_not_specialize_on_alignment"] = list(names)
+    return triton.jit(**kwargs)
+
+
+@_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len")
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -182,7 +194,7 @@ def _find_request(query_start_loc_ptr, q_base, tile, num_reqs, BLOCK_Q: tl.const
     return lo
 
 
-@triton.jit(do_not_specialize=["num_reqs", "max_context_len"])
+@_jit_without_specializing("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr", "num_reqs", "max_context_len")
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     qk_scale, num_reqs, max_context_len,
