@@ -62,14 +62,14 @@ def test_no_attention_kernel_compiles_after_start_up(tmp_path):
     from engine.attention import triton_kernels as tk
 
     model_dir = save_tiny_model("qwen3", tmp_path)
-    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=512, num_kvcache_blocks=512,
-              max_num_batched_tokens=256)
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256, num_kvcache_blocks=512,
+              max_num_batched_tokens=128)
     kernels = {"decode": tk._decode_split_kernel, "merge": tk._decode_merge_kernel, "prefill": tk._prefill_kernel,
                "write_kv": tk._write_kv_kernel}
     before = {name: _compiled_variants(k) for name, k in kernels.items()}
-    # Decode batches of many sizes, prompts chunked at 256 tokens next to decodes, long and short contexts.
-    lens = [3, 300, 17, 450, 1, 64, 129, 8, 200, 33, 90, 5]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (40, 9, 60, 20, 3, 33) * 2]
+    # Decode batches of many sizes, prompts chunked at 128 tokens next to decodes, long and short contexts.
+    lens = [3, 180, 17, 150, 1, 64, 129, 8, 200, 33, 90, 5]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (40, 9, 50, 20, 3, 33) * 2]
     llm.generate([{"prompt_token_ids": p} for p in _prompts(VOCAB, lens)], params, use_tqdm=False)
     assert {name: _compiled_variants(k) for name, k in kernels.items()} == before
 
