@@ -307,7 +307,7 @@ class ModelRunner:
         index_of = {rid: i for i, rid in enumerate(in_flight.inputs.sampled_request_ids)}
         src = torch.tensor([index_of[rid] for rid in inputs.placeholder_request_ids], dtype=torch.long)
         dst = torch.from_numpy(inputs.placeholder_tokens)
-        inputs.input_ids[dst.to(self.device)] = in_flight.sampled[src.to(self.device)]
+        inputs.input_ids[self._upload(dst)] = in_flight.sampled[self._upload(src)]
 
     def _start_timing(self):
         if not self.measure_steps:
@@ -417,11 +417,20 @@ class ModelRunner:
             return None
         return self.graphs.padded_size(num_reqs)
 
+    def _upload(self, t: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """A small host array on the device without waiting for the device.
+
+        A blocking copy (``.to(device)``) would synchronize the stream, i.e. wait for the step
+        in flight. From pageable memory the driver stages the bytes before the call returns,
+        so the source may be dropped at once.
+        """
+        if isinstance(t, np.ndarray):
+            t = torch.from_numpy(np.ascontiguousarray(t))
+        return t.to(self.device, non_blocking=True)
+
     def _sampling_tensors(self, rows: np.ndarray) -> SamplingTensors:
         b = self.batch
-
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+        dev = self._upload
 
         temperature = b.temperature[rows]
         top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
@@ -450,7 +459,7 @@ class ModelRunner:
                  and b.num_tokens[r] - b.num_prompt_tokens[r] < b.min_tokens[r] for t in b.banned_until_min[r]]
         if not pairs:
             return None
-        idx = torch.tensor(pairs, dtype=torch.long).T.to(self.device)
+        idx = self._upload(torch.tensor(pairs, dtype=torch.long).T.contiguous())
         return idx[0], idx[1]
 
     def _token_counts(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -461,8 +470,8 @@ class ModelRunner:
         cols = np.arange(width)[None, :]
         in_prompt = cols < b.num_prompt_tokens[rows][:, None]
         valid = cols < b.num_tokens[rows][:, None]
-        out_ids = torch.from_numpy(np.where(valid & ~in_prompt, ids, vocab)).to(self.device)
-        prompt_ids = torch.from_numpy(np.where(in_prompt, ids, vocab)).to(self.device)
+        out_ids = self._upload(np.where(valid & ~in_prompt, ids, vocab))
+        prompt_ids = self._upload(np.where(in_prompt, ids, vocab))
         counts = torch.zeros(len(rows), vocab + 1, dtype=torch.int32, device=self.device)
         counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
         prompt_mask = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=self.device)

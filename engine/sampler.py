@@ -50,7 +50,7 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if st.max_num_logprobs >= 0 else None
         if st.banned is not None:
-            logits = logits.index_put(st.banned, torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put(st.banned, logits.new_full((), float("-inf")))  # no host-to-device copy
         if st.repetition_penalty is not None:
             logits = apply_penalties(logits, st)
         greedy = logits.argmax(dim=-1)

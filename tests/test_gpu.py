@@ -74,6 +74,27 @@ def test_no_attention_kernel_compiles_after_start_up(tmp_path):
     assert {name: _compiled_variants(k) for name, k in kernels.items()} == before
 
 
+def test_steps_never_synchronize_the_stream(tmp_path):
+    """The only wait per step is on the step's own event: no op in scheduling, input building,
+    feeding tokens of a step in flight, sampling or graph replay synchronizes the CUDA stream
+    (torch raises on one in sync debug mode)."""
+    model_dir = save_tiny_model("qwen3", tmp_path)
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256, num_kvcache_blocks=512,
+              max_num_batched_tokens=128)
+    assert llm.engine.async_scheduling, "async scheduling is the CUDA default"
+    prompts = _prompts(VOCAB, [5, 150, 40, 90, 12, 200])
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=30, ignore_eos=True)] * 2
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [len(o.outputs[0].token_ids) for o in outs] == [30] * 6
+    assert llm.engine.num_steps_planned_ahead > 0
+
+
 def test_bf16_logits_on_a_real_shaped_model_stay_within_tolerance(tmp_path):
     """Qwen3-0.6B shape, random weights: our bf16 Triton path against transformers in float32."""
     import json
