@@ -40,7 +40,9 @@ class StepHandle:
     inputs: "StepInputs | None" = None
     sampled: torch.Tensor | None = None  # [num_sampled] on the device
     sampled_host: torch.Tensor | None = None  # pinned host copy, valid once ``ready`` has passed
-    raw_logprobs: torch.Tensor | None = None
+    # Logprob pieces of the rows that asked for them, copied to host memory behind the step:
+    # (their indices in the batch, top-N per row, chosen, ranks, top ids, top values).
+    logprobs: tuple | None = None
     ready: "torch.cuda.Event | None" = None
     events: tuple | None = None  # timing events when steps are measured
     launched: float = 0.0
@@ -266,13 +268,15 @@ class ModelRunner:
         self._sampled_turn ^= 1
         sampled_host = self._sampled_host[self._sampled_turn][: len(inputs.sampled_rows)]
         sampled_host.copy_(sampled, non_blocking=True)
+        logprobs = self._launch_logprobs(raw_logprobs, sampled, inputs.sampled_rows) if raw_logprobs is not None \
+            else None
         if events:
             events[1].record()
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return StepHandle(inputs, sampled, sampled_host, raw_logprobs, ready, events, time.perf_counter())
+        return StepHandle(inputs, sampled, sampled_host, logprobs, ready, events, time.perf_counter())
 
     @torch.inference_mode()
     def finish(self, handle: StepHandle) -> ModelRunnerOutput:
@@ -295,9 +299,8 @@ class ModelRunner:
                                   np.asarray([token_ids[i] for i in live], dtype=np.int64))
         sampled_ids = inputs.sampled_request_ids
         output = ModelRunnerOutput(sampled_ids, token_ids)
-        if handle.raw_logprobs is not None:
-            output.logprobs = self._logprobs(handle.raw_logprobs, handle.sampled, token_ids, inputs.sampled_rows,
-                                             sampled_ids)
+        if handle.logprobs is not None:
+            output.logprobs = self._logprobs(handle.logprobs, token_ids, sampled_ids)
         return output
 
     def _feed_in_flight_tokens(self, inputs: StepInputs, in_flight: StepHandle | None) -> None:
@@ -478,13 +481,26 @@ class ModelRunner:
         prompt_mask.scatter_(1, prompt_ids, True)
         return counts[:, :vocab], prompt_mask[:, :vocab]
 
-    def _logprobs(self, raw_logprobs, sampled, token_ids, rows, sampled_ids):
+    def _launch_logprobs(self, raw_logprobs: torch.Tensor, sampled: torch.Tensor, rows: np.ndarray) -> tuple:
+        """Gather the logprob pieces on the device and queue their copy to host memory behind the step,
+        so that ``finish`` reads them after the step's one sync, without waiting for a step planned after it."""
         num_top = self.batch.num_logprobs[rows]
         wanted = np.nonzero(num_top >= 0)[0]
-        idx = torch.from_numpy(wanted).to(self.device)
-        chosen, ranks, top_ids, top_vals = gather_logprobs(raw_logprobs[idx], sampled[idx], int(num_top.max()))
+        idx = self._upload(wanted)
+        pieces = gather_logprobs(raw_logprobs[idx], sampled[idx], int(num_top.max()))
+        pin = self.device.type == "cuda"
+        host = []
+        for t in pieces:
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            h.copy_(t, non_blocking=True)
+            host.append(h)
+        return (wanted, num_top[wanted], *host)
+
+    @staticmethod
+    def _logprobs(pieces: tuple, token_ids: list[int], sampled_ids: list[str]) -> dict:
+        wanted, num_top, chosen, ranks, top_ids, top_vals = pieces
         entries = build_logprobs(
             [token_ids[i] for i in wanted], chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_vals.tolist(),
-            num_top[wanted].tolist(),
+            num_top.tolist(),
         )
         return {sampled_ids[i]: e for i, e in zip(wanted.tolist(), entries)}

@@ -211,3 +211,21 @@ def test_steps_planned_ahead_give_the_same_tokens(llama_dir, chunk, blocks):
     reference = LLM(str(llama_dir), max_model_len=256, num_kvcache_blocks=128)
     assert run(llm, prompts[:4], seeded) == run(reference, prompts[:4], seeded)
     check_aborts_while_a_step_is_in_flight(llm, prompts[:4], expected[:4])
+
+
+def test_logprobs_of_steps_planned_ahead_match_step_by_step(llama_dir):
+    """With async scheduling, logprobs are gathered when a step is launched and read when it finishes:
+    the same entries as running one step at a time, for every token."""
+    prompts = make_prompts(VOCAB, lens=[30, 12, 45, 20])
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=n) for n in (0, 3, 1, 5)]
+
+    def logprobs(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].logprobs for o in outs]
+
+    ahead = LLM(str(llama_dir), max_model_len=256, num_kvcache_blocks=64, overlap_steps=True, async_scheduling=True)
+    step_by_step = LLM(str(llama_dir), max_model_len=256, num_kvcache_blocks=64)
+    got, expected = logprobs(ahead), logprobs(step_by_step)
+    assert ahead.engine.num_steps_planned_ahead > 0
+    assert [len(x) for x in got] == [10] * 4 and [len(x[0].top_token_ids) for x in got] == [0, 3, 1, 5]
+    assert got == expected

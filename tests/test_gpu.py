@@ -76,8 +76,8 @@ def test_no_attention_kernel_compiles_after_start_up(tmp_path):
 
 def test_steps_never_synchronize_the_stream(tmp_path):
     """The only wait per step is on the step's own event: no op in scheduling, input building,
-    feeding tokens of a step in flight, sampling or graph replay synchronizes the CUDA stream
-    (torch raises on one in sync debug mode)."""
+    feeding tokens of a step in flight, sampling, logprobs or graph replay synchronizes the CUDA
+    stream (torch raises on one in sync debug mode)."""
     model_dir = save_tiny_model("qwen3", tmp_path)
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256, num_kvcache_blocks=512,
               max_num_batched_tokens=128)
@@ -85,13 +85,14 @@ def test_steps_never_synchronize_the_stream(tmp_path):
     prompts = _prompts(VOCAB, [5, 150, 40, 90, 12, 200])
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=0.7, seed=5, max_tokens=30, ignore_eos=True)] * 2
+              SamplingParams(temperature=0.7, seed=5, max_tokens=30, ignore_eos=True, logprobs=3)] * 2
     torch.cuda.set_sync_debug_mode("error")
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [len(o.outputs[0].token_ids) for o in outs] == [30] * 6
+    assert all(len(o.outputs[0].logprobs) == 30 for o in outs[2::3])
     assert llm.engine.num_steps_planned_ahead > 0
 
 
