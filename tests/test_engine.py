@@ -123,6 +123,24 @@ def default_llm(default_model_path):
     return LLM(str(default_model_path), max_model_len=2048, cpu_kvcache_space_gib=0.25)
 
 
+def test_default_model_tokenizer_is_the_published_one(default_model_path, tmp_path):
+    """No BOS prepended, <|im_end|> ends a turn, whichever transformers version did the conversion;
+    a cache written by an older conversion is not taken as current."""
+    import json
+
+    from engine.default_model import _MARKER, _is_current
+
+    tok = transformers.AutoTokenizer.from_pretrained(default_model_path)
+    assert tok.encode("") == []
+    assert tok.eos_token == "<|im_end|>"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text)
+    assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == text.count("<|im_start|>")
+    assert _is_current(default_model_path)
+    (tmp_path / _MARKER).write_text(json.dumps({"source": "x"}))  # written before the format existed
+    assert not _is_current(tmp_path) and not _is_current(tmp_path / "missing")
+
+
 def test_default_model_answers_paris_like_hf(default_llm, default_model_path):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     out = default_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False).outputs[0]
