@@ -198,7 +198,9 @@ class Scheduler:
         """Admit the head of the queue with as many tokens as fit, or None if it cannot run now."""
         if request.num_placeholders:
             return None  # preempted while its last token was being sampled: wait for that token
-        cached_blocks, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
+        # Counted only once the request is admitted: one that waits for blocks is looked up again next step.
+        cached_blocks, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids,
+                                                                record=False)
         num_new = request.num_tokens - num_cached
         if num_new > budget and not self.enable_chunked_prefill:
             return None
@@ -208,6 +210,7 @@ class Scheduler:
         )
         if new_block_ids is None:
             return None
+        self.kv.record_prefix_lookup(request.num_tokens, num_cached)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens < 0:

@@ -83,12 +83,16 @@ class KVCacheManager:
         """Requests that hold a block table (allocated at least once and not freed)."""
         return len(self._tables)
 
-    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(
+        self, request_id: str, token_ids: Sequence[int], record: bool = True
+    ) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of ``token_ids``, in full blocks, and its length in tokens.
 
         Never covers the whole prompt: at most ``(len(token_ids) - 1) // block_size``
         blocks, so at least the last token is computed and yields logits. Takes no
-        references; pass the blocks to ``allocate_slots`` to keep them.
+        references; pass the blocks to ``allocate_slots`` to keep them. ``record=False``
+        leaves the hit counters alone: a caller that may retry the lookup calls
+        ``record_prefix_lookup`` once the lookup is used.
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -101,9 +105,15 @@ class KVCacheManager:
                 break
             blocks.append(block)
         num_cached_tokens = len(blocks) * self.block_size
-        self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += num_cached_tokens
+        if record:
+            self.record_prefix_lookup(len(token_ids), num_cached_tokens)
         return blocks, num_cached_tokens
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count one prefix-cache lookup in the hit-rate counters."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_queried_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(
         self,

@@ -139,6 +139,22 @@ def test_prefix_cache_hit_skips_cached_tokens():
     assert stats.prefix_cache_hits == 32 and stats.prefix_cache_queries == 80
 
 
+def test_a_request_waiting_for_blocks_counts_one_prefix_lookup():
+    """The hit-rate counters see each admission once, not every step a request waits for blocks."""
+    sched = make_scheduler(num_blocks=6, budget=1000)  # 5 usable blocks of 16
+    sched.add_request(make_request("a", 60, max_tokens=6))  # 4 blocks, a 5th once it passes 64 tokens
+    sched.add_request(make_request("b", 40, first_token=500, max_tokens=1))  # needs 3 blocks
+    waited = 0
+    for _ in range(20):
+        out, _ = run_step(sched)
+        if "b" in out.num_scheduled_tokens:
+            break
+        waited += 1
+    assert waited >= 2, "b should have waited for a's blocks over several steps"
+    stats = sched.kv.get_stats()
+    assert stats.prefix_cache_queries == 60 + 40
+
+
 def test_abort_frees_blocks_of_running_and_waiting_requests():
     sched = make_scheduler(max_seqs=1)
     sched.add_request(make_request("run", 20, max_tokens=50))
