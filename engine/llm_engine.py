@@ -103,9 +103,10 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         logger.info(
-            "engine ready in %.1f s: %s, max_model_len=%d, max_num_seqs=%d, max_num_batched_tokens=%d",
+            "engine ready in %.1f s: %s, max_model_len=%d, max_num_seqs=%d, max_num_batched_tokens=%d, "
+            "overlap_steps=%s, async_scheduling=%s",
             time.perf_counter() - start, self.model_config.architecture, self.max_model_len,
-            config.max_num_seqs, config.max_num_batched_tokens,
+            config.max_num_seqs, config.max_num_batched_tokens, self.overlap_steps, self.async_scheduling,
         )
 
     def _max_model_len(self) -> int:

@@ -84,6 +84,38 @@ def test_non_streamed_client_timeout_aborts(tiny_server):
     assert_idle_and_serving(tiny_server.url, after)
 
 
+def test_steps_planned_ahead_serve_the_same_tokens_and_free_everything(tiny_server, tmp_path, tiny_model_path):
+    """The step pipeline CUDA uses by default (overlapped steps, async scheduling), forced on with the CPU:
+    the same greedy completions as step-by-step serving, and cancelled streams still free their blocks."""
+    server = start_server(tmp_path, "ahead", tiny_server_args(tiny_model_path) + ["--overlap-steps",
+                                                                                    "--async-scheduling"])
+    try:
+        assert "overlap_steps=True, async_scheduling=True" in server.log_path.read_text()
+        assert "overlap_steps=False, async_scheduling=False" in tiny_server.log_path.read_text()
+        body = {"model": TINY_MODEL_NAME, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+        async def completions(url: str) -> list[str]:
+            async with async_client(url) as client:
+                responses = await asyncio.gather(*(client.post("/v1/completions", json={**body, "prompt": f"p {i}"})
+                                                   for i in range(8)))
+            return [r.json()["choices"][0]["text"] for r in responses]
+
+        assert asyncio.run(completions(server.url)) == asyncio.run(completions(tiny_server.url))
+        before = scrape_metrics(server.url)
+
+        async def cancel_streams():
+            async with async_client(server.url) as client:
+                bodies = [{**LONG, "prompt": f"stream number {i}", "stream": True} for i in range(30)]
+                return await asyncio.gather(*(read_some_chunks(client, b, 3) for b in bodies))
+
+        assert asyncio.run(cancel_streams()) == [3] * 30
+        after = wait_until_idle(server.url, timeout_s=15)
+        assert after[ABORTS] - before[ABORTS] == 30
+        assert_idle_and_serving(server.url, after)
+    finally:
+        server.stop()
+
+
 # ------------------------------------------------------------------------ metrics
 
 GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_blocks_total", "kv_cache_blocks_free",
