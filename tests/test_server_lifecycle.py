@@ -60,18 +60,23 @@ def assert_idle_and_serving(url: str, metrics: dict[str, float]) -> None:
 # --------------------------------------------------------------------- disconnects
 
 
-def test_cancelled_streams_free_everything(tiny_server):
-    before = scrape_metrics(tiny_server.url)
+def check_cancelled_streams_free_everything(url: str, num_streams: int) -> None:
+    """Open streams, drop each after 3 events: every one counts as aborted and the server ends idle."""
+    before = scrape_metrics(url)
 
     async def scenario():
-        async with async_client(tiny_server.url) as client:
-            bodies = [{**LONG, "prompt": f"stream number {i}", "stream": True} for i in range(100)]
+        async with async_client(url) as client:
+            bodies = [{**LONG, "prompt": f"stream number {i}", "stream": True} for i in range(num_streams)]
             return await asyncio.gather(*(read_some_chunks(client, body, 3) for body in bodies))
 
-    assert asyncio.run(scenario()) == [3] * 100
-    after = wait_until_idle(tiny_server.url, timeout_s=15)
-    assert after[ABORTS] - before[ABORTS] == 100
-    assert_idle_and_serving(tiny_server.url, after)
+    assert asyncio.run(scenario()) == [3] * num_streams
+    after = wait_until_idle(url, timeout_s=15)
+    assert after[ABORTS] - before[ABORTS] == num_streams
+    assert_idle_and_serving(url, after)
+
+
+def test_cancelled_streams_free_everything(tiny_server):
+    check_cancelled_streams_free_everything(tiny_server.url, 100)
 
 
 def test_non_streamed_client_timeout_aborts(tiny_server):
@@ -101,17 +106,7 @@ def test_steps_planned_ahead_serve_the_same_tokens_and_free_everything(tiny_serv
             return [r.json()["choices"][0]["text"] for r in responses]
 
         assert asyncio.run(completions(server.url)) == asyncio.run(completions(tiny_server.url))
-        before = scrape_metrics(server.url)
-
-        async def cancel_streams():
-            async with async_client(server.url) as client:
-                bodies = [{**LONG, "prompt": f"stream number {i}", "stream": True} for i in range(30)]
-                return await asyncio.gather(*(read_some_chunks(client, b, 3) for b in bodies))
-
-        assert asyncio.run(cancel_streams()) == [3] * 30
-        after = wait_until_idle(server.url, timeout_s=15)
-        assert after[ABORTS] - before[ABORTS] == 30
-        assert_idle_and_serving(server.url, after)
+        check_cancelled_streams_free_everything(server.url, 30)
     finally:
         server.stop()
 
