@@ -1,30 +1,43 @@
-"""The engine behind the server: one asyncio task owns the ``LLMEngine``.
+"""The API server's side of the engine: an async client of the engine core process.
 
-    HTTP handler ──generate()──> _pending ──┐
-                                            ├─ engine task: apply adds/aborts, step() in a worker thread,
-    HTTP handler <── per-request queue <────┘   route each EngineOutput to its request's queue
+    handler ──generate()──> OutputProcessor.add_request ──AddRequests──> engine core process
+    handler <── RequestStream <── OutputProcessor.process <── StepOutputs (one per step)
 
-All engine state is touched by the engine task and its one worker thread only, so the
-engine needs no locks. Handlers talk to it through ``generate`` (an async iterator of
-outputs) and ``abort``. A failed step kills the engine: every request in flight gets the
-error, ``/health`` reports it, and new requests are refused.
+``generate`` returns a ``RequestStream`` at once; one task receives the core's step
+messages and runs the output processor (detokenization, stop strings, logprobs) for every
+request of the step. A stream merges the deltas its reader has not taken yet, so a reader
+that falls behind gets several tokens in its next chunk instead of holding up the rest:
+nothing on this side can make the engine wait.
+
+If the engine process dies, every stream fails with ``EngineDeadError`` at once (the
+process's sentinel is watched by the event loop), ``healthy`` turns false and new
+requests are refused.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
+import multiprocessing
+import shutil
+import tempfile
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.llm_engine import EngineStats, LLMEngine
-from engine.outputs import EngineOutput
+from engine.core import AbortRequests, AddRequests, CoreRequest, Shutdown, make_encoder, output_decoder, run_engine_core
+from engine.llm_engine import EngineStats, resolve_model_path
+from engine.model_info import ModelInfo
+from engine.output_processor import ChoiceDelta, MetricsRecorder, OutputProcessor, RequestState
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger("minivllm")
+
+_SHUTDOWN_WAIT_S = 10.0  # after Shutdown, how long the core gets to exit before it is killed
 
 
 class EngineDeadError(RuntimeError):
@@ -35,184 +48,337 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full."""
 
 
-@dataclass
-class _NewRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
+class EngineStartupError(RuntimeError):
+    """The engine core process could not load the model; the message says why."""
+
+
+class RequestStream:
+    """The deltas of one request, merged per choice until its reader takes them.
+
+    Iterating yields lists of ``ChoiceDelta`` (at most one per choice, in index order) and
+    ends once every choice has finished. Closing it early aborts what is left.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, num_choices: int):
+        self.engine = engine
+        self.request_id = request_id
+        self.state: RequestState | None = None  # set once the output processor has it
+        self._pending: dict[int, ChoiceDelta] = {}
+        self._ready = asyncio.Event()
+        self._error: BaseException | None = None
+        self._num_unfinished = num_choices  # choices whose last delta the reader has not taken
+        self._num_running = num_choices  # choices whose last delta has not arrived
+
+    def put(self, delta: ChoiceDelta) -> None:
+        pending = self._pending.get(delta.index)
+        if pending is None:
+            self._pending[delta.index] = delta
+        else:
+            pending.merge(delta)
+        if delta.finish_reason is not None:
+            self._num_running -= 1
+            if self._num_running == 0:
+                self.engine._streams.pop(self.request_id, None)
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error`` (raised by the next read; deltas not read yet are dropped)."""
+        self._error = error
+        self._pending.clear()
+        self._ready.set()
+
+    @property
+    def finished(self) -> bool:
+        return self._num_unfinished == 0 and not self._pending
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> list[ChoiceDelta]:
+        while not self._pending:
+            if self._error is not None:
+                raise self._error
+            if self._num_unfinished <= 0:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+        pending, self._pending = self._pending, {}
+        batch = [pending[i] for i in sorted(pending)] if len(pending) > 1 else list(pending.values())
+        self._num_unfinished -= sum(d.finish_reason is not None for d in batch)
+        return batch
+
+    def close(self) -> None:
+        """Abort whatever has not finished (a client that went away); idempotent."""
+        if self._num_unfinished and self._error is None:
+            self.engine.abort(self.request_id)
+        self._num_unfinished = 0
+        self._pending.clear()
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None):
-        self.engine = engine
+    """Spawns the engine core process, sends it requests and turns its outputs into streams."""
+
+    def __init__(self, config: EngineConfig, model: ModelInfo, stats: EngineStats, tokenizer,
+                 process: multiprocessing.Process, control, sockets: _Sockets, max_waiting_requests: int | None = None):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
         self.max_waiting_requests = max_waiting_requests
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._pending: list[_NewRequest] = []
-        self._aborts: set[str] = set()
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-step")
+        self.processor = OutputProcessor(tokenizer)
         self.dead_error: BaseException | None = None
         self.draining = False
-        self.last_stats: EngineStats = engine.stats()
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, max_waiting_requests: int | None = None) -> "AsyncEngine":
-        return cls(LLMEngine(config), max_waiting_requests)
+        self.last_stats = stats
+        self._process = process
+        self._control = control
+        self._sockets = sockets
+        self._encoder = make_encoder()
+        self._decoder = output_decoder()
+        self._streams: dict[str, RequestStream] = {}
+        self._num_sent = 0  # engine requests sent to the core
+        self._num_added_seen = 0  # ... of which the core had received when it sent its last message
+        self._task: asyncio.Task | None = None
+        self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
 
+    @classmethod
+    def launch(cls, config: EngineConfig, max_waiting_requests: int | None = None, log_level: str = "info",
+               startup_timeout_s: float | None = None) -> AsyncEngine:
+        """Start the engine core process and wait until its model is loaded.
+
+        Raises ``EngineStartupError`` with the core's own message when it cannot start.
+        """
+        config.model = resolve_model_path(config)  # fetch/convert the default model here, with its progress
+        sockets = _Sockets.open()
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        control, child_control = context.Pipe()
+        process = context.Process(
+            target=run_engine_core, name="minivllm-engine-core", daemon=True,
+            args=(config, sockets.input_address, sockets.output_address, child_control, log_level),
+        )
+        try:
+            process.start()
+            child_control.close()
+            logger.info("engine core process %d starting", process.pid)
+            tokenizer = load_tokenizer(config.tokenizer or config.model)
+            model, stats = _wait_until_ready(process, control, startup_timeout_s)
+        except BaseException:
+            if process.pid is not None:
+                _stop_process(process)
+            sockets.close()
+            raise
+        return cls(config, model, stats, tokenizer, process, control, sockets, max_waiting_requests)
+
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="minivllm-engine")
+        """Start receiving outputs (in the server's event loop)."""
+        if self._task is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._receive_outputs(), name="minivllm-engine-outputs")
+        loop.add_reader(self._process.sentinel, self._on_process_exit)
 
     async def stop(self) -> None:
-        """Stop the engine task; requests still in flight end with EngineDeadError."""
+        """Stop the engine core process; requests still in flight end with EngineDeadError."""
+        self._stopping = True
         if self.dead_error is None:
             self._fail_all(EngineDeadError("the engine was stopped"))
         if self._task is not None:
+            asyncio.get_running_loop().remove_reader(self._process.sentinel)
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        self._executor.shutdown(wait=True)
+        self._send(Shutdown())
+        await asyncio.to_thread(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Make sure the core process is gone and release the sockets (blocking; safe to repeat)."""
+        self._stopping = True
+        _stop_process(self._process, _SHUTDOWN_WAIT_S if self._process.is_alive() else 0.0)
+        self._sockets.close()
 
     @property
     def healthy(self) -> bool:
-        return self.dead_error is None and self._task is not None and not self._task.done()
+        return (self.dead_error is None and self._task is not None and not self._task.done()
+                and self._process.is_alive())
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._queues)
+        return len(self._streams)
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self._process.pid
+
+    def attach_metrics(self, metrics: MetricsRecorder) -> None:
+        self.processor.metrics = metrics
 
     async def drain(self, timeout_s: float) -> int:
         """Refuse new requests, wait up to ``timeout_s`` for those in flight, then abort the rest.
 
-        Returns how many requests were aborted.
+        Returns how many requests were aborted (their streams end with finish_reason "abort").
         """
         self.draining = True
         deadline = time.monotonic() + timeout_s
-        while self._queues and time.monotonic() < deadline and self.healthy:
+        while self._streams and time.monotonic() < deadline and self.healthy:
             await asyncio.sleep(0.05)
-        remaining = list(self._queues)
-        for rid in remaining:
-            self.abort(rid)
-        while self._queues and self.healthy:  # the engine task delivers the "abort" outputs
-            await asyncio.sleep(0.01)
+        remaining = list(self._streams)
+        for request_id in remaining:
+            self.abort(request_id)
         return len(remaining)
 
     # ----------------------------------------------------------------- requests
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[EngineOutput]:
-        """Stream the outputs of one request. Validation errors raise before the first output.
-
-        Closing the iterator early (a client that went away) aborts the request and frees its blocks.
-        """
-        self.check_accepting()
-        params = self.engine.validate_request(prompt_token_ids, params)
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._pending.append(_NewRequest(request_id, list(prompt_token_ids), params, time.monotonic()))
-        self._wake.set()
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
-
     def check_accepting(self, num_new_requests: int = 1) -> None:
         if self.dead_error is not None:
-            raise EngineDeadError(f"the engine stopped after an error: {self.dead_error!r}")
+            raise EngineDeadError(f"the engine stopped after an error: {self.dead_error}")
         if self.draining:
             raise EngineDeadError("the server is shutting down")
         if self.max_waiting_requests is not None:
-            waiting = self.last_stats.num_waiting + len(self._pending)
+            waiting = self.num_waiting_estimate()
             if waiting + num_new_requests > self.max_waiting_requests:
                 raise EngineOverloadedError(
                     f"the waiting queue is full ({waiting} requests waiting, the limit is {self.max_waiting_requests})"
                 )
 
+    def num_waiting_estimate(self) -> int:
+        """Requests waiting in the core, counting those on their way there that will find no free seat."""
+        stats = self.last_stats
+        in_transit = self._num_sent - self._num_added_seen
+        free_seats = max(0, self.config.max_num_seqs - stats.num_running - stats.num_waiting)
+        return stats.num_waiting + max(0, in_transit - free_seats)
+
+    def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
+        """Start a request: ``params.n`` choices for each prompt, already checked against the model.
+
+        The deltas arrive on the returned stream; closing it early aborts the request.
+        """
+        self.check_accepting(len(prompts) * params.n)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(self, request_id, len(prompts) * params.n)
+        stream.state, children = self.processor.add_request(request_id, prompts, params, stream)
+        self._streams[request_id] = stream
+        arrival = stream.state.arrival_s
+        self._send(AddRequests([CoreRequest(c.request_id, c.prompt_token_ids, c.params, arrival) for c in children]))
+        self._num_sent += len(children)
+        return stream
+
     def abort(self, request_id: str) -> None:
-        """Abort a request at the next step; its blocks are freed there. Unknown ids are ignored."""
-        if request_id in self._queues:
-            self._aborts.add(request_id)
-            self._wake.set()
+        """End a request now: its unfinished choices finish with "abort" and the core frees their blocks."""
+        child_ids = self.processor.abort(request_id)
+        self._streams.pop(request_id, None)
+        if child_ids and self.dead_error is None:
+            self._send(AbortRequests(child_ids))
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the latest step (never read mid-step)."""
+        """The core's latest snapshot (at most ~50 ms old while it runs; fresh whenever it goes idle)."""
         return self.last_stats
 
-    # --------------------------------------------------------------- engine task
+    # --------------------------------------------------------------- internals
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                if not self._pending and not self._aborts and not self.engine.has_unfinished_requests():
-                    self._wake.clear()
-                    await self._wake.wait()
-                self._apply_aborts()
-                self._apply_new_requests()
-                if self.engine.has_unfinished_requests():
-                    outputs, stats = await loop.run_in_executor(self._executor, self._step)
-                    self.last_stats = stats
-                    self._dispatch(outputs)
-                else:
-                    self.last_stats = self.engine.stats()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
-            logger.exception("engine step failed; the engine is stopping")
-            self.dead_error = exc
-            self._fail_all(EngineDeadError(f"the engine stopped after an error: {exc!r}"))
+    def _send(self, message) -> None:
+        # A connecting PUSH socket with no high-water mark queues: this never blocks or fails.
+        self._sockets.inputs.send(self._encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
 
-    def _step(self) -> tuple[list[EngineOutput], EngineStats]:
-        outputs = self.engine.step()
-        return outputs, self.engine.stats()
+    async def _receive_outputs(self) -> None:
+        while True:
+            frame = await self._sockets.outputs.recv(copy=False)
+            step = self._decoder.decode(frame.buffer)
+            if step.stats is not None:
+                self.last_stats = step.stats
+            self._num_added_seen = step.num_requests_added
+            for child_id, reason in step.failed:
+                self._fail_request(child_id, reason)
+            if step.outputs:
+                to_abort = self.processor.process(step.outputs)
+                if to_abort:  # stopped by a stop string
+                    self._send(AbortRequests(to_abort))
 
-    def _apply_new_requests(self) -> None:
-        pending, self._pending = self._pending, []
-        for new in pending:
-            if new.request_id not in self._queues:  # aborted before it reached the engine
-                continue
-            request = self.engine.add_request(new.request_id, new.prompt_token_ids, new.params)
-            request.arrival_time = new.arrival_time
+    def _fail_request(self, child_id: str, reason: str) -> None:
+        request_id = child_id.rpartition("-")[0]
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self.abort(request_id)
+            stream.fail(RuntimeError(f"the engine refused the request: {reason}"))
 
-    def _apply_aborts(self) -> None:
-        aborts, self._aborts = self._aborts, set()
-        self._dispatch(self.engine.abort_requests(list(aborts)))
-        for rid in aborts:  # aborted before it reached the engine: finish it here
-            if rid in self._queues and not self.engine.scheduler.requests.get(rid):
-                if any(p.request_id == rid for p in self._pending):
-                    self._pending = [p for p in self._pending if p.request_id != rid]
-                    self._dispatch([EngineOutput(rid, [], finished=True, finish_reason="abort")])
-
-    def _dispatch(self, outputs: list[EngineOutput]) -> None:
-        for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is None:
-                continue
-            queue.put_nowait(out)
-            if out.finished:
-                del self._queues[out.request_id]
+    def _on_process_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        if self._stopping:
+            return
+        reason = f"the engine process exited unexpectedly (exit code {self._process.exitcode})"
+        if self._control.poll():
+            try:
+                message = self._control.recv()
+            except (EOFError, OSError):
+                message = None
+            if message and message[0] == "dead":
+                reason = message[1]
+                logger.error("the engine core failed:\n%s", message[2])
+        logger.error("engine dead: %s", reason)
+        self.dead_error = EngineDeadError(reason)
+        self._fail_all(EngineDeadError(f"the engine stopped after an error: {reason}"))
+        if self._task is not None:
+            self._task.cancel()
 
     def _fail_all(self, error: BaseException) -> None:
-        for queue in self._queues.values():
-            queue.put_nowait(error)
-        self._queues.clear()
-        self._pending.clear()
+        for stream in self._streams.values():
+            stream.fail(error)
+        self._streams.clear()
+        self.processor.clear()
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+class _Sockets:
+    """The two ZMQ sockets to the core. The core binds its inputs and this side binds the
+    outputs, so each sending side connects: a connecting socket queues what it sends
+    until the peer is there, and nothing is lost while the core starts."""
+
+    def __init__(self, ipc_dir: Path):
+        self.ipc_dir = ipc_dir
+        self.input_address = f"ipc://{ipc_dir / 'inputs'}"
+        self.output_address = f"ipc://{ipc_dir / 'outputs'}"
+        self.context = zmq.asyncio.Context()
+        self.inputs = self.context.socket(zmq.PUSH)
+        self.inputs.setsockopt(zmq.SNDHWM, 0)
+        self.inputs.connect(self.input_address)
+        self.outputs = self.context.socket(zmq.PULL)
+        self.outputs.setsockopt(zmq.RCVHWM, 0)
+        self.outputs.bind(self.output_address)
+
+    @classmethod
+    def open(cls) -> _Sockets:
+        return cls(Path(tempfile.mkdtemp(prefix="minivllm-")))
+
+    def close(self) -> None:
+        if self.context.closed:
+            return
+        self.inputs.close(linger=0)
+        self.outputs.close(linger=0)
+        self.context.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _wait_until_ready(process, control, timeout_s: float | None) -> tuple[ModelInfo, EngineStats]:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not control.poll(0.1):
+        if not process.is_alive():
+            raise EngineStartupError(f"the engine process exited during start-up (exit code {process.exitcode})")
+        if deadline is not None and time.monotonic() > deadline:
+            raise EngineStartupError(f"the engine did not start within {timeout_s} s")
+    message = control.recv()
+    if message[0] != "ready":
+        raise EngineStartupError(message[1])
+    return message[1], message[2]
+
+
+def _stop_process(process, wait_s: float = 0.0) -> None:
+    if wait_s:
+        process.join(wait_s)
+    if process.is_alive():
+        process.terminate()  # ignored by the core; SIGKILL follows
+        process.join(1.0)
+    if process.is_alive():
+        process.kill()
+        process.join(5.0)

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine, RequestError
-from engine.outputs import Logprobs
+from engine.output_processor import ChoiceDelta, OutputProcessor
+from engine.outputs import FinishReason, Logprobs
 from engine.sampling_params import SamplingParams
 
 PromptType = str | dict
@@ -22,9 +23,18 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length" or "abort"
-    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    finish_reason: FinishReason | None = None  # "stop", "length" or "abort"
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it (None for EOS)
     logprobs: list[Logprobs] | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """When a request arrived and got its first and last tokens (``time.monotonic()`` seconds)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -35,6 +45,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = False
+    metrics: RequestMetrics | None = None
 
 
 class LLM:
@@ -47,6 +58,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
+        self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     def generate(
@@ -66,54 +78,37 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
 
-        results: list[RequestOutput] = []
-        pending: dict[str, tuple[CompletionOutput, IncrementalDetokenizer | None, RequestOutput]] = {}
+        # Every prompt is checked before any request starts, so a bad one leaves nothing behind.
+        checked = []
         for prompt, params in zip(prompts, params_list):
             text, token_ids = self._tokenize(prompt)
-            result = RequestOutput(str(next(self._ids)), text, token_ids)
+            checked.append((text, token_ids, self.engine.validate_request(token_ids, params)))
+        bar = tqdm(total=sum(params.n for params in params_list), desc="generating", unit="req",
+                   disable=not use_tqdm)
+        results: list[RequestOutput] = []
+        states = []
+        for text, token_ids, params in checked:
+            result = RequestOutput(str(next(self._ids)), text, token_ids, outputs=[
+                CompletionOutput(index=j, text="", token_ids=[], logprobs=[] if params.logprobs is not None else None)
+                for j in range(params.n)])
             results.append(result)
-            for j in range(params.n):
-                child = replace(params, n=1, seed=None if params.seed is None else params.seed + j)
-                rid = f"{result.request_id}-{j}"
-                self.engine.add_request(rid, token_ids, child)
-                completion = CompletionOutput(index=j, text="", token_ids=[],
-                                              logprobs=[] if params.logprobs is not None else None)
-                result.outputs.append(completion)
-                pending[rid] = (completion, self._detokenizer(token_ids, child), result)
-
-        bar = tqdm(total=len(pending), desc="generating", unit="req", disable=not use_tqdm)
+            state, children = self.processor.add_request(result.request_id, [token_ids], params,
+                                                         _ResultBuilder(result, bar))
+            result.metrics = RequestMetrics(arrival_time=state.arrival_s)
+            states.append(state)
+            for child in children:
+                self.engine.add_request(child.request_id, child.prompt_token_ids, child.params, checked=True)
         try:
             while self.engine.has_unfinished_requests():
-                self._collect(self.engine.step(), pending, bar)
+                to_abort = self.processor.process(self.engine.step())
+                if to_abort:  # ended by a stop string
+                    self.engine.abort_requests(to_abort)
         finally:
             bar.close()
-        for result in results:
+        for result, state in zip(results, states):
+            result.num_cached_tokens = state.usage().cached_tokens
             result.finished = True
         return results
-
-    def _collect(self, outputs, pending, bar) -> None:
-        to_abort = []
-        for out in outputs:
-            completion, detok, result = pending[out.request_id]
-            completion.token_ids.extend(out.new_token_ids)
-            if completion.logprobs is not None:
-                completion.logprobs.extend(out.new_logprobs)
-            result.num_cached_tokens = out.num_cached_tokens
-            stop = detok.add_tokens(out.new_token_ids) if detok is not None else None
-            if stop is not None and not out.finished:
-                completion.finish_reason, completion.stop_reason = "stop", stop.stop_string
-                to_abort.append(out.request_id)
-            elif out.finished:
-                completion.finish_reason = out.finish_reason
-                completion.stop_reason = out.stop_token_id if out.finish_reason == "stop" else None
-                if stop is not None:
-                    completion.finish_reason, completion.stop_reason = "stop", stop.stop_string
-            if out.finished or stop is not None:
-                if detok is not None:
-                    completion.text = detok.text
-                bar.update(1)
-        if to_abort:
-            self.engine.abort_requests(to_abort)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -125,12 +120,6 @@ class LLM:
                                param="prompt")
         return prompt, self.tokenizer.encode(prompt)
 
-    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None or not params.detokenize:
-            return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop,
-                                      params.include_stop_str_in_output)
-
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> RequestOutput:
         """Render one conversation with the tokenizer's chat template and generate the reply."""
@@ -140,3 +129,26 @@ class LLM:
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = list(ids["input_ids"])
         return self.generate([{"prompt_token_ids": ids}], sampling_params, use_tqdm=use_tqdm)[0]
+
+
+class _ResultBuilder:
+    """The offline sink: appends each choice's deltas to its ``CompletionOutput``."""
+
+    def __init__(self, result: RequestOutput, bar: tqdm):
+        self.result = result
+        self.bar = bar
+
+    def put(self, delta: ChoiceDelta) -> None:
+        completion = self.result.outputs[delta.index]
+        if delta.token_ids:
+            metrics, now = self.result.metrics, time.monotonic()
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+        completion.text += delta.text
+        completion.token_ids.extend(delta.token_ids)
+        if completion.logprobs is not None:
+            completion.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
+            self.bar.update(1)

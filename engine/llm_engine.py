@@ -7,7 +7,6 @@ Both the offline ``LLM`` and the async server engine drive this class.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ import numpy as np
 
 from engine.config import ConfigError, EngineConfig
 from engine.model_config import ModelConfig
+from engine.model_info import ModelInfo, RequestError
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineOutput
 from engine.request import Request
@@ -26,15 +26,6 @@ from kvcache.manager import KVCacheManager
 from kvcache.metrics import KVCacheStats
 
 logger = logging.getLogger("minivllm")
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as given (bad token ids, too long...); ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param = param
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -88,6 +79,12 @@ class LLMEngine:
         self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        self.model_info = ModelInfo(
+            model_path=self.model_path, tokenizer_path=config.tokenizer or self.model_path,
+            architecture=self.model_config.architecture, max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(sorted(self.eos_token_ids)),
+            num_kv_blocks=num_blocks, kv_block_size=config.kvcache_block_size, device=str(self.runner.device),
+        )
         self.step_timings: list[StepTiming] = []
         self._last_sync: float | None = None
         self._inflight: tuple | None = None  # (SchedulerOutput, StepHandle, prepare start) of a launched step
@@ -123,36 +120,22 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Validate and queue a request. Raises RequestError for input that cannot be served."""
-        params = self.validate_request(prompt_token_ids, params)
-        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None, checked: bool = False) -> Request:
+        """Queue a request. Raises RequestError for input that cannot be served.
+
+        ``checked``: the caller already ran ``validate_request`` (the API server does, before
+        the request crosses to the engine process), so it is not checked twice.
+        """
+        if not checked:
+            params = self.validate_request(prompt_token_ids, params)
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         self.scheduler.add_request(request)
         return request
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check a prompt against the model and the context; return params with max_tokens resolved."""
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty: it must contain at least one token", param="prompt")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not (0 <= t < vocab)]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is out of range: the vocabulary has {vocab} tokens (0..{vocab - 1})",
-                               param="prompt")
-        n = len(prompt_token_ids)
-        room = self.max_model_len - n
-        if room < 1:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} tokens "
-                f"and at least one token must be generated", param="prompt", code="context_length_exceeded")
-        if params.max_tokens is None:
-            return dataclasses.replace(params, max_tokens=room)
-        if params.max_tokens > room:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but {n} prompt tokens plus "
-                f"max_tokens={params.max_tokens} ask for {n + params.max_tokens}", param="max_tokens",
-                code="context_length_exceeded")
-        return params
+        return self.model_info.check_request(prompt_token_ids, params)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         return self.scheduler.abort_requests(request_ids)

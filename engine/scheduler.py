@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from engine.outputs import (
     CachedRequestData,
     EngineOutput,
+    FinishReason,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -249,7 +250,7 @@ class Scheduler:
             request_id=request.request_id,
             new_token_ids=new_token_ids,
             finished=finished,
-            finish_reason=request.status.value if finished else None,
+            finish_reason=FinishReason(request.status.value) if finished else None,
             stop_token_id=request.stop_token_id,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),

@@ -67,7 +67,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=ctx.served_model_name, root=ctx.model_path, max_model_len=ctx.max_model_len)
+        card = ModelCard(id=ctx.model.name, root=ctx.model.path, max_model_len=ctx.model.max_model_len)
         return ModelList(data=[card])
 
 
@@ -83,13 +83,13 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
             tokenizer = require_tokenizer(ctx.tokenizer, "prompt", "text cannot be tokenized")
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             token_ids = encode(tokenizer, body.prompt, add_special_tokens=add_special)
-        return TokenizeResponse(count=len(token_ids), max_model_len=ctx.max_model_len, tokens=token_ids)
+        return TokenizeResponse(count=len(token_ids), max_model_len=ctx.model.max_model_len, tokens=token_ids)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
         tokenizer = require_tokenizer(ctx.tokenizer, "tokens", "token ids cannot be turned into text")
-        check_token_ids(body.tokens, ctx.vocab_size, "tokens")
+        check_token_ids(body.tokens, ctx.model.vocab_size, "tokens")
         try:
             text = decode(tokenizer, body.tokens)
         except Exception as exc:  # noqa: BLE001 - ids past the tokenizer's own vocabulary (padded embeddings)
@@ -102,7 +102,7 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def health() -> dict:
         engine = ctx.engine
         if engine.dead_error is not None:
-            raise APIError(503, f"the engine stopped after an error: {engine.dead_error!r}", SERVER_ERROR,
+            raise APIError(503, f"the engine stopped after an error: {engine.dead_error}", SERVER_ERROR,
                            code="engine_dead")
         if engine.draining:
             raise APIError(503, "the server is shutting down", SERVER_ERROR, code="shutting_down")

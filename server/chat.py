@@ -70,7 +70,7 @@ class _ChatView:
                                 top_logprobs=top)
 
     def _chunk(self, choices: list[ChatStreamChoice], usage=None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.ctx.served_model_name,
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.ctx.model.name,
                                    choices=choices, usage=usage)
 
     async def response(self) -> ChatCompletionResponse:
@@ -80,20 +80,21 @@ class _ChatView:
                        finish_reason=result.finish_reason)
             for index, result in enumerate(results)
         ]
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.ctx.served_model_name,
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name,
                                       choices=choices, usage=usage_info(self.generation.usage()))
 
     async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
         for index in range(self.generation.num_choices):
             yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         async with aclosing(self.generation.updates()) as updates:
-            async for update in updates:
-                has_logprobs = self.body.logprobs and update.logprobs
-                if not update.text and update.finish_reason is None and not has_logprobs:
-                    continue  # the detokenizer is holding text back; nothing to say yet
-                delta = DeltaMessage(content=update.text or None)
-                choice = ChatStreamChoice(index=update.index, delta=delta, logprobs=self._logprobs(update.logprobs),
-                                          finish_reason=update.finish_reason)
-                yield self._chunk([choice])
+            async for batch in updates:
+                for delta in batch:
+                    has_logprobs = self.body.logprobs and delta.logprobs
+                    if not delta.text and delta.finish_reason is None and not has_logprobs:
+                        continue  # the detokenizer is holding text back; nothing to say yet
+                    choice = ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text or None),
+                                              logprobs=self._logprobs(delta.logprobs),
+                                              finish_reason=delta.finish_reason)
+                    yield self._chunk([choice])
         if self.body.include_usage:
             yield self._chunk([], usage=usage_info(self.generation.usage()))

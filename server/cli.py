@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import itertools
 import logging
 import os
 import sys
@@ -19,14 +18,13 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineStartupError
 from engine.config import ConfigError, EngineConfig
 from engine.default_model import DEFAULT_MODEL_NAME
-from engine.llm_engine import LLMEngine
 from server import __version__
 from server.app import build_app
 from server.metrics import ServerMetrics
-from server.serving import ServingContext
+from server.serving import ServedModel, ServingContext
 
 logger = logging.getLogger("minivllm.server")
 
@@ -123,9 +121,6 @@ def _add_server_args(group) -> None:
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="log level of the server and the engine")
-    group.add_argument("--fail-after-steps", type=int, default=None, metavar="N",
-                       help="fault injection, for testing only: make the engine's step raise after N steps, "
-                            "which kills the engine (requests in flight fail, /health and new requests get 503)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -148,19 +143,6 @@ def served_model_name(args: argparse.Namespace) -> str:
         return DEFAULT_MODEL_NAME
     path = Path(args.model)
     return path.name if path.exists() else args.model
-
-
-def inject_step_failure(engine: LLMEngine, num_steps: int) -> None:
-    """Fault injection: the engine's step raises once it has run ``num_steps`` steps."""
-    step = engine.step
-    counter = itertools.count(1)
-
-    def failing_step():
-        if next(counter) > num_steps:
-            raise RuntimeError(f"injected fault: the engine step fails after {num_steps} steps (--fail-after-steps)")
-        return step()
-
-    engine.step = failing_step  # type: ignore[method-assign]
 
 
 class DrainingServer(uvicorn.Server):
@@ -208,22 +190,25 @@ class DrainingServer(uvicorn.Server):
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = engine_config_from_args(args)
-        engine = AsyncEngine(LLMEngine(config), args.max_waiting_requests)
-    except (ConfigError, OSError, ValueError) as exc:  # a bad flag or model directory: say so, no traceback
+        engine = AsyncEngine.launch(engine_config_from_args(args), args.max_waiting_requests, args.log_level)
+    except (ConfigError, EngineStartupError, OSError, ValueError) as exc:  # a bad flag or model: say so, no traceback
         logger.debug("the engine could not start", exc_info=True)
         print(f"minivllm serve: error: {exc}", file=sys.stderr)
         return 2
-    if args.fail_after_steps is not None:
-        logger.warning("fault injection: the engine step will fail after %d steps", args.fail_after_steps)
-        inject_step_failure(engine.engine, args.fail_after_steps)
-    ctx = ServingContext(engine, ServerMetrics(engine), served_model_name(args), engine.engine.model_path,
-                         api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
-    uvicorn_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=_AFTER_DRAIN_GRACE_S)
-    logger.info("serving %s as %r on http://%s:%d", ctx.model_path, ctx.served_model_name, args.host, args.port)
-    DrainingServer(uvicorn_config, engine, args.shutdown_timeout).run()
-    return 0
+    try:
+        model = ServedModel(served_model_name(args), engine.model, engine.tokenizer)
+        metrics = ServerMetrics(engine)
+        engine.attach_metrics(metrics)
+        ctx = ServingContext(engine, model, metrics, api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
+        uvicorn_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port, log_level=args.log_level,
+                                        timeout_graceful_shutdown=_AFTER_DRAIN_GRACE_S)
+        logger.info("serving %s as %r on http://%s:%d (engine core process %d)", model.path, model.name, args.host,
+                    args.port, engine.engine_pid)
+        server = DrainingServer(uvicorn_config, engine, args.shutdown_timeout)
+        server.run()
+        return 0 if server.started else 1
+    finally:
+        engine.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

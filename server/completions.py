@@ -12,6 +12,7 @@ from contextlib import aclosing
 
 from fastapi import Request
 
+from engine.output_processor import ChoiceDelta
 from engine.outputs import Logprobs
 from server.errors import bad_request
 from server.generation import Generation
@@ -74,26 +75,30 @@ class _CompletionView:
             choices.append(CompletionChoice(index=index, text=prefix + result.text,
                                             logprobs=self._logprobs(result.logprobs, len(prefix)),
                                             finish_reason=result.finish_reason))
-        return CompletionResponse(id=self.id, created=self.created, model=self.ctx.served_model_name,
+        return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name,
                                   choices=choices, usage=usage_info(self.generation.usage()))
 
     async def chunks(self) -> AsyncIterator[CompletionResponse]:
         text_offsets: dict[int, int] = {}  # choice index -> where its next generated text starts
         async with aclosing(self.generation.updates()) as updates:
-            async for update in updates:
-                text = update.text
-                if update.index not in text_offsets:
-                    text = self._echo(update.prompt_index) + text
-                    text_offsets[update.index] = len(text) - len(update.text)
-                has_logprobs = self.body.logprobs is not None and update.logprobs
-                if not text and update.finish_reason is None and not has_logprobs:
-                    continue  # the detokenizer is holding text back; nothing to say yet
-                logprobs = self._logprobs(update.logprobs, text_offsets[update.index])
-                text_offsets[update.index] += len(update.text)
-                choice = CompletionChoice(index=update.index, text=text, logprobs=logprobs,
-                                          finish_reason=update.finish_reason)
-                yield CompletionResponse(id=self.id, created=self.created, model=self.ctx.served_model_name,
-                                         choices=[choice])
+            async for batch in updates:
+                for delta in batch:
+                    chunk = self._chunk(delta, text_offsets)
+                    if chunk is not None:
+                        yield chunk
         if self.body.include_usage:
-            yield CompletionResponse(id=self.id, created=self.created, model=self.ctx.served_model_name,
+            yield CompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name,
                                      choices=[], usage=usage_info(self.generation.usage()))
+
+    def _chunk(self, delta: ChoiceDelta, text_offsets: dict[int, int]) -> CompletionResponse | None:
+        text = delta.text
+        if delta.index not in text_offsets:
+            text = self._echo(delta.prompt_index) + text
+            text_offsets[delta.index] = len(text) - len(delta.text)
+        has_logprobs = self.body.logprobs is not None and delta.logprobs
+        if not text and delta.finish_reason is None and not has_logprobs:
+            return None  # the detokenizer is holding text back; nothing to say yet
+        logprobs = self._logprobs(delta.logprobs, text_offsets[delta.index])
+        text_offsets[delta.index] += len(delta.text)
+        choice = CompletionChoice(index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason)
+        return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name, choices=[choice])

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineDeadError, EngineOverloadedError
-from engine.llm_engine import RequestError
+from engine.model_info import RequestError
 from engine.sampling_params import SamplingParamsError
 
 logger = logging.getLogger("minivllm.server")

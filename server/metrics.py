@@ -1,20 +1,19 @@
 """Prometheus metrics, one registry per app, every name prefixed ``minivllm:``.
 
 Gauges and engine counters (queue sizes, KV pool, prefix cache, preemptions) are read
-from ``engine.stats()`` at scrape time by a custom collector, so they are never stale
-and cost nothing between scrapes. Token counters, finish reasons and latency histograms
-are recorded by the serving code, one ``RequestTimer`` per engine request.
+from ``engine.stats()`` (the engine core's latest snapshot) at scrape time by a custom
+collector, so they cost nothing between scrapes. Token counters, finish reasons and
+latency histograms are recorded by the output processor as it handles each step.
 """
 
 from __future__ import annotations
 
-import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.outputs import EngineOutput
+from engine.outputs import FinishReason
 
 PREFIX = "minivllm:"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -68,8 +67,7 @@ class ServerMetrics:
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=reg)
         self.request_success = Counter(PREFIX + "request_success", "Finished engine requests, by finish reason.",
                                        ["finished_reason"], registry=reg)
-        for reason in FINISH_REASONS:
-            self.request_success.labels(finished_reason=reason)
+        self._finished = {reason: self.request_success.labels(finished_reason=reason) for reason in FINISH_REASONS}
         self.time_to_first_token = Histogram(PREFIX + "time_to_first_token_seconds", "Time to the first token.",
                                              buckets=_LATENCY_BUCKETS_S, registry=reg)
         self.inter_token_latency = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens.",
@@ -84,36 +82,21 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def request_timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    # The output processor's MetricsRecorder: called for every engine request of every step,
+    # so each is a counter increment or a histogram observation, nothing more.
 
+    def observe_queue_time(self, seconds: float) -> None:
+        self.request_queue_time.observe(seconds)
 
-class RequestTimer:
-    """Latencies and token counts of one engine request, fed with its outputs as they arrive."""
+    def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        self.time_to_first_token.observe(ttft_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
 
-    def __init__(self, metrics: ServerMetrics):
-        self.metrics = metrics
-        self.arrival_s = time.monotonic()
-        self.last_token_s: float | None = None
-        self.queue_time_recorded = False
+    def observe_tokens(self, num_tokens: int, inter_token_s: float | None) -> None:
+        self.generation_tokens.inc(num_tokens)
+        if inter_token_s is not None:
+            self.inter_token_latency.observe(inter_token_s)
 
-    def on_output(self, out: EngineOutput) -> None:
-        now = time.monotonic()
-        m = self.metrics
-        if not self.queue_time_recorded and out.queue_time_s is not None:
-            m.request_queue_time.observe(out.queue_time_s)
-            self.queue_time_recorded = True
-        num_new = len(out.new_token_ids)
-        if num_new == 0:
-            return
-        if self.last_token_s is None:
-            m.time_to_first_token.observe(now - self.arrival_s)
-            m.prompt_tokens.inc(out.num_prompt_tokens)
-        else:
-            m.inter_token_latency.observe((now - self.last_token_s) / num_new)
-        m.generation_tokens.inc(num_new)
-        self.last_token_s = now
-
-    def on_finish(self, finish_reason: str) -> None:
-        self.metrics.e2e_request_latency.observe(time.monotonic() - self.arrival_s)
-        self.metrics.request_success.labels(finished_reason=finish_reason).inc()
+    def observe_finish(self, reason: FinishReason, e2e_s: float) -> None:
+        self.e2e_request_latency.observe(e2e_s)
+        self._finished[reason.value].inc()

@@ -1,8 +1,8 @@
 """What completions and chat share: the serving context, admission, and the two ways to answer.
 
-    request ─> check model ─> tokenize ─> SamplingParams ─> admit (validate every prompt
-    against the engine before anything starts) ─> Generation ─┬─> collect() ─> one JSON body
-                                                               └─> chunks ─> sse_stream() ─> SSE
+    request ─> check model ─> tokenize ─> SamplingParams ─> admit (check every prompt
+    against the model before anything starts) ─> Generation ─┬─> collect() ─> one JSON body
+                                                              └─> chunks ─> sse_stream() ─> SSE
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from fastapi import Request, Response
 from pydantic import BaseModel
 
 from engine.async_engine import AsyncEngine
-from engine.outputs import Logprobs
+from engine.model_info import ModelInfo
+from engine.output_processor import Usage
+from engine.outputs import FinishReason, Logprobs
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, INVALID_REQUEST, as_api_error, bad_request
-from server.generation import Generation, Usage
+from server.generation import Generation
 from server.metrics import ServerMetrics
 from server.protocol import PromptTokensDetails, UsageInfo
 from server.streaming import (
@@ -38,44 +40,55 @@ logger = logging.getLogger("minivllm.server")
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """The model facts handlers read: what clients call it, and what the engine reported at start-up."""
+
+    name: str
+    info: ModelInfo
+    tokenizer: object | None  # the Hugging Face tokenizer, or None for a model without one
+
+    @property
+    def path(self) -> str:
+        return self.info.model_path
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+
 @dataclass
 class ServingContext:
-    """Everything a handler needs: the engine, the names clients use, metrics, and the API key."""
+    """Everything a handler needs: the engine, the served model, metrics, and the API key."""
 
     engine: AsyncEngine
+    model: ServedModel
     metrics: ServerMetrics
-    served_model_name: str
-    model_path: str
     api_key: str | None = None
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.engine.model_config.vocab_size
+        return self.model.tokenizer
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+        if model is not None and model != self.model.name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model.name!r}",
                            INVALID_REQUEST, param="model", code="model_not_found")
 
     def start_generation(self, prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams) -> Generation:
-        """Admit a request: every prompt is checked before any engine request starts, so a bad
+        """Admit a request: every prompt is checked before anything reaches the engine, so a bad
         prompt (or a full queue) answers a plain error instead of a half-started stream."""
         if params.stop and self.tokenizer is None:
             raise bad_request("stop strings need a tokenizer, and this model has none", param="stop")
-        # Every sample is an engine request: all of them must fit in the waiting queue.
-        self.engine.check_accepting(num_new_requests=len(prompts) * params.n)
         for prompt in prompts:
-            self.engine.engine.validate_request(prompt.token_ids, params)
+            self.model.info.check_request(prompt.token_ids, params)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        return Generation(self.engine, self.metrics, request_id, prompts, params, self.tokenizer)
+        stream = self.engine.generate(request_id, [p.token_ids for p in prompts], params)
+        return Generation(request_id, prompts, params, stream)
 
 
 @dataclass
@@ -85,18 +98,19 @@ class ChoiceResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 async def collect(generation: Generation) -> list[ChoiceResult]:
     results = [ChoiceResult() for _ in range(generation.num_choices)]
     async with aclosing(generation.updates()) as updates:
-        async for update in updates:
-            result = results[update.index]
-            result.text += update.text
-            result.token_ids += update.token_ids
-            result.logprobs += update.logprobs
-            result.finish_reason = update.finish_reason
+        async for batch in updates:
+            for delta in batch:
+                result = results[delta.index]
+                result.text += delta.text
+                result.token_ids += delta.token_ids
+                result.logprobs += delta.logprobs
+                result.finish_reason = delta.finish_reason
     return results
 
 

@@ -8,6 +8,7 @@ A server's log is printed after any test that fails while it is running.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -95,6 +96,31 @@ class ServerProcess:
 
 def start_server(tmp_dir: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
     return ServerProcess(args, tmp_dir / f"{name}.log", env).start()
+
+
+FAULTS_DIR = Path(__file__).resolve().parent / "faults"
+
+
+def failing_step_env(num_steps: int) -> dict[str, str]:
+    """The environment of a server whose engine step raises after ``num_steps`` steps (tests/faults)."""
+    path = os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "MINIVLLM_TEST_STEP_FAILS_AFTER": str(num_steps)}
+
+
+def engine_core_pid(server: ServerProcess) -> int:
+    """The engine core process of a running server, as its start-up log names it."""
+    match = re.search(r"engine core process (\d+) starting", server.log_path.read_text())
+    assert match, f"no engine core pid in the log:\n{server.log_tail()}"
+    return int(match.group(1))
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 # ------------------------------------------------------------------------ tiny model

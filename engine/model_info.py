@@ -1,0 +1,67 @@
+"""What a front end needs to know about the served model, in one frozen object.
+
+The engine core process sends it to the API server once it has loaded the model; the
+server reads model facts only from here (and from the tokenizer it loads itself).
+Requests are checked against it once, in the front end, before they reach the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (bad token ids, too long...); ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_path: str
+    tokenizer_path: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    # The KV pool, for start-up logs and the dashboard.
+    num_kv_blocks: int
+    kv_block_size: int
+    device: str
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Check a prompt against the vocabulary and the context; return params with max_tokens resolved."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty: it must contain at least one token", param="prompt")
+        vocab = self.vocab_size
+        try:
+            ids = np.asarray(prompt_token_ids, dtype=np.int64)
+        except OverflowError:
+            ids = None
+        bad = None if ids is None else (ids < 0) | (ids >= vocab)
+        if bad is None or bad.any():
+            first = next(t for t in prompt_token_ids if not 0 <= t < vocab) if bad is None else int(ids[bad.argmax()])
+            raise RequestError(f"token id {first} is out of range: the vocabulary has {vocab} tokens (0..{vocab - 1})",
+                               param="prompt")
+        room = self.max_model_len - n
+        if room < 1:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} tokens "
+                f"and at least one token must be generated", param="prompt", code="context_length_exceeded")
+        if params.max_tokens is None:
+            return dataclasses.replace(params, max_tokens=room)
+        if params.max_tokens > room:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {n} prompt tokens plus "
+                f"max_tokens={params.max_tokens} ask for {n + params.max_tokens}", param="max_tokens",
+                code="context_length_exceeded")
+        return params

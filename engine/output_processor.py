@@ -1,0 +1,253 @@
+"""From engine outputs to what a caller reads: one output processor for ``LLM`` and the server.
+
+    add_request(id, prompts, params) ──> one engine request per choice: "{id}-{index}",
+                                          index = prompt_index * n + sample_index
+    process(step's EngineOutputs) ──> per choice: detokenize, stop strings, logprobs
+                                  ──> ChoiceDelta to the request's sink; ids to abort
+
+A stop string is found here, not in the engine, so the choice it ends must be aborted in
+the engine by the caller (``process`` returns those ids). Outputs of requests that are
+no longer known (aborted, or stopped by a stop string while a step was in flight) are
+dropped. The processor never waits: the server calls it once per engine step for every
+request in the step, and the sinks merge deltas until their reader catches up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import EngineOutput, FinishReason, Logprobs
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What one choice produced since its last delta; ``finish_reason`` is set on its last one."""
+
+    index: int
+    prompt_index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[Logprobs]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it
+
+    def merge(self, later: ChoiceDelta) -> None:
+        """Append a later delta of the same choice (for a reader that fell behind)."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        self.logprobs.extend(later.logprobs)
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
+
+
+class OutputSink(Protocol):
+    """Where a request's deltas go: the server's stream, or the offline result being built."""
+
+    def put(self, delta: ChoiceDelta) -> None: ...
+
+
+class MetricsRecorder(Protocol):
+    """Per-request latencies and token counts, as the processor sees them (server metrics)."""
+
+    def observe_queue_time(self, seconds: float) -> None: ...
+    def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None: ...
+    def observe_tokens(self, num_tokens: int, inter_token_s: float | None) -> None: ...
+    def observe_finish(self, reason: FinishReason, e2e_s: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class ChildRequest:
+    """One engine request of a choice."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class _Choice:
+    request: RequestState
+    index: int
+    prompt_index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    queue_time_recorded: bool = False
+    finished: bool = False
+
+
+@dataclass
+class RequestState:
+    """One caller request: its prompts, its choices, and the sink its deltas go to."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    sink: OutputSink
+    arrival_s: float
+    choices: list[_Choice] = field(default_factory=list)
+    num_unfinished: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def usage(self) -> Usage:
+        """Prompt tokens count once per prompt; cached tokens are those every sample of a prompt found cached."""
+        n = self.params.n
+        cached = sum(min(c.num_cached_tokens for c in self.choices[p * n:(p + 1) * n]) for p in range(len(self.prompts)))
+        return Usage(prompt_tokens=sum(len(p) for p in self.prompts),
+                     completion_tokens=sum(c.num_output_tokens for c in self.choices), cached_tokens=cached)
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    return f"{request_id}-{index}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, metrics: MetricsRecorder | None = None):
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.requests: dict[str, RequestState] = {}
+        self._choices: dict[str, _Choice] = {}  # engine request id -> its choice
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add_request(self, request_id: str, prompts: Sequence[list[int]], params: SamplingParams, sink: OutputSink,
+                    arrival_s: float | None = None) -> tuple[RequestState, list[ChildRequest]]:
+        """Register a request; returns its state and the engine requests to add, one per choice.
+
+        Seeded samples get ``seed + sample_index`` so they differ from each other yet reproduce.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        state = RequestState(request_id, [list(p) for p in prompts], params, sink,
+                             time.monotonic() if arrival_s is None else arrival_s)
+        children = []
+        for prompt_index, prompt in enumerate(state.prompts):
+            for sample_index in range(params.n):
+                index = prompt_index * params.n + sample_index
+                seed = None if params.seed is None else params.seed + sample_index
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+                choice = _Choice(state, index, prompt_index, child_params, self._detokenizer(prompt, child_params))
+                state.choices.append(choice)
+                children.append(ChildRequest(child_request_id(request_id, index), prompt, child_params))
+        state.num_unfinished = len(state.choices)
+        self.requests[request_id] = state
+        for choice, child in zip(state.choices, children):
+            self._choices[child.request_id] = choice
+        return state, children
+
+    def process(self, outputs: Sequence[EngineOutput]) -> list[str]:
+        """Turn one step's outputs into deltas; returns the engine requests that a stop string ended."""
+        now = time.monotonic()
+        to_abort = []
+        for out in outputs:
+            choice = self._choices.get(out.request_id)
+            if choice is None:
+                continue  # aborted, or ended by a stop string while this step ran
+            delta = self._delta(choice, out, now)
+            if delta.finish_reason is not None:
+                self._finish(choice, out.request_id, delta.finish_reason, now)
+                if not out.finished:
+                    to_abort.append(out.request_id)
+            choice.request.sink.put(delta)
+        return to_abort
+
+    def abort(self, request_id: str) -> list[str]:
+        """End a request's unfinished choices with "abort"; returns their engine request ids to abort."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return []
+        now = time.monotonic()
+        aborted = []
+        for choice in state.choices:
+            if choice.finished:
+                continue
+            child_id = child_request_id(request_id, choice.index)
+            text = choice.detokenizer.next_delta(finished=True) if choice.detokenizer is not None else ""
+            self._finish(choice, child_id, FinishReason.ABORT, now)
+            state.sink.put(ChoiceDelta(choice.index, choice.prompt_index, text, [], [], FinishReason.ABORT))
+            aborted.append(child_id)
+        return aborted
+
+    def clear(self) -> None:
+        """Forget every request (the engine is gone)."""
+        self.requests.clear()
+        self._choices.clear()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _detokenizer(self, prompt: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None or not params.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens, params.stop,
+                                      params.include_stop_str_in_output)
+
+    def _delta(self, choice: _Choice, out: EngineOutput, now: float) -> ChoiceDelta:
+        params = choice.params
+        token_ids = out.new_token_ids
+        self._record_tokens(choice, out, now)
+        finish_reason = out.finish_reason if out.finished else None
+        stop_reason = None
+        if finish_reason == FinishReason.STOP and out.stop_token_id in params.stop_token_ids:
+            stop_reason = out.stop_token_id
+        text = ""
+        detokenizer = choice.detokenizer
+        if detokenizer is not None:
+            text_ids = token_ids
+            if finish_reason == FinishReason.STOP and out.stop_token_id is not None \
+                    and not params.include_stop_str_in_output:
+                text_ids = token_ids[:-1]  # the stop token (EOS or a stop_token_ids entry) is not part of the text
+            match = detokenizer.add_tokens(text_ids)
+            if match is not None:
+                finish_reason, stop_reason = FinishReason.STOP, match.stop_string
+            text = detokenizer.next_delta(finished=finish_reason is not None)
+        return ChoiceDelta(choice.index, choice.prompt_index, text, list(token_ids), list(out.new_logprobs),
+                           finish_reason, stop_reason)
+
+    def _record_tokens(self, choice: _Choice, out: EngineOutput, now: float) -> None:
+        num_new = len(out.new_token_ids)
+        choice.num_output_tokens += num_new
+        choice.num_cached_tokens = out.num_cached_tokens
+        metrics = self.metrics
+        if metrics is not None and not choice.queue_time_recorded and out.queue_time_s is not None:
+            metrics.observe_queue_time(out.queue_time_s)
+            choice.queue_time_recorded = True
+        if num_new == 0:
+            return
+        if choice.first_token_s is None:
+            choice.first_token_s = now
+            if metrics is not None:
+                metrics.observe_first_token(now - choice.request.arrival_s, out.num_prompt_tokens)
+                metrics.observe_tokens(num_new, None)
+        elif metrics is not None:
+            metrics.observe_tokens(num_new, (now - choice.last_token_s) / num_new)
+        choice.last_token_s = now
+
+    def _finish(self, choice: _Choice, child_id: str, reason: FinishReason, now: float) -> None:
+        choice.finished = True
+        del self._choices[child_id]
+        state = choice.request
+        state.num_unfinished -= 1
+        if state.num_unfinished == 0:
+            del self.requests[state.request_id]
+        if self.metrics is not None:
+            self.metrics.observe_finish(reason, now - state.arrival_s)
