@@ -25,7 +25,6 @@ _REPLACEMENT_CHAR = "\ufffd"
 @dataclass
 class StopMatch:
     stop_string: str
-    text: str  # the full output text, cut at the stop string (kept if asked)
 
 
 class _StreamDecoder:
@@ -74,6 +73,9 @@ class _WindowDecoder:
 
 
 class IncrementalDetokenizer:
+    """Text deltas of one output. Only text not handed out yet is kept: a stop string can only
+    match there, because the hold-back keeps its possible start from being emitted."""
+
     def __init__(
         self,
         tokenizer,
@@ -91,36 +93,38 @@ class IncrementalDetokenizer:
             self._decoder = _StreamDecoder(backend, context, skip_special_tokens)
         else:
             self._decoder = _WindowDecoder(tokenizer, context, skip_special_tokens)
-        self.text = ""  # all output text decoded so far
-        self._emitted = 0  # characters of self.text already handed out
+        self._unemitted = ""  # decoded, not handed out yet: at most the hold-back plus the newest text
 
     def add_tokens(self, token_ids: list[int]) -> StopMatch | None:
         """Decode new tokens; returns a StopMatch if a stop string now appears in the text."""
         for token_id in token_ids:
             new_text = self._decoder.add(token_id)
             if new_text:
-                start = len(self.text)
-                self.text += new_text
-                match = self._find_stop(start)
-                if match is not None:
-                    return match
+                start = len(self._unemitted)
+                self._unemitted += new_text
+                if self.stop:
+                    match = self._find_stop(start)
+                    if match is not None:
+                        return match
         return None
 
     def _find_stop(self, new_text_start: int) -> StopMatch | None:
-        if not self.stop:
-            return None
         for stop in self.stop:
             # Only the new text, plus enough before it for a match that spans the boundary.
-            idx = self.text.find(stop, max(0, new_text_start - len(stop) + 1))
+            idx = self._unemitted.find(stop, max(0, new_text_start - len(stop) + 1))
             if idx != -1:
-                end = idx + len(stop) if self.include_stop else idx
-                self.text = self.text[:end]
-                return StopMatch(stop, self.text)
+                self._unemitted = self._unemitted[: idx + len(stop) if self.include_stop else idx]
+                return StopMatch(stop)
         return None
 
     def next_delta(self, finished: bool) -> str:
         """Text not handed out yet; while running, the stop-string hold-back stays behind."""
-        end = len(self.text) if finished else max(self._emitted, len(self.text) - self._hold_back)
-        delta = self.text[self._emitted : end]
-        self._emitted = end
-        return delta
+        text = self._unemitted
+        if finished or not self._hold_back:
+            self._unemitted = ""
+            return text
+        cut = len(text) - self._hold_back
+        if cut <= 0:
+            return ""
+        self._unemitted = text[cut:]
+        return text[:cut]

@@ -137,6 +137,7 @@ class _ResultBuilder:
     def __init__(self, result: RequestOutput, bar: tqdm):
         self.result = result
         self.bar = bar
+        self._texts: list[list[str]] = [[] for _ in result.outputs]  # joined once a choice finishes
 
     def put(self, delta: ChoiceDelta) -> None:
         completion = self.result.outputs[delta.index]
@@ -145,10 +146,12 @@ class _ResultBuilder:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-        completion.text += delta.text
+        if delta.text:
+            self._texts[delta.index].append(delta.text)
         completion.token_ids.extend(delta.token_ids)
         if completion.logprobs is not None:
             completion.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
+            completion.text = "".join(self._texts[delta.index])
             completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
             self.bar.update(1)

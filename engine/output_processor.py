@@ -52,13 +52,23 @@ class OutputSink(Protocol):
     def put(self, delta: ChoiceDelta) -> None: ...
 
 
-class MetricsRecorder(Protocol):
-    """Per-request latencies and token counts, as the processor sees them (server metrics)."""
+@dataclass(slots=True)
+class StepMetrics:
+    """Latencies and token counts seen in one step's outputs (seconds; one entry per event), handed
+    to the recorder once per step so that per-token bookkeeping is a list append."""
 
-    def observe_queue_time(self, seconds: float) -> None: ...
-    def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None: ...
-    def observe_tokens(self, num_tokens: int, inter_token_s: float | None) -> None: ...
-    def observe_finish(self, reason: FinishReason, e2e_s: float) -> None: ...
+    num_prompt_tokens: int = 0  # of the requests that got their first token
+    num_generation_tokens: int = 0
+    queue_times_s: list[float] = field(default_factory=list)
+    ttfts_s: list[float] = field(default_factory=list)
+    inter_token_s: list[float] = field(default_factory=list)
+    finished: list[tuple[FinishReason, float]] = field(default_factory=list)  # (reason, end-to-end latency)
+
+
+class MetricsRecorder(Protocol):
+    """Where the processor's per-step metrics go (the server's Prometheus metrics)."""
+
+    def record(self, step: StepMetrics) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -158,17 +168,25 @@ class OutputProcessor:
     def process(self, outputs: Sequence[EngineOutput]) -> list[str]:
         """Turn one step's outputs into deltas; returns the engine requests that a stop string ended."""
         now = time.monotonic()
+        step = StepMetrics() if self.metrics is not None else None
         to_abort = []
+        choices = self._choices
         for out in outputs:
-            choice = self._choices.get(out.request_id)
+            choice = choices.get(out.request_id)
             if choice is None:
                 continue  # aborted, or ended by a stop string while this step ran
-            delta = self._delta(choice, out, now)
+            if step is not None:
+                _record_tokens(step, choice, out, now)
+            choice.num_output_tokens += len(out.new_token_ids)
+            choice.num_cached_tokens = out.num_cached_tokens
+            delta = self._delta(choice, out)
             if delta.finish_reason is not None:
-                self._finish(choice, out.request_id, delta.finish_reason, now)
+                self._finish(choice, out.request_id, delta.finish_reason, now, step)
                 if not out.finished:
                     to_abort.append(out.request_id)
             choice.request.sink.put(delta)
+        if step is not None:
+            self.metrics.record(step)
         return to_abort
 
     def abort(self, request_id: str) -> list[str]:
@@ -177,15 +195,18 @@ class OutputProcessor:
         if state is None:
             return []
         now = time.monotonic()
+        step = StepMetrics() if self.metrics is not None else None
         aborted = []
         for choice in state.choices:
             if choice.finished:
                 continue
             child_id = child_request_id(request_id, choice.index)
             text = choice.detokenizer.next_delta(finished=True) if choice.detokenizer is not None else ""
-            self._finish(choice, child_id, FinishReason.ABORT, now)
+            self._finish(choice, child_id, FinishReason.ABORT, now, step)
             state.sink.put(ChoiceDelta(choice.index, choice.prompt_index, text, [], [], FinishReason.ABORT))
             aborted.append(child_id)
+        if step is not None:
+            self.metrics.record(step)
         return aborted
 
     def clear(self) -> None:
@@ -201,10 +222,9 @@ class OutputProcessor:
         return IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens, params.stop,
                                       params.include_stop_str_in_output)
 
-    def _delta(self, choice: _Choice, out: EngineOutput, now: float) -> ChoiceDelta:
+    def _delta(self, choice: _Choice, out: EngineOutput) -> ChoiceDelta:
         params = choice.params
         token_ids = out.new_token_ids
-        self._record_tokens(choice, out, now)
         finish_reason = out.finish_reason if out.finished else None
         stop_reason = None
         if finish_reason == FinishReason.STOP and out.stop_token_id in params.stop_token_ids:
@@ -220,34 +240,34 @@ class OutputProcessor:
             if match is not None:
                 finish_reason, stop_reason = FinishReason.STOP, match.stop_string
             text = detokenizer.next_delta(finished=finish_reason is not None)
-        return ChoiceDelta(choice.index, choice.prompt_index, text, list(token_ids), list(out.new_logprobs),
-                           finish_reason, stop_reason)
+        # The output's lists are this delta's from now on: the engine made them for this output alone.
+        return ChoiceDelta(choice.index, choice.prompt_index, text, token_ids, out.new_logprobs, finish_reason,
+                           stop_reason)
 
-    def _record_tokens(self, choice: _Choice, out: EngineOutput, now: float) -> None:
-        num_new = len(out.new_token_ids)
-        choice.num_output_tokens += num_new
-        choice.num_cached_tokens = out.num_cached_tokens
-        metrics = self.metrics
-        if metrics is not None and not choice.queue_time_recorded and out.queue_time_s is not None:
-            metrics.observe_queue_time(out.queue_time_s)
-            choice.queue_time_recorded = True
-        if num_new == 0:
-            return
-        if choice.first_token_s is None:
-            choice.first_token_s = now
-            if metrics is not None:
-                metrics.observe_first_token(now - choice.request.arrival_s, out.num_prompt_tokens)
-                metrics.observe_tokens(num_new, None)
-        elif metrics is not None:
-            metrics.observe_tokens(num_new, (now - choice.last_token_s) / num_new)
-        choice.last_token_s = now
-
-    def _finish(self, choice: _Choice, child_id: str, reason: FinishReason, now: float) -> None:
+    def _finish(self, choice: _Choice, child_id: str, reason: FinishReason, now: float,
+                step: StepMetrics | None) -> None:
         choice.finished = True
         del self._choices[child_id]
         state = choice.request
         state.num_unfinished -= 1
         if state.num_unfinished == 0:
             del self.requests[state.request_id]
-        if self.metrics is not None:
-            self.metrics.observe_finish(reason, now - state.arrival_s)
+        if step is not None:
+            step.finished.append((reason, now - state.arrival_s))
+
+
+def _record_tokens(step: StepMetrics, choice: _Choice, out: EngineOutput, now: float) -> None:
+    if not choice.queue_time_recorded and out.queue_time_s is not None:
+        step.queue_times_s.append(out.queue_time_s)
+        choice.queue_time_recorded = True
+    num_new = len(out.new_token_ids)
+    if num_new == 0:
+        return
+    step.num_generation_tokens += num_new
+    if choice.first_token_s is None:
+        choice.first_token_s = now
+        step.ttfts_s.append(now - choice.request.arrival_s)
+        step.num_prompt_tokens += out.num_prompt_tokens
+    else:
+        step.inter_token_s.append((now - choice.last_token_s) / num_new)
+    choice.last_token_s = now
