@@ -161,6 +161,12 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError("the server did not become healthy")
 
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU seconds used so far by the API server process and by the engine core process."""
+        pid = self.proc.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return _cpu_seconds(pid), sum(_cpu_seconds(int(c)) for c in children)
+
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -170,6 +176,11 @@ class Server:
             return self.proc.wait()
         finally:
             self.log.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def _client_process(config: ClientConfig, jobs: list[tuple[int, SampleRequest, float]], t0: float, queue) -> None:
@@ -184,13 +195,15 @@ def _client_process(config: ClientConfig, jobs: list[tuple[int, SampleRequest, f
         async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits) as client:
             return await asyncio.gather(*(one(client, i, r, o) for i, r, o in jobs))
 
-    queue.put(asyncio.run(run()))
+    cpu_start = time.process_time()
+    results = asyncio.run(run())
+    queue.put((results, time.process_time() - cpu_start))
 
 
 def run_http(url: str, model: str, requests: list[SampleRequest], offsets: list[float],
-             num_processes: int) -> tuple[list[RequestResult], float]:
-    """Send every request at its offset from a common start; returns the results (in request order)
-    and the duration from the start to the last response."""
+             num_processes: int) -> tuple[list[RequestResult], float, float, float]:
+    """Send every request at its offset from a common start; returns the results (in request order),
+    the duration from the start to the last response, the start, and the clients' CPU seconds."""
     config = ClientConfig(base_url=url, model=model, ignore_eos=True, temperature=0.0)
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
@@ -201,22 +214,67 @@ def run_http(url: str, model: str, requests: list[SampleRequest], offsets: list[
     for proc in procs:
         proc.start()
     results: list[RequestResult | None] = [None] * len(requests)
+    client_cpu_s = 0.0
     for _ in procs:
-        for index, result in queue.get():
+        done, cpu_s = queue.get()
+        client_cpu_s += cpu_s
+        for index, result in done:
             results[index] = result
     for proc in procs:
         proc.join()
+    queue.close()
+    queue.join_thread()
     end = max(r.start_s + r.latency_s for r in results if r.success)
-    return results, end - t0
+    return results, end - t0, t0, client_cpu_s
 
 
-def http_record(results: list[RequestResult], duration_s: float) -> dict:
-    metrics = compute_metrics(results, duration_s, {})
+def http_run(server: Server, model: str, requests: list[SampleRequest], offsets: list[float],
+             num_processes: int) -> dict:
+    """One load run: what the clients saw, what the server's metrics saw, and who used the CPU."""
+    before_metrics, before_cpu = scrape(server.url), server.cpu_seconds()
+    results, duration, t0, client_cpu_s = run_http(server.url, model, requests, offsets, num_processes)
+    after_metrics, after_cpu = scrape(server.url), server.cpu_seconds()
+    metrics = compute_metrics(results, duration, {})
     lat = metrics.latency_ms
-    return {"completed": metrics.completed, "failed": metrics.failed, "duration_s": duration_s,
-            "output_tokens": metrics.total_output_tokens, "tok_s": metrics.output_throughput,
-            "ttft_ms": _stats(lat["ttft"]), "tpot_ms": _stats(lat["tpot"]), "itl_ms": _stats(lat["itl"]),
-            "errors": sorted({r.error for r in results if not r.success})[:3]}
+    return {
+        "completed": metrics.completed, "failed": metrics.failed, "duration_s": duration,
+        "output_tokens": metrics.total_output_tokens, "tok_s": metrics.output_throughput,
+        "ttft_ms": _stats(lat["ttft"]), "tpot_ms": _stats(lat["tpot"]), "itl_ms": _stats(lat["itl"]),
+        "errors": sorted({r.error for r in results if not r.success})[:3],
+        "server_side_ms": {name: histogram_quantiles(before_metrics, after_metrics, f"minivllm:{name}_seconds")
+                           for name in ("time_to_first_token", "request_queue_time", "engine_output_delay",
+                                        "output_processing")},
+        "cpu_cores_busy": {"api_server": (after_cpu[0] - before_cpu[0]) / duration,
+                           "engine_core": (after_cpu[1] - before_cpu[1]) / duration,
+                           "clients": client_cpu_s / duration},
+        "requests": [{"offset_s": r.start_s - t0, "prompt_len": q.prompt_len, "ttft_ms": r.ttft_s * 1e3,
+                      "e2el_ms": r.latency_s * 1e3, "tokens": r.completion_tokens, "chunks": len(r.chunk_times_s)}
+                     for q, r in zip(requests, results)],
+    }
+
+
+def scrape(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            le = sample.labels.get("le")
+            samples[f"{sample.name}{{{le}}}" if le is not None else sample.name] = sample.value
+    return samples
+
+
+def histogram_quantiles(before: dict, after: dict, name: str, qs=(0.5, 0.9, 0.99)) -> dict:
+    """Quantiles (ms, as bucket upper bounds) of the observations a histogram gained between two scrapes."""
+    bounds = sorted((float(k[len(name) + 8:-1]), k) for k in after if k.startswith(name + "_bucket{"))
+    total = after.get(name + "_count", 0) - before.get(name + "_count", 0)
+    out = {"count": total}
+    for q in qs:
+        for bound, key in bounds:
+            if after[key] - before.get(key, 0) >= q * total:
+                out[f"p{round(q * 100)}"] = bound * 1e3
+                break
+    return out
 
 
 def _stats(s) -> dict:
@@ -279,17 +337,14 @@ def main(argv: list[str] | None = None) -> int:
         server.wait_healthy()
         name = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
         print(f"HTTP: {num_clients} client processes", flush=True)
-        results, duration = run_http(server.url, name, requests, [0.0] * len(requests), num_clients)
-        runs["all at once"] = http_record(results, duration)
-        capacity_rps = len(requests) / duration
+        runs["all at once"] = http_run(server, name, requests, [0.0] * len(requests), num_clients)
+        capacity_rps = len(requests) / runs["all at once"]["duration_s"]
         for fraction in args.rates:
             rate = fraction * capacity_rps
             offsets = poisson_offsets(len(requests), rate, seed=workload.seed + 1)
-            results, duration = run_http(server.url, name, requests, offsets, num_clients)
-            runs[f"Poisson {fraction:.0%} ({rate:.1f} req/s)"] = http_record(results, duration)
+            runs[f"Poisson {fraction:.0%} ({rate:.1f} req/s)"] = http_run(server, name, requests, offsets, num_clients)
         single = SampleRequest(prompt=prompts[0], prompt_len=len(prompts[0]), output_len=args.single_tokens)
-        results, duration = run_http(server.url, name, [single], [0.0], 1)
-        runs["one stream"] = http_record(results, duration)
+        runs["one stream"] = http_run(server, name, [single], [0.0], 1)
     finally:
         server_rc = server.stop()
 
@@ -327,6 +382,15 @@ def report(record: dict) -> str:
     lines.append(f"one stream: batch-1 decode step {off['single_decode_step_ms_median']:.2f} ms, offline TPOT "
                  f"{off['single_tpot_ms']:.2f} ms, HTTP TPOT {one['tpot_ms']['p50']:.2f} ms "
                  f"({one['tpot_ms']['p50'] / off['single_decode_step_ms_median']:.2f}x the step)")
+    lines.append("server side (ms, bucket bounds): TTFT p50/p99, queue p99, output delay p50/p99, "
+                 "processing p50/p99 per step; CPU cores busy: API server, engine core, clients")
+    for name, run in record["http"].items():
+        side, cpu = run["server_side_ms"], run["cpu_cores_busy"]
+        ttft, queue, delay, proc = (side[k] for k in ("time_to_first_token", "request_queue_time",
+                                                      "engine_output_delay", "output_processing"))
+        lines.append(f"  {name:<32} {ttft.get('p50', 0):g}/{ttft.get('p99', 0):g}  {queue.get('p99', 0):g}  "
+                     f"{delay.get('p50', 0):g}/{delay.get('p99', 0):g}  {proc.get('p50', 0):g}/{proc.get('p99', 0):g}"
+                     f"   cpu {cpu['api_server']:.2f} / {cpu['engine_core']:.2f} / {cpu['clients']:.2f}")
     for name, run in record["http"].items():
         if run["failed"]:
             lines.append(f"{name}: {run['failed']} failed, e.g. {run['errors']}")

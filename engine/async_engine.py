@@ -138,6 +138,7 @@ class AsyncEngine:
         self._num_added_seen = 0  # ... of which the core had received when it sent its last message
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._metrics: MetricsRecorder | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -211,6 +212,7 @@ class AsyncEngine:
 
     def attach_metrics(self, metrics: MetricsRecorder) -> None:
         self.processor.metrics = metrics
+        self._metrics = metrics
 
     async def drain(self, timeout_s: float) -> int:
         """Refuse new requests, wait up to ``timeout_s`` for those in flight, then abort the rest.
@@ -283,6 +285,7 @@ class AsyncEngine:
     async def _receive_outputs(self) -> None:
         while True:
             frame = await self._sockets.outputs.recv(copy=False)
+            received = time.monotonic()
             step = self._decoder.decode(frame.buffer)
             if step.stats is not None:
                 self.last_stats = step.stats
@@ -293,6 +296,8 @@ class AsyncEngine:
                 to_abort = self.processor.process(step.outputs)
                 if to_abort:  # stopped by a stop string
                     self._send(AbortRequests(to_abort))
+                if self._metrics is not None:
+                    self._metrics.record_delivery(received - step.sent_s, time.monotonic() - received)
 
     def _fail_request(self, child_id: str, reason: str) -> None:
         request_id = child_id.rpartition("-")[0]

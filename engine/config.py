@@ -47,6 +47,8 @@ class EngineConfig:
     # steps they run in.
     async_scheduling: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # empty: 1, 2, 4, 8, 16, 24, ... max_num_seqs
+    # Check the KV manager's invariants when idle: after LLM.generate, and in the server once no request
+    # has run for a second (the check takes ~1 us per block, so never while requests wait).
     check_invariants_when_idle: bool = True
 
     def __post_init__(self) -> None:

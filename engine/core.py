@@ -19,6 +19,7 @@ server drains first, then shuts it down.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import signal
@@ -38,6 +39,7 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger("minivllm")
 
 _IDLE_POLL_MS = 1000  # how long an idle loop blocks on its inputs before looking again
+_IDLE_CHECK_S = 1.0  # idle this long, the loop checks the KV invariants (once per idle period)
 _STATS_INTERVAL_S = 0.05  # a busy engine sends its stats at most this often (and whenever counts change)
 
 
@@ -75,6 +77,7 @@ class StepOutputs(msgspec.Struct, array_like=True, gc=False):
     stats: EngineStats | None = None  # a fresh snapshot, when one is due
     num_requests_added: int = 0  # requests the core has received so far (for the waiting-queue estimate)
     failed: list[tuple[str, str]] = []  # (request id, why) for requests the engine refused
+    sent_s: float = 0.0  # time.monotonic() when the core sent it, to measure the delivery delay
 
 
 def _enc_hook(obj):
@@ -117,6 +120,7 @@ class EngineCore:
         self._stats_dirty = True
         self._last_stats_s = 0.0
         self._last_counts: tuple[int, int] | None = None
+        self._idle_since: float | None = None  # None while requests run, or once checked in this idle period
 
     def run(self) -> None:
         """Serve until told to stop or orphaned."""
@@ -134,9 +138,21 @@ class EngineCore:
                 logger.info("engine core: shutting down")
                 return
             if self.engine.has_unfinished_requests():
+                self._idle_since = time.monotonic()
                 self._send(self.engine.step())
             elif self._stats_dirty or self._failed:
                 self._send([])
+            elif not events:
+                self._check_when_idle()
+
+    def _check_when_idle(self) -> None:
+        """Check the KV invariants once the engine has been idle for a while: a request that arrives
+        during the check (~60 ms for 60k blocks) waits for it, so not right after a burst ends."""
+        if self._idle_since is None or time.monotonic() - self._idle_since < _IDLE_CHECK_S:
+            return
+        self._idle_since = None
+        if self.engine.config.check_invariants_when_idle:
+            self.engine.check_invariants()
 
     def _apply_inputs(self) -> bool:
         """Apply every message waiting, in order; False once told to shut down."""
@@ -172,7 +188,7 @@ class EngineCore:
         if self._stats_dirty or due or counts != self._last_counts or not self.engine.has_unfinished_requests():
             stats, self._last_counts, self._last_stats_s, self._stats_dirty = self.engine.stats(), counts, now, False
         failed, self._failed = self._failed, []
-        message = StepOutputs(outputs, stats, self._num_added, failed)
+        message = StepOutputs(outputs, stats, self._num_added, failed, time.monotonic())
         self.outputs.send(self._encoder.encode(message), copy=False)
 
 
@@ -199,6 +215,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow reader: queue instead
     outputs.connect(output_address)
     parent = multiprocessing.parent_process()
+    gc.collect()
+    gc.freeze()  # what start-up made lives for good: keep it out of every later collection
     control.send(("ready", engine.model_info, engine.stats()))
     try:
         EngineCore(engine, inputs, outputs, parent.sentinel if parent is not None else None).run()

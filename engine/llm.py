@@ -105,6 +105,8 @@ class LLM:
                     self.engine.abort_requests(to_abort)
         finally:
             bar.close()
+        if self.engine.config.check_invariants_when_idle:
+            self.engine.check_invariants()
         for result, state in zip(results, states):
             result.num_cached_tokens = state.usage().cached_tokens
             result.finished = True

@@ -70,6 +70,10 @@ class MetricsRecorder(Protocol):
 
     def record(self, step: StepMetrics) -> None: ...
 
+    def record_delivery(self, delay_s: float, processing_s: float) -> None:
+        """How long a step's outputs waited between the engine core and the API server, and how
+        long the API server took to handle them."""
+
 
 @dataclass(frozen=True)
 class ChildRequest:

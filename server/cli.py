@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -205,6 +206,8 @@ def serve(args: argparse.Namespace) -> int:
         logger.info("serving %s as %r on http://%s:%d (engine core process %d)", model.path, model.name, args.host,
                     args.port, engine.engine_pid)
         server = DrainingServer(uvicorn_config, engine, args.shutdown_timeout)
+        gc.collect()
+        gc.freeze()  # start-up objects (tokenizer, app, modules) stay out of the collections made while serving
         server.run()
         return 0 if server.started else 1
     finally:

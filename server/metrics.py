@@ -23,6 +23,10 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                   0.4, 0.5, 0.75, 1.0, 2.5)
 
+# What a step's outputs may wait for and take in the API server: tens of microseconds to, at worst, seconds.
+_DELIVERY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
+                       1.0, 2.0, 4.0)
+
 
 class EngineStatsCollector(Collector):
     """Reads the engine's latest stats snapshot at scrape time."""
@@ -107,9 +111,21 @@ class ServerMetrics:
                                                   "Time from arrival to the last token.", _LATENCY_BUCKETS_S, reg)
         self.request_queue_time = BatchHistogram(PREFIX + "request_queue_time_seconds",
                                                  "Time from arrival to first scheduling.", _LATENCY_BUCKETS_S, reg)
+        self.output_delay = BatchHistogram(
+            PREFIX + "engine_output_delay_seconds",
+            "Time from the engine core sending a step's outputs to the API server taking them up.",
+            _DELIVERY_BUCKETS_S, reg)
+        self.output_processing = BatchHistogram(
+            PREFIX + "output_processing_seconds",
+            "API server time to handle one step's outputs (detokenization, stop strings, routing).",
+            _DELIVERY_BUCKETS_S, reg)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def record_delivery(self, delay_s: float, processing_s: float) -> None:
+        self.output_delay.observe_many([delay_s])
+        self.output_processing.observe_many([processing_s])
 
     def record(self, step: StepMetrics) -> None:
         """The output processor's MetricsRecorder: once per engine step."""
