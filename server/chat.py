@@ -89,9 +89,8 @@ class _ChatView:
         async with aclosing(self.generation.updates()) as updates:
             async for batch in updates:
                 for delta in batch:
-                    has_logprobs = self.body.logprobs and delta.logprobs
-                    if not delta.text and delta.finish_reason is None and not has_logprobs:
-                        continue  # the detokenizer is holding text back; nothing to say yet
+                    if not delta.text and not delta.token_ids and delta.finish_reason is None:
+                        continue  # nothing new; a token without text yet still gets its chunk
                     choice = ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text or None),
                                               logprobs=self._logprobs(delta.logprobs),
                                               finish_reason=delta.finish_reason)

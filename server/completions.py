@@ -95,9 +95,10 @@ class _CompletionView:
         if delta.index not in text_offsets:
             text = self._echo(delta.prompt_index) + text
             text_offsets[delta.index] = len(text) - len(delta.text)
-        has_logprobs = self.body.logprobs is not None and delta.logprobs
-        if not text and delta.finish_reason is None and not has_logprobs:
-            return None  # the detokenizer is holding text back; nothing to say yet
+        if not text and not delta.token_ids and delta.finish_reason is None:
+            return None  # nothing new (a chunk of a prompt being prefilled)
+        # A token that adds no text yet (inside a character, held back for a stop string, or not
+        # in the tokenizer) still gets its chunk, as vLLM does: clients see progress and timing.
         logprobs = self._logprobs(delta.logprobs, text_offsets[delta.index])
         text_offsets[delta.index] += len(delta.text)
         choice = CompletionChoice(index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason)

@@ -126,14 +126,15 @@ def process_alive(pid: int) -> bool:
 # ------------------------------------------------------------------------ tiny model
 
 
-def build_tiny_model(out_dir: Path, tokenizer_dir: Path) -> Path:
-    """A 2-layer random-weight Llama with the default model's tokenizer: fast, and text still works."""
+def build_tiny_model(out_dir: Path, tokenizer_dir: Path, head_dim: int = 16) -> Path:
+    """A 2-layer random-weight Llama with the default model's tokenizer: fast, and text still works.
+    (The Triton kernels on a GPU need ``head_dim`` >= 32.)"""
     import torch
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
     config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(tokenizer), hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_MAX_MODEL_LEN,
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )

@@ -157,7 +157,7 @@ def test_server_on_cuda_with_steps_planned_ahead(tmp_path, tokenizer_dir):
 
     from tests.server_helpers import build_tiny_model, start_server, wait_until_idle
 
-    model_dir = build_tiny_model(tmp_path / "tiny", tokenizer_dir)
+    model_dir = build_tiny_model(tmp_path / "tiny", tokenizer_dir, head_dim=64)
     args = ["--model", str(model_dir), "--served-model-name", "tiny", "--max-model-len", "512",
             "--num-kvcache-blocks", "1024"]
     server = start_server(tmp_path, "cuda-server", args)
