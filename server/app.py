@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI's routes, plus health, version, metrics, (de)tokenization and the KV dashboard.
 
-The engine task starts and stops with the app (its lifespan). With an API key, every
+The engine client starts receiving outputs with the app, and the engine core process is shut
+down with it (the app's lifespan). With an API key, every
 ``/v1`` route and ``/tokenize``/``/detokenize`` need ``Authorization: Bearer <key>``; the
 check runs before the body is read, so an unauthenticated client learns nothing else.
 ``/health``, ``/metrics`` and ``/dashboard`` stay open for probes, scrapers and people.

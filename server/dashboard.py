@@ -3,8 +3,8 @@
     GET /dashboard           server/static/dashboard.html: a canvas map of the pool and the numbers
     GET /dashboard/snapshot  DashboardSnapshot, built from the engine's latest stats
 
-The snapshot reads only ``engine.stats()``, which the engine task takes after each step,
-so a request never sees the pool mid-step. The per-block states in it are a copy of an
+The snapshot reads only ``engine.stats()``, the latest snapshot the engine core process sent
+(taken between steps, at most ~50 ms old while it runs), so a request never sees the pool mid-step. The per-block states in it are a copy of an
 int8 array the block pool keeps current, so a snapshot costs a bincount and a base64 pass
 over ``num_blocks`` bytes, and no Python loop over blocks. Token totals are read from the
 same Prometheus counters ``/metrics`` renders. Like ``/metrics``, both routes are open.
