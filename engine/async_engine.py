@@ -17,11 +17,13 @@ requests are refused.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -59,9 +61,11 @@ class RequestStream:
     ends once every choice has finished. Closing it early aborts what is left.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, num_choices: int):
-        self.engine = engine
+    def __init__(self, request_id: str, num_choices: int, abort: Callable[[str], None],
+                 on_last_delta: Callable[[str], None]):
         self.request_id = request_id
+        self._abort = abort  # called with the request id when the reader leaves before the end
+        self._on_last_delta = on_last_delta  # called once every choice's last delta has arrived
         self.state: RequestState | None = None  # set once the output processor has it
         self._pending: dict[int, ChoiceDelta] = {}
         self._ready = asyncio.Event()
@@ -78,7 +82,7 @@ class RequestStream:
         if delta.finish_reason is not None:
             self._num_running -= 1
             if self._num_running == 0:
-                self.engine._streams.pop(self.request_id, None)
+                self._on_last_delta(self.request_id)
         self._ready.set()
 
     def fail(self, error: BaseException) -> None:
@@ -110,7 +114,7 @@ class RequestStream:
     def close(self) -> None:
         """Abort whatever has not finished (a client that went away); idempotent."""
         if self._num_unfinished and self._error is None:
-            self.engine.abort(self.request_id)
+            self._abort(self.request_id)
         self._num_unfinished = 0
         self._pending.clear()
 
@@ -149,7 +153,8 @@ class AsyncEngine:
 
         Raises ``EngineStartupError`` with the core's own message when it cannot start.
         """
-        config.model = resolve_model_path(config)  # fetch/convert the default model here, with its progress
+        # Fetch/convert the default model here, with its progress bars, before the core needs it.
+        config = dataclasses.replace(config, model=resolve_model_path(config))
         sockets = _Sockets.open()
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         control, child_control = context.Pipe()
@@ -257,7 +262,7 @@ class AsyncEngine:
         self.check_accepting(len(prompts) * params.n)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(self, request_id, len(prompts) * params.n)
+        stream = RequestStream(request_id, len(prompts) * params.n, self.abort, self._forget)
         stream.state, children = self.processor.add_request(request_id, prompts, params, stream)
         self._streams[request_id] = stream
         arrival = stream.state.arrival_s
@@ -271,6 +276,9 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         if child_ids and self.dead_error is None:
             self._send(AbortRequests(child_ids))
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
 
     def stats(self) -> EngineStats:
         """The core's latest snapshot (at most ~50 ms old while it runs; fresh whenever it goes idle)."""

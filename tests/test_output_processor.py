@@ -131,15 +131,11 @@ def test_logprobs_travel_with_their_tokens(tokenizer):
 
 
 def test_a_stream_merges_what_its_reader_has_not_taken():
-    class Engine:
-        _streams: dict = {}
-
-        def abort(self, request_id):
-            self.aborted = request_id
+    events = []
 
     async def scenario():
-        engine = Engine()
-        stream = RequestStream(engine, "r", num_choices=2)
+        stream = RequestStream("r", num_choices=2, abort=lambda rid: events.append(("abort", rid)),
+                               on_last_delta=lambda rid: events.append(("done", rid)))
         stream.put(ChoiceDelta(1, 0, "a", [1], []))
         stream.put(ChoiceDelta(0, 0, "x", [9], []))
         stream.put(ChoiceDelta(1, 0, "b", [2], [], FinishReason.LENGTH))
@@ -148,12 +144,23 @@ def test_a_stream_merges_what_its_reader_has_not_taken():
         second = await stream.__anext__()
         with pytest.raises(StopAsyncIteration):
             await stream.__anext__()
+        stream.close()  # after the end: nothing to abort
         return first, second
 
     first, second = asyncio.run(scenario())
     assert [(d.index, d.text, d.token_ids, d.finish_reason) for d in first] == [
         (0, "x", [9], None), (1, "ab", [1, 2], FinishReason.LENGTH)]
     assert [(d.index, d.text, d.finish_reason, d.stop_reason) for d in second] == [(0, "y", FinishReason.STOP, "z")]
+    assert events == [("done", "r")]
+
+
+def test_closing_a_stream_early_aborts_it_once():
+    aborted = []
+    stream = RequestStream("r", num_choices=1, abort=aborted.append, on_last_delta=lambda rid: None)
+    stream.put(ChoiceDelta(0, 0, "a", [1], []))
+    stream.close()
+    stream.close()
+    assert aborted == ["r"]
 
 
 # ------------------------------------------------------------------ offline == HTTP
