@@ -59,15 +59,18 @@ class Scheduler:
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineOutput]:
         """Finish the given requests with reason "abort" and free their blocks. Unknown ids are ignored."""
+        aborted = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
+        if not aborted:
+            return []
+        # One pass over each queue, however many are aborted: a client that drops a request of
+        # thousands of choices costs linear time, not a list.remove per choice.
+        gone = {id(r) for r in aborted}
+        if any(r.status == RequestStatus.RUNNING for r in aborted):
+            self.running = [r for r in self.running if id(r) not in gone]
+        if any(r.status != RequestStatus.RUNNING for r in aborted):
+            self.waiting = deque(r for r in self.waiting if id(r) not in gone)
         outputs = []
-        for rid in request_ids:
-            request = self.requests.get(rid)
-            if request is None:
-                continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+        for request in aborted:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             outputs.append(self._output(request, [], finished=True))
         return outputs

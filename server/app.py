@@ -20,6 +20,7 @@ from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.dashboard import dashboard_router
 from server.errors import SERVER_ERROR, APIError, bad_request, install_error_handlers
+from server.limits import BodyLimitMiddleware
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,6 +49,9 @@ def build_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="minivllm", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
+    # Added last is outermost: the API key is checked before the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.limits.max_request_body_bytes,
+                       timeout_s=ctx.limits.body_timeout_s)
     if ctx.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=ctx.api_key)
     _add_openai_routes(app, ctx)
@@ -79,11 +83,12 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            token_ids = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt)
+            token_ids = await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, body.messages,
+                                                      body.add_generation_prompt)
         else:
             tokenizer = require_tokenizer(ctx.tokenizer, "prompt", "text cannot be tokenized")
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            token_ids = encode(tokenizer, body.prompt, add_special_tokens=add_special)
+            token_ids = await ctx.in_tokenizer_thread(encode, tokenizer, body.prompt, add_special)
         return TokenizeResponse(count=len(token_ids), max_model_len=ctx.model.max_model_len, tokens=token_ids)
 
     @app.post("/detokenize")
@@ -99,7 +104,7 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 
 def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         engine = ctx.engine
         if engine.dead_error is not None:
@@ -137,8 +142,10 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
     def _check(self, scope: Scope) -> APIError | None:
-        headers = dict(scope["headers"])
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        values = [value for name, value in scope["headers"] if name == b"authorization"]
+        if len(values) > 1:
+            return APIError(401, "send one Authorization header, not several", code="invalid_api_key")
+        scheme, _, token = (values[0] if values else b"").partition(b" ")
         if scheme.lower() != b"bearer" or not token.strip():
             return APIError(401, "missing API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key")
         if not secrets.compare_digest(token.strip(), self.api_key):

@@ -35,10 +35,11 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     ctx.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.to_sampling_params(max_tokens, logprobs)
-    prompt_ids = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt)
+    params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, given), logprobs)
+    prompt_ids = await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, body.messages, body.add_generation_prompt)
     generation = ctx.start_generation("chatcmpl", [TokenizedPrompt(prompt_ids)], params)
     view = _ChatView(ctx, body, generation)
     return await respond(raw_request, bool(body.stream), view.chunks, view.response)

@@ -24,6 +24,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.default_model import DEFAULT_MODEL_NAME
 from server import __version__
 from server.app import build_app
+from server.limits import ServerLimits, guarded_http_protocol
 from server.metrics import ServerMetrics
 from server.serving import ServedModel, ServingContext
 
@@ -118,10 +119,38 @@ def _add_server_args(group) -> None:
                             "(default: $MINIVLLM_API_KEY; none: no authentication)")
     group.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 503 when this many requests already wait to be scheduled; default: no limit")
+    _add_limit_args(group)
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="log level of the server and the engine")
+
+
+def _add_limit_args(group) -> None:
+    limits = ServerLimits()
+    group.add_argument("--max-request-body-mb", type=float, default=limits.max_request_body_bytes / 2**20,
+                       help="largest request body accepted (413 beyond)")
+    group.add_argument("--max-choices-per-request", type=int, default=limits.max_choices_per_request,
+                       help="most choices one request may ask for: prompts x n (400 beyond)")
+    group.add_argument("--max-tokens-limit", type=int, default=None,
+                       help="largest max_tokens a request may ask for, and the default for those that give none; "
+                            "default: no limit but the context")
+    group.add_argument("--request-header-timeout", type=float, default=limits.header_timeout_s,
+                       help="seconds a connection gets to send a request's headers before it is closed")
+    group.add_argument("--request-body-timeout", type=float, default=limits.body_timeout_s,
+                       help="seconds a request gets to send its body (408 after)")
+    group.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open")
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    if args.max_request_body_mb <= 0 or args.max_choices_per_request < 1:
+        raise ConfigError("--max-request-body-mb must be positive and --max-choices-per-request at least 1")
+    if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
+        raise ConfigError("--max-tokens-limit must be at least 1")
+    return ServerLimits(max_request_body_bytes=int(args.max_request_body_mb * 2**20),
+                        max_choices_per_request=args.max_choices_per_request, max_tokens_limit=args.max_tokens_limit,
+                        header_timeout_s=args.request_header_timeout, body_timeout_s=args.request_body_timeout)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -191,6 +220,7 @@ class DrainingServer(uvicorn.Server):
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        limits = limits_from_args(args)
         engine = AsyncEngine.launch(engine_config_from_args(args), args.max_waiting_requests, args.log_level)
     except (ConfigError, EngineStartupError, OSError, ValueError) as exc:  # a bad flag or model: say so, no traceback
         logger.debug("the engine could not start", exc_info=True)
@@ -200,8 +230,11 @@ def serve(args: argparse.Namespace) -> int:
         model = ServedModel(served_model_name(args), engine.model, engine.tokenizer)
         metrics = ServerMetrics(engine)
         engine.attach_metrics(metrics)
-        ctx = ServingContext(engine, model, metrics, api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
+        ctx = ServingContext(engine, model, metrics, limits,
+                             api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
         uvicorn_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port, log_level=args.log_level,
+                                        http=guarded_http_protocol(limits.header_timeout_s),
+                                        timeout_keep_alive=args.timeout_keep_alive,
                                         timeout_graceful_shutdown=_AFTER_DRAIN_GRACE_S)
         logger.info("serving %s as %r on http://%s:%d (engine core process %d)", model.path, model.name, args.host,
                     args.port, engine.engine_pid)

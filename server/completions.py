@@ -18,7 +18,7 @@ from server.errors import bad_request
 from server.generation import Generation
 from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.serving import ServingContext, clamp_logprob, collect, respond, usage_info
-from server.tokenization import decode, encode_completion_prompts, token_text
+from server.tokenization import decode, encode_completion_prompts, has_text, token_text
 
 
 async def create_completion(body: CompletionRequest, raw_request: Request, ctx: ServingContext):
@@ -26,8 +26,11 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported: prompt logprobs are not computed",
                           param="echo")
-    params = body.to_sampling_params(body.max_tokens, body.logprobs)
-    prompts = encode_completion_prompts(ctx.tokenizer, body.prompt)
+    params = body.to_sampling_params(ctx.limits.apply_max_tokens(body.max_tokens, "max_tokens"), body.logprobs)
+    if has_text(body.prompt):
+        prompts = await ctx.in_tokenizer_thread(encode_completion_prompts, ctx.tokenizer, body.prompt)
+    else:
+        prompts = encode_completion_prompts(ctx.tokenizer, body.prompt)
     generation = ctx.start_generation("cmpl", prompts, params)
     view = _CompletionView(ctx, body, generation)
     return await respond(raw_request, bool(body.stream), view.chunks, view.response)

@@ -36,6 +36,7 @@ class APIError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status_code = status_code
@@ -43,13 +44,16 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def to_dict(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def to_response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
-        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=headers)
+        headers = dict(self.headers or {})
+        if self.status_code == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=headers or None)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -112,7 +116,7 @@ async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:
         return APIError(404, message, INVALID_REQUEST, code="not_found").to_response()
     if exc.status_code == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"
-        return APIError(405, message, INVALID_REQUEST, code="method_not_allowed").to_response()
+        return APIError(405, message, INVALID_REQUEST, code="method_not_allowed", headers=exc.headers).to_response()
     message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
     error_type = SERVER_ERROR if exc.status_code >= 500 else INVALID_REQUEST
     return APIError(exc.status_code, message, error_type).to_response()

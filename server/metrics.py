@@ -35,6 +35,11 @@ class EngineStatsCollector(Collector):
         self.engine = engine
 
     def collect(self):
+        alive = self.engine.dead_error is None
+        yield GaugeMetricFamily(PREFIX + "engine_up", "1 while the engine runs; 0 once it has failed (the other "
+                                "engine figures are then no longer reported).", value=1 if alive else 0)
+        if not alive:
+            return
         stats = self.engine.stats()
         kv = stats.kv
         gauges = [

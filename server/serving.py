@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +26,7 @@ from engine.outputs import FinishReason, Logprobs
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, INVALID_REQUEST, as_api_error, bad_request
 from server.generation import Generation
+from server.limits import ServerLimits
 from server.metrics import ServerMetrics
 from server.protocol import PromptTokensDetails, UsageInfo
 from server.streaming import (
@@ -68,11 +72,20 @@ class ServingContext:
     engine: AsyncEngine
     model: ServedModel
     metrics: ServerMetrics
+    limits: ServerLimits = field(default_factory=ServerLimits)
     api_key: str | None = None
+    # Tokenization and chat templates run here, off the event loop: one thread, so the tokenizer
+    # is never used by two encodes at once, and a huge prompt delays only other tokenizations.
+    _tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minivllm-tokenizer"),
+        init=False, repr=False)
 
     @property
     def tokenizer(self):
         return self.model.tokenizer
+
+    async def in_tokenizer_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model.name:
@@ -84,6 +97,7 @@ class ServingContext:
         prompt (or a full queue) answers a plain error instead of a half-started stream."""
         if params.stop and self.tokenizer is None:
             raise bad_request("stop strings need a tokenizer, and this model has none", param="stop")
+        self.limits.check(len(prompts), params)
         for prompt in prompts:
             self.model.info.check_request(prompt.token_ids, params)
         request_id = f"{prefix}-{uuid.uuid4().hex}"

@@ -24,8 +24,24 @@ def require_tokenizer(tokenizer, param: str, what: str):
     return tokenizer
 
 
-def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+def encode(tokenizer, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    check_unicode(text, param)
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def check_unicode(text: str, param: str) -> None:
+    """JSON can carry a lone UTF-16 surrogate (``"\\ud800"``); it is no character and cannot be tokenized."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{param} is not valid Unicode: {exc.reason} at position {exc.start}", param=param) from None
+
+
+def has_text(prompt: str | list) -> bool:
+    """Whether a completion prompt needs the tokenizer (else it is token ids only)."""
+    return isinstance(prompt, str) or any(isinstance(p, str) for p in prompt)
 
 
 def encode_completion_prompts(tokenizer, prompt: str | list) -> list[TokenizedPrompt]:
@@ -40,7 +56,7 @@ def encode_completion_prompts(tokenizer, prompt: str | list) -> list[TokenizedPr
     for item in prompt:
         if isinstance(item, str):
             require_tokenizer(tokenizer, "prompt", "text prompts cannot be tokenized")
-            prompts.append(TokenizedPrompt(encode(tokenizer, item), item))
+            prompts.append(TokenizedPrompt(encode(tokenizer, item, param="prompt"), item))
         else:
             prompts.append(TokenizedPrompt(list(item)))
     return prompts
@@ -58,20 +74,31 @@ def render_chat(tokenizer, messages: list[ChatMessageParam], add_generation_prom
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - a template may raise anything on input it rejects
         raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") from exc
-    return encode(tokenizer, text, add_special_tokens=False)
+    return encode(tokenizer, text, add_special_tokens=False, param="messages")
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _plain_message(index: int, message: ChatMessageParam) -> dict:
+    if message.role not in CHAT_ROLES:
+        raise bad_request(f"messages.{index}.role must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}",
+                          param=f"messages.{index}.role")
     content = message.content
     if isinstance(content, list):
         texts = []
         for part in content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise bad_request(f"content parts of type {part.type!r} are not supported; only 'text' is",
+                                  param=f"messages.{index}.content")
+            if part.text is None:
+                raise bad_request("a content part of type 'text' needs a 'text' string",
                                   param=f"messages.{index}.content")
             texts.append(part.text)
         content = "\n".join(texts)
-    plain = {"role": message.role, "content": content or ""}
+    # OpenAI's "developer" messages are system messages for models whose templates predate the name.
+    role = "system" if message.role == "developer" else message.role
+    plain = {"role": role, "content": content or ""}
     if message.name is not None:
         plain["name"] = message.name
     return plain

@@ -133,6 +133,7 @@ def test_metrics_names_and_counters(tiny_server):
     before = scrape_metrics(tiny_server.url)
     for name in GAUGES + COUNTERS:
         assert f"minivllm:{name}" in before, name
+    assert before["minivllm:engine_up"] == 1
     for name in HISTOGRAMS:
         assert f"minivllm:{name}_count" in before and f"minivllm:{name}_sum" in before, name
     for reason in ("stop", "length", "abort"):
@@ -182,6 +183,8 @@ def test_engine_step_failure_fails_requests_and_health(failing_server):
     assert_error_shape(plain, 503)
     assert_dead_and_refusing(url)
     assert not process_alive(engine_core_pid(failing_server))
+    metrics = scrape_metrics(url)
+    assert metrics["minivllm:engine_up"] == 0 and "minivllm:num_requests_running" not in metrics
 
 
 def assert_dead_and_refusing(url: str) -> None:
