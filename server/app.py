@@ -13,6 +13,7 @@ import secrets
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server import __version__
@@ -21,6 +22,7 @@ from server.completions import create_completion
 from server.dashboard import dashboard_router
 from server.errors import SERVER_ERROR, APIError, bad_request, install_error_handlers
 from server.limits import BodyLimitMiddleware
+from server.openapi import CHAT_RESPONSES, COMPLETION_RESPONSES, error_responses, install_openapi
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,26 +60,27 @@ def build_app(ctx: ServingContext) -> FastAPI:
     _add_tokenizer_routes(app, ctx)
     _add_ops_routes(app, ctx)
     app.include_router(dashboard_router(ctx))
+    install_openapi(app, _PROTECTED_PREFIXES, api_key=bool(ctx.api_key))
     return app
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
         return await create_completion(body, raw_request, ctx)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(body, raw_request, ctx)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models() -> ModelList:
         card = ModelCard(id=ctx.model.name, root=ctx.model.path, max_model_len=ctx.model.max_model_len)
         return ModelList(data=[card])
 
 
 def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_responses(400, 401, 404, 408, 413))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -91,7 +94,7 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
             token_ids = await ctx.in_tokenizer_thread(encode, tokenizer, body.prompt, add_special)
         return TokenizeResponse(count=len(token_ids), max_model_len=ctx.model.max_model_len, tokens=token_ids)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_responses(400, 401, 404, 408, 413))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
         tokenizer = require_tokenizer(ctx.tokenizer, "tokens", "token ids cannot be turned into text")
@@ -104,7 +107,8 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 
 def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.head("/health", include_in_schema=False)
+    @app.get("/health", responses=error_responses(503))
     async def health() -> dict:
         engine = ctx.engine
         if engine.dead_error is not None:
@@ -120,7 +124,8 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/metrics", response_model=None)
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
         content, content_type = ctx.metrics.render()
         return Response(content=content, media_type=content_type)

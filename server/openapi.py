@@ -1,0 +1,90 @@
+"""``/openapi.json`` that tells the truth: what each route answers, errors included.
+
+FastAPI documents a 422 for every body it validates; this server answers those with a 400
+in OpenAI's error shape, so the 422s are replaced. Streamed responses are server-sent
+events, described as ``text/event-stream`` beside the JSON body. With an API key, the
+protected routes say they need a bearer token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from server.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+_DESCRIPTIONS = {
+    400: "The request is invalid: a field, its value, or what it asks of the model.",
+    401: "A missing or wrong API key (only when the server has one).",
+    404: "An unknown model or route.",
+    408: "The request body did not arrive in time.",
+    413: "The request body is too large.",
+    503: "The engine is overloaded, shutting down, or has failed.",
+}
+
+
+def error_responses(*codes: int) -> dict[int, dict[str, Any]]:
+    return {code: {"model": ErrorResponse, "description": _DESCRIPTIONS[code]} for code in codes}
+
+
+def generation_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int, dict[str, Any]]:
+    """200 as one JSON body, or (``"stream": true``) as SSE events carrying ``chunk`` objects."""
+    sse = {"type": "string", "description": f"Server-sent events: `data: <{chunk.__name__} as JSON>` per event, "
+                                            "`data: <ErrorResponse as JSON>` if the stream fails, then `data: [DONE]`."}
+    return {200: {"model": body, "description": "The generation, whole or streamed.",
+                  "content": {"text/event-stream": {"schema": sse}}},
+            **error_responses(400, 401, 404, 408, 413, 503)}
+
+
+COMPLETION_RESPONSES = generation_responses(CompletionResponse, CompletionResponse)
+CHAT_RESPONSES = generation_responses(ChatCompletionResponse, ChatCompletionChunk)
+
+
+def install_openapi(app: FastAPI, protected_prefixes: tuple[str, ...], api_key: bool) -> None:
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _replace_validation_errors(schema)
+            if api_key:
+                _add_security(schema, protected_prefixes)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _replace_validation_errors(schema: dict[str, Any]) -> None:
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.get("responses", {})
+            if responses.pop("422", None) is not None and "400" not in responses:
+                responses["400"] = {"description": _DESCRIPTIONS[400],
+                                    "content": {"application/json": {"schema": error_ref}}}
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.pop("HTTPValidationError", None)
+    components.pop("ValidationError", None)
+    assert "ErrorResponse" in components, "every route with a body documents its errors (error_responses)"
+
+
+def _add_security(schema: dict[str, Any], protected_prefixes: tuple[str, ...]) -> None:
+    schema["components"]["securitySchemes"] = {"APIKey": {"type": "http", "scheme": "bearer"}}
+    for path, operations in schema.get("paths", {}).items():
+        if path.startswith(protected_prefixes):
+            for operation in operations.values():
+                operation["security"] = [{"APIKey": []}]
