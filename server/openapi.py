@@ -44,8 +44,10 @@ def error_responses(*codes: int) -> dict[int, dict[str, Any]]:
 
 def generation_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int, dict[str, Any]]:
     """200 as one JSON body, or (``"stream": true``) as SSE events carrying ``chunk`` objects."""
-    sse = {"type": "string", "description": f"Server-sent events: `data: <{chunk.__name__} as JSON>` per event, "
-                                            "`data: <ErrorResponse as JSON>` if the stream fails, then `data: [DONE]`."}
+    sse = {"type": "object", "required": ["data"], "description": "One server-sent event.",
+           "properties": {"data": {"type": "string", "description": f"A {chunk.__name__} as JSON; an ErrorResponse as "
+                                                                      "JSON if the stream fails; `[DONE]` last."},
+                          "event": {"type": "string"}}}
     return {200: {"model": body, "description": "The generation, whole or streamed.",
                   "content": {"text/event-stream": {"schema": sse}}},
             **error_responses(400, 401, 404, 408, 413, 503)}
