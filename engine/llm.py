@@ -71,7 +71,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         )
@@ -111,6 +111,10 @@ class LLM:
             result.num_cached_tokens = state.usage().cached_tokens
             result.finished = True
         return results
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (see ``generation_config``)."""
+        return SamplingParams(**self.engine.model_info.sampling_defaults)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.config import ConfigError, EngineConfig
+from engine.generation_defaults import load_sampling_defaults
 from engine.model_config import ModelConfig
 from engine.model_info import ModelInfo, RequestError
 from engine.model_runner import ModelRunner
@@ -84,7 +85,12 @@ class LLMEngine:
             architecture=self.model_config.architecture, max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(sorted(self.eos_token_ids)),
             num_kv_blocks=num_blocks, kv_block_size=config.kvcache_block_size, device=str(self.runner.device),
+            sampling_defaults=load_sampling_defaults(config.generation_config, self.model_path),
         )
+        if self.model_info.sampling_defaults:
+            logger.info("sampling defaults from the generation config (requests override them; "
+                        "--generation-config vllm ignores them): %s",
+                        ", ".join(f"{k}={v}" for k, v in self.model_info.sampling_defaults.items()))
         self.step_timings: list[StepTiming] = []
         self._last_sync: float | None = None
         self._inflight: tuple | None = None  # (SchedulerOutput, StepHandle, prepare start) of a launched step

@@ -8,7 +8,7 @@ Requests are checked against it once, in the front end, before they reach the en
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,6 +36,8 @@ class ModelInfo:
     num_kv_blocks: int
     kv_block_size: int
     device: str
+    # Sampling defaults from the model's generation_config.json (SamplingParams names); requests override them.
+    sampling_defaults: dict = field(default_factory=dict)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check a prompt against the vocabulary and the context; return params with max_tokens resolved."""

@@ -37,8 +37,11 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    defaults = ctx.model.info.sampling_defaults
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, given), logprobs)
+    params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, given), logprobs, defaults)
     prompt_ids = await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, body.messages, body.add_generation_prompt)
     generation = ctx.start_generation("chatcmpl", [TokenizedPrompt(prompt_ids)], params)
     view = _ChatView(ctx, body, generation)

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import ipaddress
 import logging
 import os
 import sys
@@ -21,7 +22,7 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine, EngineStartupError
 from engine.config import ConfigError, EngineConfig
-from engine.default_model import DEFAULT_MODEL_NAME
+from engine.default_model import DEFAULT_MODEL_NAME, default_cache_dir
 from server import __version__
 from server.app import build_app
 from server.limits import ServerLimits, guarded_http_protocol
@@ -73,6 +74,10 @@ def _add_model_args(group) -> None:
     group.add_argument("--device", default=_DEFAULTS["device"], help="auto, cpu, cuda or cuda:N")
     group.add_argument("--load-format", default=_DEFAULTS["load_format"], choices=["auto", "safetensors", "dummy"],
                        help="dummy: random weights (for benchmarks and tests)")
+    group.add_argument("--generation-config", default=_DEFAULTS["generation_config"],
+                       help="request defaults for temperature, top_p, top_k, min_p, repetition_penalty and "
+                            "max_tokens: 'auto' reads the model's generation_config.json, 'vllm' ignores it, or a "
+                            "folder holding one")
     group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="random seed of the engine")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="context length (prompt + output) in tokens; default: the model's maximum")
@@ -156,6 +161,7 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, tokenizer=args.tokenizer, served_model_name=served_model_name(args), dtype=args.dtype,
+        generation_config=args.generation_config,
         device=args.device, load_format=args.load_format, seed=args.seed, max_model_len=args.max_model_len,
         kvcache_block_size=args.kvcache_block_size, num_kvcache_blocks=args.num_kvcache_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, cpu_kvcache_space_gib=args.cpu_kvcache_space_gib,
@@ -183,10 +189,12 @@ class DrainingServer(uvicorn.Server):
     connection. Signals are not re-raised after shutdown, so the process exits with 0.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout_s: float,
+                 ready_line: str = ""):
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.ready_line = ready_line
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
         self._signalled = False
@@ -194,6 +202,11 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)  # exits the process if the port cannot be bound
+        if self.started and self.ready_line:
+            logger.info("%s", self.ready_line)
 
     def handle_exit(self, sig, frame) -> None:
         if self._signalled or self._loop is None:
@@ -236,15 +249,33 @@ def serve(args: argparse.Namespace) -> int:
                                         http=guarded_http_protocol(limits.header_timeout_s),
                                         timeout_keep_alive=args.timeout_keep_alive,
                                         timeout_graceful_shutdown=_AFTER_DRAIN_GRACE_S)
-        logger.info("serving %s as %r on http://%s:%d (engine core process %d)", model.path, model.name, args.host,
-                    args.port, engine.engine_pid)
-        server = DrainingServer(uvicorn_config, engine, args.shutdown_timeout)
+        server = DrainingServer(uvicorn_config, engine, args.shutdown_timeout, ready_line(args, ctx, engine))
+        if ctx.api_key is None and not _is_loopback(args.host):
+            logger.warning("listening on %s without an API key: anyone who can reach this host can use the model "
+                           "(set --api-key or MINIVLLM_API_KEY, or --host 127.0.0.1)", args.host)
         gc.collect()
         gc.freeze()  # start-up objects (tokenizer, app, modules) stay out of the collections made while serving
         server.run()
         return 0 if server.started else 1
     finally:
         engine.shutdown()
+
+
+def ready_line(args: argparse.Namespace, ctx: ServingContext, engine: AsyncEngine) -> str:
+    """The one line that says what is served where, and how to reach it."""
+    host = "localhost" if args.host in ("0.0.0.0", "::", "127.0.0.1", "::1") else args.host
+    base = f"http://{host}:{args.port}"
+    key = "required (Authorization: Bearer)" if ctx.api_key else "not required"
+    cache = f"; model cache {default_cache_dir()}" if args.model is None else ""
+    return (f"ready: {ctx.model.name!r} ({ctx.model.path}) at {base}/v1; dashboard {base}/dashboard, metrics "
+            f"{base}/metrics; API key {key}; engine core process {engine.engine_pid}{cache}")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def main(argv: list[str] | None = None) -> int:

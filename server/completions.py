@@ -26,7 +26,9 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported: prompt logprobs are not computed",
                           param="echo")
-    params = body.to_sampling_params(ctx.limits.apply_max_tokens(body.max_tokens, "max_tokens"), body.logprobs)
+    defaults = ctx.model.info.sampling_defaults
+    max_tokens = body.max_tokens if body.max_tokens is not None else defaults.get("max_tokens")
+    params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, "max_tokens"), body.logprobs, defaults)
     if has_text(body.prompt):
         prompts = await ctx.in_tokenizer_thread(encode_completion_prompts, ctx.tokenizer, body.prompt)
     else:

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_N = 128  # parallel samples per prompt
 MAX_TOP_LOGPROBS = 20  # as OpenAI
@@ -59,8 +59,12 @@ class SamplingRequest(RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Validated engine parameters; ``max_tokens=None`` lets the engine fill the context."""
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                           defaults: dict | None = None) -> SamplingParams:
+        """Validated engine parameters: the request's values, else ``defaults`` (the model's generation
+        config), else the engine's. ``max_tokens=None`` lets the engine fill the context."""
+        if self.stream_options is not None and not self.stream:
+            raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
         fields = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
@@ -70,7 +74,8 @@ class SamplingRequest(RequestModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
         given = {name: value for name, value in fields.items() if value is not None}
-        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
+        sampling = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
+        return SamplingParams(**{**sampling, **given}, max_tokens=max_tokens, logprobs=logprobs)
 
 
 class CompletionRequest(SamplingRequest):

@@ -17,6 +17,19 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+_deselected_gpu_tests = []
+
+
+def pytest_deselected(items):
+    _deselected_gpu_tests.extend(item for item in items if item.get_closest_marker("gpu"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _deselected_gpu_tests:
+        terminalreporter.write_line(
+            f"{len(_deselected_gpu_tests)} GPU tests were deselected; on a CUDA host run them with `pytest -m gpu`")
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The converted default model (SmolLM2-135M-Instruct); downloaded and converted once, then cached."""

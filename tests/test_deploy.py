@@ -397,3 +397,36 @@ def test_every_dashboard_query_returns_numbers_from_a_real_prometheus(tiny_serve
         assert not problems, "\n".join(problems)
     finally:
         prometheus.stop()
+
+
+# ------------------------------------------------------------------------- constraints
+
+
+def constraint_pins() -> dict[str, str]:
+    pins = {}
+    for line in (REPO_ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.split(";")[0].strip().partition("==")
+            pins[name.lower().replace("_", "-")] = version
+    return pins
+
+
+def test_constraints_pin_what_the_tests_run_on():
+    """`make` installs with constraints.txt (so the pins resolve together, or `make test` fails before this),
+    and every pin is what this environment has: the file is not stale."""
+    if sys.version_info < (3, 11):
+        pytest.skip("the pins apply from Python 3.11 (pyproject's ranges below)")
+    from importlib.metadata import PackageNotFoundError, version
+
+    pins = constraint_pins()
+    assert {"fastapi", "pydantic", "transformers", "pyzmq", "msgspec", "uvicorn"} <= set(pins)
+    assert not {"torch", "triton"} & set(pins), "torch comes from the base image or the user's choice"
+    wrong = {}
+    for name, pinned in pins.items():
+        try:
+            installed = version(name)
+        except PackageNotFoundError:
+            installed = None
+        if installed != pinned:
+            wrong[name] = (pinned, installed)
+    assert not wrong, f"constraints.txt and this environment differ (run `make constraints`): {wrong}"

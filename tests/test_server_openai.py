@@ -213,3 +213,11 @@ def test_no_blocks_held_afterwards(client, default_server):
     metrics = wait_until_idle(default_server.url, timeout_s=10)
     assert metrics["minivllm:num_requests_running"] == 0
     assert metrics["minivllm:kv_cache_blocks_used"] == 0
+
+
+def test_generation_config_defaults_apply_and_requests_override(client):
+    """The default model's generation config asks for temperature 0.2 and top_p 0.9 (its model card's)."""
+    kwargs = dict(prompt="Once upon a time", max_tokens=20, seed=3)
+    default = complete(client, **kwargs).choices[0].text
+    assert default == complete(client, temperature=0.2, top_p=0.9, **kwargs).choices[0].text
+    assert default != complete(client, temperature=1.0, top_p=1.0, **kwargs).choices[0].text

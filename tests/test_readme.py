@@ -1,0 +1,76 @@
+"""The README's commands, run as written (but for the port) against a real server, so the README cannot drift."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.register_assert_rewrite("tests.server_helpers")
+from tests.server_helpers import REPO_ROOT, start_server, tiny_server_args  # noqa: E402
+
+pytest_plugins = ["tests.server_helpers"]
+pytestmark = pytest.mark.usefixtures("server_logs_on_failure")
+
+README = (REPO_ROOT / "README.md").read_text()
+FRANCE = "The capital of France is Paris."
+
+
+def code_blocks(language: str, containing: str) -> list[str]:
+    blocks = re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+    found = [b for b in blocks if containing in b]
+    assert found, f"no {language} block with {containing!r} in README.md"
+    return found
+
+
+def run(cmd: list[str], timeout_s: float = 120) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def on_port(text: str, url: str) -> str:
+    return text.replace("http://localhost:8000", url)
+
+
+def test_the_curl_examples(default_server):
+    chat, stream = code_blocks("bash", "curl http://localhost:8000/v1/chat") + code_blocks("bash", "curl -N")
+    reply = json.loads(run(["bash", "-c", on_port(chat, default_server.url)]))
+    assert reply["choices"][0]["message"]["content"] == FRANCE
+    events = run(["bash", "-c", on_port(stream, default_server.url)]).strip().split("\n\n")
+    assert events[-1] == "data: [DONE]" and len(events) > 2
+
+
+def test_the_openai_sdk_example(default_server):
+    (script,) = code_blocks("python", "from openai import OpenAI")
+    lines = run([sys.executable, "-c", on_port(script, default_server.url)]).splitlines()
+    assert lines[0] == FRANCE and "".join(lines[1:]).strip()  # then the streamed haiku
+
+
+def test_the_offline_example():
+    (script,) = code_blocks("python", "from engine import LLM")
+    out = run([sys.executable, "-c", script], timeout_s=300)
+    assert out.rstrip().endswith("\n" + FRANCE)
+    assert len(re.findall(r" (length|stop)\n", out)) == 2  # each completion, then its finish reason
+
+
+def test_serve_help_from_the_virtualenv():
+    minivllm = Path(sys.executable).parent / "minivllm"
+    assert "--max-tokens-limit" in run([str(minivllm), "serve", "--help"])
+
+
+def test_the_ready_line_and_the_exposure_warning(tmp_path, tiny_model_path):
+    server = start_server(tmp_path, "exposed", tiny_server_args(tiny_model_path) + ["--host", "0.0.0.0"])
+    try:
+        log = server.log_path.read_text()
+        ready = [line for line in log.splitlines() if " ready: " in line]
+        assert ready, log[-3000:]
+        assert f"at http://localhost:{server.port}/v1; dashboard http://localhost:{server.port}/dashboard" in ready[0]
+        assert "API key not required" in ready[0]
+        assert "without an API key: anyone who can reach this host" in log
+    finally:
+        server.stop()
