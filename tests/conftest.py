@@ -21,7 +21,8 @@ _deselected_gpu_tests = []
 
 
 def pytest_deselected(items):
-    _deselected_gpu_tests.extend(item for item in items if item.get_closest_marker("gpu"))
+    if items and "not gpu" in (items[0].config.getoption("markexpr") or ""):
+        _deselected_gpu_tests.extend(item for item in items if item.get_closest_marker("gpu"))
 
 
 def pytest_terminal_summary(terminalreporter):
