@@ -42,6 +42,7 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         # Rows still under min_tokens: the token ids (EOS, stop tokens) they may not sample yet.
         self.banned_until_min: dict[int, list[int]] = {}
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids int64, biases float32)
         self.generators: dict[int, torch.Generator] = {}
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -74,6 +75,11 @@ class InputBatch:
         if p.min_tokens > 0:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             self.banned_until_min[row] = sorted(t for t in banned if 0 <= t < self.vocab_size)
+        if p.logit_bias:
+            ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias))
+            self.logit_bias[row] = (ids, np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(ids)))
+        else:
+            self.logit_bias.pop(row, None)
         if p.seed is not None and not p.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(p.seed)
@@ -94,6 +100,7 @@ class InputBatch:
             return
         self.generators.pop(row, None)
         self.banned_until_min.pop(row, None)
+        self.logit_bias.pop(row, None)
         self._free_rows.append(row)
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:

@@ -91,6 +91,8 @@ class LLMEngine:
             logger.info("sampling defaults from the generation config (requests override them; "
                         "--generation-config vllm ignores them): %s",
                         ", ".join(f"{k}={v}" for k, v in self.model_info.sampling_defaults.items()))
+        self.grammars = None  # a GrammarManager, made with the first constrained request
+        self._grammar_requests: set[str] = set()  # unfinished requests with a grammar
         self.step_timings: list[StepTiming] = []
         self._last_sync: float | None = None
         self._inflight: tuple | None = None  # (SchedulerOutput, StepHandle, prepare start) of a launched step
@@ -136,14 +138,30 @@ class LLMEngine:
         if not checked:
             params = self.validate_request(prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
+        if params.structured_outputs is not None:
+            request.grammar = self._grammar_manager().attach(params.structured_outputs)
         self.scheduler.add_request(request)
+        if request.grammar is not None:
+            self._grammar_requests.add(request_id)
         return request
+
+    def _grammar_manager(self):
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("structured outputs need a tokenizer, and this model has none",
+                                   param="structured_outputs")
+            from engine.structured_output import GrammarManager
+
+            self.grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                           self.config.max_num_seqs)
+        return self.grammars
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check a prompt against the model and the context; return params with max_tokens resolved."""
         return self.model_info.check_request(prompt_token_ids, params)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
+        self._grammar_requests.difference_update(request_ids)
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
@@ -162,21 +180,40 @@ class LLMEngine:
         """
         if self._inflight is None:
             self._inflight = self._launch_next()
+            self._complete_sampling(self._inflight)
         sched, handle, prepare_start = self._inflight
         self._inflight = None
         if self.async_scheduling and self.scheduler.can_schedule_ahead():
             # Plan and queue the next step before this one's tokens are known: the device goes
             # from one step straight to the next while the host waits and does the bookkeeping.
+            # Its sampling waits for grammar masks, if any request in it has a grammar.
             self._inflight = self._launch_next(in_flight=handle)
             self.num_steps_planned_ahead += 1
         self.runner.last_timing = None
         runner_out = self.runner.finish(handle)
         synced = time.perf_counter()
         outputs = self.scheduler.update_from_output(sched, runner_out)
+        if self._grammar_requests:
+            self._grammar_requests.difference_update(out.request_id for out in outputs if out.finished)
+        if self._inflight is not None:
+            self._complete_sampling(self._inflight)  # the grammars have this step's tokens now
         self._record_timing(sched, prepare_start, synced)
         if self._inflight is None and self.overlap_steps and self.scheduler.has_unfinished_requests():
             self._inflight = self._launch_next()
+            self._complete_sampling(self._inflight)
         return outputs
+
+    def _complete_sampling(self, inflight: tuple) -> None:
+        """Queue the sampling of a launched step that waits for its grammar masks."""
+        handle = inflight[1]
+        if handle.pending is None:
+            return
+        requests = self.scheduler.requests
+        grammars = []
+        for rid in handle.inputs.sampled_request_ids:
+            request = requests.get(rid)  # gone: finished while the step was planned; its token is dropped
+            grammars.append(request.grammar if request is not None else None)
+        self.runner.launch_sampling(handle, self.grammars.fill_bitmask(grammars))
 
     def check_invariants(self) -> None:
         """Check the KV manager's tables against its pool (~1 us per block): for idle moments only."""
@@ -185,7 +222,9 @@ class LLMEngine:
     def _launch_next(self, in_flight=None) -> tuple:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
-        return sched, self.runner.launch(sched, in_flight), start
+        constrained = bool(self._grammar_requests) and any(
+            rid in self._grammar_requests for rid in sched.num_scheduled_tokens)
+        return sched, self.runner.launch(sched, in_flight, sample=not constrained), start
 
     def _record_timing(self, sched, prepare_start: float, synced: float) -> None:
         if self.runner.last_timing is None:

@@ -54,6 +54,13 @@ class ModelInfo:
             first = next(t for t in prompt_token_ids if not 0 <= t < vocab) if bad is None else int(ids[bad.argmax()])
             raise RequestError(f"token id {first} is out of range: the vocabulary has {vocab} tokens (0..{vocab - 1})",
                                param="prompt")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestError(f"logit_bias: token id {max(params.logit_bias)} is out of range: the vocabulary has "
+                               f"{vocab} tokens", param="logit_bias")
+        if params.structured_outputs is not None:
+            from engine.structured_output import check_structured_outputs
+
+            check_structured_outputs(params.structured_outputs)
         room = self.max_model_len - n
         if room < 1:
             raise RequestError(

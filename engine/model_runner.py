@@ -46,6 +46,8 @@ class StepHandle:
     ready: "torch.cuda.Event | None" = None
     events: tuple | None = None  # timing events when steps are measured
     launched: float = 0.0
+    # (logits, SamplingTensors) of a step whose sampling waits for launch_sampling (grammar masks).
+    pending: tuple | None = None
 
 
 @dataclass
@@ -232,13 +234,14 @@ class ModelRunner:
         return self.finish(self.launch(sched))
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, in_flight: StepHandle | None = None) -> StepHandle:
+    def launch(self, sched: SchedulerOutput, in_flight: StepHandle | None = None, sample: bool = True) -> StepHandle:
         """Queue one step's forward pass and sampling on the device; return without waiting for it.
 
         The sampled tokens are copied to pinned host memory behind the step, so ``finish``
         waits for exactly this step and nothing queued after it. When the step was planned
         while ``in_flight`` was still running, the tokens that step is sampling are fed to this
-        one on the device, without a round trip through the host.
+        one on the device, without a round trip through the host. ``sample=False`` queues only
+        the forward pass: ``launch_sampling`` queues the rest once grammar masks are known.
         """
         self._update_states(sched)
         if sched.is_empty:
@@ -258,31 +261,48 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices]) if st is not None else None
+        handle = StepHandle(inputs=inputs, events=events, launched=time.perf_counter())
         if st is None:
             if events:
                 events[1].record()
-            return StepHandle(inputs=inputs, events=events, launched=time.perf_counter())
+            return handle
+        handle.pending = (logits, st)
+        if sample:
+            self.launch_sampling(handle)
+        return handle
+
+    @torch.inference_mode()
+    def launch_sampling(self, handle: StepHandle, bitmask: torch.Tensor | None = None) -> None:
+        """Queue the sampling of a step whose forward pass is queued. ``bitmask`` [sampled rows, vocab/32]
+        int32 (host memory): the tokens each row's grammar allows, or None for no constraint."""
+        logits, st = handle.pending
+        handle.pending = None
+        if bitmask is not None:
+            st.bitmask = self._upload(bitmask)
         sampled, raw_logprobs = self.sampler(logits, st)
         # Two pinned buffers in turn: with a step planned ahead, this copy may land while the
         # host still reads the previous step's tokens.
         self._sampled_turn ^= 1
+        inputs = handle.inputs
         sampled_host = self._sampled_host[self._sampled_turn][: len(inputs.sampled_rows)]
         sampled_host.copy_(sampled, non_blocking=True)
-        logprobs = self._launch_logprobs(raw_logprobs, sampled, inputs.sampled_rows) if raw_logprobs is not None \
-            else None
-        if events:
-            events[1].record()
-        ready = None
+        handle.sampled, handle.sampled_host = sampled, sampled_host
+        if raw_logprobs is not None:
+            handle.logprobs = self._launch_logprobs(raw_logprobs, sampled, inputs.sampled_rows)
+        if handle.events:
+            handle.events[1].record()
         if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
-        return StepHandle(inputs, sampled, sampled_host, logprobs, ready, events, time.perf_counter())
+            handle.ready = torch.cuda.Event()
+            handle.ready.record()
+        handle.launched = time.perf_counter()
 
     @torch.inference_mode()
     def finish(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a launched step; record its tokens and return them."""
         if handle.inputs is None:
             return ModelRunnerOutput([], [])
+        if handle.pending is not None:
+            raise RuntimeError("finish() on a step whose sampling was never launched (launch_sampling)")
         if handle.ready is not None:
             handle.ready.synchronize()  # the step's one host sync
         if handle.events is not None:
@@ -449,11 +469,24 @@ class ModelRunner:
         )
         if b.banned_until_min:
             st.banned = self._banned_tokens(rows)
+        if b.logit_bias:
+            st.logit_bias = self._logit_bias(rows)
         pres, freq, rep = b.presence_penalty[rows], b.frequency_penalty[rows], b.repetition_penalty[rows]
         if (pres != 0).any() or (freq != 0).any() or (rep != 1).any():
             st.presence_penalty, st.frequency_penalty, st.repetition_penalty = dev(pres), dev(freq), dev(rep)
             st.output_token_counts, st.prompt_token_mask = self._token_counts(rows)
         return st
+
+    def _logit_bias(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(batch rows, token ids, biases) of the rows that carry a logit_bias, flattened."""
+        b = self.batch
+        parts = [(i, *b.logit_bias[r]) for i, r in enumerate(rows.tolist()) if r in b.logit_bias]
+        if not parts:
+            return None
+        row_idx = np.concatenate([np.full(len(ids), i, dtype=np.int64) for i, ids, _ in parts])
+        ids = np.concatenate([ids for _, ids, _ in parts])
+        values = np.concatenate([values for _, _, values in parts])
+        return self._upload(row_idx), self._upload(ids), self._upload(values)
 
     def _banned_tokens(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(row, token) pairs to mask: EOS and stop tokens of rows that have not reached min_tokens."""

@@ -49,6 +49,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.first_scheduled_time: float | None = None
         self.stop_token_id: int | None = None  # the token that stopped it, when one did
+        self.grammar = None  # a RequestGrammar (engine/structured_output.py) when the output is constrained
+
+    @property
+    def ready(self) -> bool:
+        """False while its grammar is still being compiled: it cannot be scheduled yet."""
+        return self.grammar is None or self.grammar.ready
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import xgrammar as xgr
 
 from engine.outputs import Logprobs
 
@@ -35,6 +36,10 @@ class SamplingTensors:
     max_num_logprobs: int = -1  # -1: no row wants logprobs
     # (rows, token ids) that must not be sampled yet: EOS and stop tokens before min_tokens.
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids, biases) added to the logits (OpenAI's logit_bias).
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # [N, ceil(vocab / 32)] int32: the tokens each row's grammar allows (bit set = allowed); None: no grammar.
+    bitmask: torch.Tensor | None = None
 
 
 class Sampler:
@@ -44,11 +49,18 @@ class Sampler:
         Returns the sampled ids [N] and, when any row asked for logprobs, the raw
         log-softmax [N, vocab] of the model's distribution (before penalties and filters).
         """
-        argmax_only = st.all_greedy and st.max_num_logprobs < 0 and st.banned is None and st.repetition_penalty is None
-        if argmax_only:
+        argmax_only = (st.all_greedy and st.max_num_logprobs < 0 and st.banned is None and st.repetition_penalty is None
+                       and st.logit_bias is None)
+        if argmax_only and st.bitmask is None:
             return logits.argmax(dim=-1), None  # exact in any dtype: upcasting preserves the order
         logits = logits.float()
+        # Logprobs are the model's own distribution: before grammars, biases, penalties and filters.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if st.max_num_logprobs >= 0 else None
+        if st.bitmask is not None:
+            xgr.apply_token_bitmask_inplace(logits, st.bitmask, vocab_size=logits.shape[-1])
+        if st.logit_bias is not None:
+            rows, ids, biases = st.logit_bias
+            logits = logits.index_put((rows, ids), biases, accumulate=True)
         if st.banned is not None:
             logits = logits.index_put(st.banned, logits.new_full((), float("-inf")))  # no host-to-device copy
         if st.repetition_penalty is not None:

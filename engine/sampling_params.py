@@ -8,6 +8,39 @@ _GREEDY_EPS = 1e-5
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar: exactly one of these, by vLLM's names.
+
+    ``json`` is a JSON schema (as JSON text), ``json_object`` any JSON object, ``regex`` a
+    regular expression, ``choice`` one of a list of strings, ``grammar`` an EBNF grammar
+    (xgrammar's dialect, a ``root`` rule). ``strict``: a schema's objects take no properties
+    beyond those it lists (OpenAI's ``strict``).
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
+                 self.grammar is not None]
+        if sum(given) != 1:
+            raise SamplingParamsError("structured outputs take exactly one of json, json_object, regex, choice "
+                                      "or grammar", "structured_outputs")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamsError("structured outputs: choice must be a list of non-empty strings",
+                                      "structured_outputs")
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (its cache key)."""
+        return (self.json, self.json_object, self.regex, tuple(self.choice or ()), self.grammar, self.strict)
+
+
+@dataclass
 class SamplingParams:
     """Sampling and stopping parameters of one request, with vLLM's names and defaults.
 
@@ -35,6 +68,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (OpenAI: -100..100)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +109,10 @@ class SamplingParams:
              f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}"),
             (all(s for s in self.stop), "stop", "stop strings must not be empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative"),
+            (self.logit_bias is None or all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias",
+             "logit_bias values must be between -100 and 100"),
+            (self.logit_bias is None or all(t >= 0 for t in self.logit_bias), "logit_bias",
+             "logit_bias keys must be non-negative token ids"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -82,6 +121,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_grammar(self) -> bool:
+        return self.structured_outputs is not None
 
     @property
     def has_penalties(self) -> bool:

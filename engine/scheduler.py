@@ -111,13 +111,16 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests, first come first served; none while memory is short this step.
+        # 2. Waiting requests, first come first served; none while memory is short this step. A request
+        # whose grammar is still compiling is passed over (it keeps its place) rather than holding up the queue.
         while self.waiting and budget > 0 and num_preempted == 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self._first_ready_waiting()
+            if request is None:
+                break
             scheduled = self._schedule_waiting(request, budget)
             if scheduled is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request) if request is not self.waiting[0] else self.waiting.popleft()
             self.running.append(request)
             new_data, num_new = scheduled
             new_reqs.append(new_data)
@@ -149,6 +152,8 @@ class Scheduler:
             request.num_placeholders -= 1
             request.append_token(token_id)
             status = request.check_stop(self.max_model_len)
+            if request.grammar is not None and status is None:
+                status = self._follow_grammar(request, token_id)
             logprobs = runner_out.logprobs.get(rid)
             new_logprobs = [logprobs] if logprobs is not None else []
             if status is None:
@@ -161,6 +166,21 @@ class Scheduler:
         return outputs
 
     # ------------------------------------------------------------------ helpers
+
+    def _first_ready_waiting(self) -> Request | None:
+        if self.waiting[0].ready:  # the usual case, in O(1)
+            return self.waiting[0]
+        return next((r for r in self.waiting if r.ready), None)
+
+    @staticmethod
+    def _follow_grammar(request: Request, token_id: int) -> RequestStatus | None:
+        """Advance the request's grammar; a grammar that has ended (or refuses the token) ends the request."""
+        grammar = request.grammar
+        if not grammar.accept(token_id) or grammar.terminated:
+            if token_id in request.eos_token_ids or token_id in request.sampling_params.stop_token_ids:
+                request.stop_token_id = token_id
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     @staticmethod
     def _advance(request: Request, num_new: int) -> None:

@@ -1,18 +1,22 @@
 """The OpenAI wire format: pydantic models for every request and response body.
 
-Requests ignore fields they do not know (clients send more than we read) but are strict
-about types: ``"n": "2"`` is a 400, not a silent 2. Value ranges are checked once, by
-``SamplingParams``; the bounds here only keep numbers inside what the engine's arrays hold.
+Nothing a request carries is silently ignored: a field is implemented, or a 400 names it
+(unknown fields too, as OpenAI does), except OpenAI's metadata-only fields in
+``METADATA_FIELDS``, accepted and not used. Types are strict: ``"n": "2"`` is a 400, not a
+silent 2. Value ranges are checked once, by ``SamplingParams``; the bounds here only keep
+numbers inside what the engine's arrays hold.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from engine.structured_output import check_structured_outputs
 
 MAX_N = 128  # parallel samples per prompt
 MAX_TOP_LOGPROBS = 20  # as OpenAI
@@ -21,7 +25,11 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+# OpenAI request fields that only label a request for the caller's own bookkeeping: accepted, not used.
+METADATA_FIELDS = ("user", "metadata", "store", "service_tier")
 
 
 # ---------------------------------------------------------------------------- requests
@@ -29,6 +37,28 @@ class RequestModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool | None = False
+
+
+class JSONSchemaFormat(RequestModel):
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingRequest(RequestModel):
@@ -53,7 +83,19 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older names for structured_outputs.
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Metadata only (METADATA_FIELDS).
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -75,7 +117,59 @@ class SamplingRequest(RequestModel):
         }
         given = {name: value for name, value in fields.items() if value is not None}
         sampling = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
-        return SamplingParams(**{**sampling, **given}, max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(**{**sampling, **given}, max_tokens=max_tokens, logprobs=logprobs,
+                              logit_bias=self._logit_bias(), structured_outputs=self.structured_outputs_params())
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise SamplingParamsError(f"logit_bias keys are token ids, got {key!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one grammar the request asks for, by whichever name it used; checked here, so a schema,
+        regex or grammar that cannot be compiled is a 400 naming the field it came in."""
+        asked = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise SamplingParamsError("response_format: json_schema needs a schema", "response_format")
+            asked.append(("response_format", StructuredOutputsParams(json=json.dumps(fmt.json_schema.schema_),
+                                                                     strict=bool(fmt.json_schema.strict))))
+        so = self.structured_outputs
+        if so is not None:
+            asked.append(("structured_outputs", _vllm_spec(so.json_, so.regex, so.choice, so.grammar,
+                                                           so.json_object, "structured_outputs")))
+        legacy = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                  "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
+        for name, value in legacy.items():
+            if value is not None:
+                asked.append((name, _vllm_spec(*(value if k == name else None for k in legacy), None, name)))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            names = ", ".join(name for name, _ in asked)
+            raise SamplingParamsError(f"ask for one structured output, not several ({names})", asked[1][0])
+        param, spec = asked[0]
+        check_structured_outputs(spec, param)
+        return spec
+
+
+
+def _vllm_spec(json_schema, regex, choice, grammar, json_object, param: str) -> StructuredOutputsParams:
+    if isinstance(json_schema, dict):
+        json_schema = json.dumps(json_schema)
+    try:
+        return StructuredOutputsParams(json=json_schema, regex=regex, choice=choice, grammar=grammar,
+                                       json_object=bool(json_object), strict=False)
+    except SamplingParamsError as exc:
+        raise SamplingParamsError(str(exc).replace("structured outputs", param), param) from None
 
 
 class CompletionRequest(SamplingRequest):
@@ -85,6 +179,8 @@ class CompletionRequest(SamplingRequest):
 
 
 class ContentPart(RequestModel):
+    # Other part types (images, audio) carry fields of their own; the type is what answers them (a 400).
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     type: str
     text: str | None = None
 

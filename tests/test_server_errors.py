@@ -109,9 +109,21 @@ def test_unknown_model_code(http):
     assert error["code"] == "model_not_found"
 
 
-def test_unknown_fields_are_ignored(http):
-    body = {"model": TINY_MODEL_NAME, "prompt": "x", "max_tokens": 2, "suffix": None, "best_of": 1,
-            "some_future_field": {"a": 1}, "user": "me"}
+@pytest.mark.parametrize("path, field, value", [
+    (CMPL, "best_of", 2), (CMPL, "suffix", "the end"), (CMPL, "some_future_field", {"a": 1}),
+    (CHAT, "audio", {"voice": "alloy"}), (CHAT, "prediction", {"type": "content", "content": "x"}),
+    (CHAT, "modalities", ["text"]),
+])
+def test_unimplemented_and_unknown_fields_are_400s_naming_them(http, path, field, value):
+    body = {"model": TINY_MODEL_NAME, "max_tokens": 2, field: value}
+    body.update({"prompt": "x"} if path == CMPL else {"messages": HELLO})
+    error = assert_error_shape(send(http, "POST", path, body), 400)
+    assert error["param"] == field and field in error["message"]
+
+
+def test_openai_metadata_fields_are_accepted_and_unused(http):
+    body = {"model": TINY_MODEL_NAME, "prompt": "x", "max_tokens": 2, "user": "me", "metadata": {"job": "1"},
+            "store": False, "service_tier": "auto"}
     response = send(http, "POST", CMPL, body)
     assert response.status_code == 200, response.text
     assert response.json()["object"] == "text_completion"

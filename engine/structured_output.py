@@ -1,0 +1,139 @@
+"""Grammar-constrained decoding on xgrammar: compiled off the step path, masks filled per step.
+
+    add_request ──> GrammarManager.attach: compile in a worker thread (cached by spec)
+    schedule    ──> a request waits until its grammar is compiled; then it gets a matcher
+    each step   ──> fill_bitmask(the step's sampled requests): one int32 word per 32 tokens
+                    per row, filled for the whole batch at once (xgrammar's batch matcher,
+                    multithreaded) into pinned memory; the sampler applies it on the device
+    update      ──> RequestGrammar.accept(token); a grammar that has ended ends the request
+
+With steps planned ahead, a step is launched before the previous step's tokens are known;
+its forward pass runs while the host waits, and only its sampling waits for the masks,
+which are filled once those tokens are accepted (``LLMEngine`` orders this).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import re
+import time
+
+import torch
+import xgrammar as xgr
+
+from engine.sampling_params import SamplingParamsError, StructuredOutputsParams
+
+logger = logging.getLogger("minivllm")
+
+
+def check_structured_outputs(spec: StructuredOutputsParams, param: str = "structured_outputs") -> None:
+    """Raise SamplingParamsError (naming ``param``) when the grammar cannot be built: a bad schema,
+    regex or EBNF. No tokenizer is needed, so the API server checks before the engine sees it."""
+    try:
+        _grammar(spec)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise SamplingParamsError(f"{param}: this grammar cannot be compiled: {_reason(exc)}", param) from None
+
+
+def _reason(exc: BaseException) -> str:
+    """xgrammar's message without its time stamp and C++ source location."""
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
+
+
+# Whitespace between JSON tokens is free, but not endless: a run of at most this many characters
+# (deep indentation fits; a model cannot stall in whitespace forever).
+_MAX_JSON_WHITESPACE = 32
+
+
+def _grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
+    if spec.json is not None:
+        return xgr.Grammar.from_json_schema(spec.json, strict_mode=spec.strict, max_whitespace_cnt=_MAX_JSON_WHITESPACE)
+    if spec.json_object:
+        return xgr.Grammar.builtin_json_grammar()
+    if spec.regex is not None:
+        return xgr.Grammar.from_regex(spec.regex)
+    if spec.choice is not None:
+        alternatives = " | ".join(json.dumps(c) for c in spec.choice)  # EBNF string literals use JSON escapes
+        return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+    return xgr.Grammar.from_ebnf(spec.grammar)
+
+
+class RequestGrammar:
+    """One request's grammar: compiled (or compiling), then a matcher that follows its tokens."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._future = future
+        self.matcher: xgr.GrammarMatcher | None = None
+        self.error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Compiled (or failed): the request may be scheduled."""
+        if self.matcher is not None or self.error is not None:
+            return True
+        if not self._future.done():
+            return False
+        try:
+            self.matcher = xgr.GrammarMatcher(self._future.result())
+        except Exception as exc:  # noqa: BLE001 - reported on the request, the engine goes on
+            self.error = _reason(exc) or repr(exc)
+        return True
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it."""
+        return self.matcher is not None and self.matcher.accept_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
+
+
+class GrammarManager:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], max_num_seqs: int):
+        start = time.perf_counter()
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(eos_token_ids) or None)
+        self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)
+        self.vocab_size = vocab_size
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minivllm-grammar")
+        self._batch = xgr.BatchGrammarMatcher()
+        # Two pinned buffers in turn: one step's mask may still be copying while the next is filled.
+        self._bitmasks = [xgr.allocate_token_bitmask(max_num_seqs, vocab_size) for _ in range(2)]
+        if torch.cuda.is_available():
+            self._bitmasks = [b.pin_memory() for b in self._bitmasks]
+        self._turn = 0
+        self.compile_seconds: list[float] = []  # per compile (cache hits included): for benchmarks
+        logger.info("structured outputs: xgrammar %s ready in %.2f s", getattr(xgr, "__version__", "?"),
+                    time.perf_counter() - start)
+
+    def attach(self, spec: StructuredOutputsParams) -> RequestGrammar:
+        return RequestGrammar(self._pool.submit(self._compile, spec))
+
+    def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        start = time.perf_counter()
+        if spec.json is not None:
+            compiled = self.compiler.compile_json_schema(spec.json, strict_mode=spec.strict,
+                                                         max_whitespace_cnt=_MAX_JSON_WHITESPACE)
+        elif spec.json_object:
+            compiled = self.compiler.compile_builtin_json_grammar()
+        else:
+            compiled = self.compiler.compile_grammar(_grammar(spec))
+        self.compile_seconds.append(time.perf_counter() - start)
+        return compiled
+
+    def fill_bitmask(self, grammars: list[RequestGrammar | None]) -> torch.Tensor | None:
+        """The allowed tokens of one step's sampled rows, in their order ([rows, vocab/32] int32, host
+        memory; rows without a grammar allow everything), or None when no row has a grammar."""
+        rows = [i for i, g in enumerate(grammars) if g is not None and g.matcher is not None and not g.terminated]
+        if not rows:
+            return None
+        self._turn ^= 1
+        bitmask = self._bitmasks[self._turn][: len(grammars)]
+        bitmask.fill_(-1)  # all bits set: every token allowed
+        self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bitmask, indices=rows)
+        return bitmask
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
