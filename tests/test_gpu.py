@@ -178,6 +178,19 @@ def test_server_on_cuda_with_steps_planned_ahead(tmp_path, tokenizer_dir):
             for p in prompts)]
         assert served == offline
         del llm
+        # Structured output on the GPU path (masks applied by xgrammar's CUDA kernel, sampling deferred
+        # behind steps planned ahead): every reply parses and validates.
+        import json
+
+        import jsonschema
+
+        schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                    "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+        fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
+        for seed in range(6):
+            reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go"}],
+                                                   response_format=fmt, seed=seed, temperature=1.0, max_tokens=100)
+            jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
 
         async def cancel_streams(num: int) -> None:
             body = {"model": "tiny", "prompt": "stream", "max_tokens": 400, "ignore_eos": True, "stream": True}

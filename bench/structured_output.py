@@ -1,0 +1,116 @@
+"""Structured output's cost: the same requests unconstrained, then with half of them under a JSON schema.
+
+    python bench/structured_output.py --shape qwen3-0.6b --tokenizer DIR     # GPU, dummy weights
+    python bench/structured_output.py --num-requests 32                      # CPU, the default model
+
+Greedy, EOS ignored; the schema's one string property is unbounded, so the constrained requests run
+to their max_tokens like the others (their JSON is then cut off: finish "length"). Prints output
+tok/s of both runs and their ratio, the unconstrained half's TPOT in both, and grammar compile
+times (the first compile, then the cached ones). Writes a JSON record to $OUT or bench/out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
+from workloads import WORKLOADS, Workload, shape_dir  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+
+def run(llm, prompts, params) -> tuple[float, list]:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start, outputs
+
+
+def tpot_ms(outputs, rows) -> float:
+    values = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+              for i, o in enumerate(outputs) if i in rows and len(o.outputs[0].token_ids) > 1]
+    return float(np.median(values) * 1e3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default=None)
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", BENCH / "out")))
+    args = parser.parse_args()
+
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine.config import EngineConfig
+    from engine.llm_engine import resolve_model_path
+    from engine.sampling_params import StructuredOutputsParams
+    from offline_throughput import git_commit
+
+    on_cuda = torch.cuda.is_available()
+    kwargs = {}
+    if args.shape:
+        model = str(shape_dir(args.shape))
+        kwargs = dict(load_format="dummy", tokenizer=args.tokenizer or resolve_model_path(EngineConfig()))
+    else:
+        model = resolve_model_path(EngineConfig())
+    workload = WORKLOADS["W1" if on_cuda else "C1"]
+    if args.num_requests:
+        workload = Workload(workload.name, args.num_requests, workload.prompt_len, workload.output_len, workload.seed)
+    llm = LLM(model, max_model_len=4096, **kwargs)
+    prompts, output_lens = workload.sample(min(llm.engine.model_config.vocab_size, len(llm.tokenizer)))
+    free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
+    half = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, structured_outputs=spec if i % 2 == 0
+                           else None) for i, n in enumerate(output_lens)]
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], free[:4], use_tqdm=False)  # warm-up
+
+    free_s, free_out = run(llm, prompts, free)
+    half_s, half_out = run(llm, prompts, half)
+    constrained, unconstrained = set(range(0, len(prompts), 2)), set(range(1, len(prompts), 2))
+    tokens = [sum(len(o.outputs[0].token_ids) for o in outs) for outs in (free_out, half_out)]
+    valid_prefix = sum(half_out[i].outputs[0].text.startswith('{"text"') or half_out[i].outputs[0].text.startswith("{")
+                       for i in constrained)
+    compile_s = llm.engine.grammars.compile_seconds
+    record = {
+        "date": time.strftime("%Y-%m-%d %H:%M"), "commit": git_commit(), "model": args.shape or Path(model).name,
+        "machine": torch.cuda.get_device_name() if on_cuda else "cpu", "num_requests": len(prompts),
+        "unconstrained": {"elapsed_s": free_s, "tokens": tokens[0], "tok_s": tokens[0] / free_s,
+                          "tpot_ms_odd_half": tpot_ms(free_out, unconstrained)},
+        "half_json_schema": {"elapsed_s": half_s, "tokens": tokens[1], "tok_s": tokens[1] / half_s,
+                             "tpot_ms_unconstrained_half": tpot_ms(half_out, unconstrained),
+                             "tpot_ms_constrained_half": tpot_ms(half_out, constrained),
+                             "constrained_outputs_opening_json": valid_prefix},
+        "compile_ms": {"first": compile_s[0] * 1e3, "cached_median": float(np.median(compile_s[1:]) * 1e3)
+                       if len(compile_s) > 1 else None, "count": len(compile_s)},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"structured_output_{record['model']}.json").write_text(json.dumps(record, indent=2))
+    u, h = record["unconstrained"], record["half_json_schema"]
+    print(f"\n{record['model']} {workload.name} ({len(prompts)} requests) on {record['machine']}, commit {record['commit']}")
+    print(f"  unconstrained:        {u['tok_s']:8.0f} tok/s ({u['tokens']} tokens in {u['elapsed_s']:.2f} s)")
+    print(f"  half with JSON schema:{h['tok_s']:8.0f} tok/s ({h['tokens']} tokens in {h['elapsed_s']:.2f} s) = "
+          f"{h['tok_s'] / u['tok_s']:.1%} of unconstrained")
+    print(f"  TPOT p50 of the unconstrained half: {u['tpot_ms_odd_half']:.2f} ms alone, "
+          f"{h['tpot_ms_unconstrained_half']:.2f} ms beside constrained requests; constrained half "
+          f"{h['tpot_ms_constrained_half']:.2f} ms")
+    print(f"  grammar compile: first {record['compile_ms']['first']:.1f} ms, cached "
+          f"{record['compile_ms']['cached_median']} ms (x{record['compile_ms']['count']})")
+
+
+if __name__ == "__main__":
+    main()
