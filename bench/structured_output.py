@@ -39,6 +39,12 @@ def run(llm, prompts, params) -> tuple[float, list]:
     return time.perf_counter() - start, outputs
 
 
+def step_medians(llm) -> dict:
+    """Median host, device and wall time (ms) of the run's decode steps."""
+    steps = [t for t in llm.engine.step_timings if t.num_tokens == t.num_reqs]
+    return {k: float(np.median([getattr(t, f"{k}_s") for t in steps]) * 1e3) for k in ("host", "device", "wall")}
+
+
 def tpot_ms(outputs, rows) -> float:
     values = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
               for i, o in enumerate(outputs) if i in rows and len(o.outputs[0].token_ids) > 1]
@@ -79,8 +85,12 @@ def main() -> None:
                            else None) for i, n in enumerate(output_lens)]
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], free[:4], use_tqdm=False)  # warm-up
 
+    llm.engine.measure_steps(True)
     free_s, free_out = run(llm, prompts, free)
+    free_steps = step_medians(llm)
+    llm.engine.measure_steps(True)
     half_s, half_out = run(llm, prompts, half)
+    half_steps = step_medians(llm)
     constrained, unconstrained = set(range(0, len(prompts), 2)), set(range(1, len(prompts), 2))
     tokens = [sum(len(o.outputs[0].token_ids) for o in outs) for outs in (free_out, half_out)]
     valid_prefix = sum(half_out[i].outputs[0].text.startswith('{"text"') or half_out[i].outputs[0].text.startswith("{")
@@ -95,6 +105,8 @@ def main() -> None:
                              "tpot_ms_unconstrained_half": tpot_ms(half_out, unconstrained),
                              "tpot_ms_constrained_half": tpot_ms(half_out, constrained),
                              "constrained_outputs_opening_json": valid_prefix},
+        "decode_step_ms": {"unconstrained": free_steps, "half_json_schema": half_steps},
+        "mask_fill_ms_median": float(np.median(llm.engine.grammars.fill_seconds) * 1e3),
         "compile_ms": {"first": compile_s[0] * 1e3, "cached_median": float(np.median(compile_s[1:]) * 1e3)
                        if len(compile_s) > 1 else None, "count": len(compile_s)},
     }
@@ -108,6 +120,8 @@ def main() -> None:
     print(f"  TPOT p50 of the unconstrained half: {u['tpot_ms_odd_half']:.2f} ms alone, "
           f"{h['tpot_ms_unconstrained_half']:.2f} ms beside constrained requests; constrained half "
           f"{h['tpot_ms_constrained_half']:.2f} ms")
+    print(f"  decode step (median ms host/device/wall): unconstrained {free_steps}, half {half_steps}; "
+          f"mask fill {record['mask_fill_ms_median']:.2f} ms per step")
     print(f"  grammar compile: first {record['compile_ms']['first']:.1f} ms, cached "
           f"{record['compile_ms']['cached_median']} ms (x{record['compile_ms']['count']})")
 

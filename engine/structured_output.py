@@ -105,6 +105,7 @@ class GrammarManager:
             self._bitmasks = [b.pin_memory() for b in self._bitmasks]
         self._turn = 0
         self.compile_seconds: list[float] = []  # per compile (cache hits included): for benchmarks
+        self.fill_seconds: list[float] = []  # per step with masks: host time to fill them
         logger.info("structured outputs: xgrammar %s ready in %.2f s", getattr(xgr, "__version__", "?"),
                     time.perf_counter() - start)
 
@@ -129,10 +130,12 @@ class GrammarManager:
         rows = [i for i, g in enumerate(grammars) if g is not None and g.matcher is not None and not g.terminated]
         if not rows:
             return None
+        start = time.perf_counter()
         self._turn ^= 1
         bitmask = self._bitmasks[self._turn][: len(grammars)]
         bitmask.fill_(-1)  # all bits set: every token allowed
         self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bitmask, indices=rows)
+        self.fill_seconds.append(time.perf_counter() - start)
         return bitmask
 
     def shutdown(self) -> None:
