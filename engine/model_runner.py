@@ -272,13 +272,14 @@ class ModelRunner:
         return handle
 
     @torch.inference_mode()
-    def launch_sampling(self, handle: StepHandle, bitmask: torch.Tensor | None = None) -> None:
-        """Queue the sampling of a step whose forward pass is queued. ``bitmask`` [sampled rows, vocab/32]
-        int32 (host memory): the tokens each row's grammar allows, or None for no constraint."""
+    def launch_sampling(self, handle: StepHandle, masks: tuple[torch.Tensor, list[int]] | None = None) -> None:
+        """Queue the sampling of a step whose forward pass is queued. ``masks``: a [sampled rows, vocab/32]
+        int32 bitmask (host memory) of the tokens each constrained row's grammar allows, and those rows;
+        None for no constraint."""
         logits, st = handle.pending
         handle.pending = None
-        if bitmask is not None:
-            st.bitmask = self._upload(bitmask)
+        if masks is not None:
+            st.bitmask, st.bitmask_rows = self._upload(masks[0]), masks[1]
         sampled, raw_logprobs = self.sampler(logits, st)
         # Two pinned buffers in turn: with a step planned ahead, this copy may land while the
         # host still reads the previous step's tokens.

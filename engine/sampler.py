@@ -38,8 +38,10 @@ class SamplingTensors:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     # (rows, token ids, biases) added to the logits (OpenAI's logit_bias).
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # [N, ceil(vocab / 32)] int32: the tokens each row's grammar allows (bit set = allowed); None: no grammar.
+    # [N, ceil(vocab / 32)] int32: the tokens each row's grammar allows (bit set = allowed), meant for the
+    # rows in bitmask_rows only; None: no grammar.
     bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] | None = None
 
 
 class Sampler:
@@ -51,13 +53,16 @@ class Sampler:
         """
         argmax_only = (st.all_greedy and st.max_num_logprobs < 0 and st.banned is None and st.repetition_penalty is None
                        and st.logit_bias is None)
-        if argmax_only and st.bitmask is None:
+        if argmax_only:
+            if st.bitmask is not None:  # in place, in the logits' own dtype: no float32 copy of the batch
+                xgr.apply_token_bitmask_inplace(logits, st.bitmask, vocab_size=logits.shape[-1],
+                                                indices=st.bitmask_rows)
             return logits.argmax(dim=-1), None  # exact in any dtype: upcasting preserves the order
         logits = logits.float()
         # Logprobs are the model's own distribution: before grammars, biases, penalties and filters.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if st.max_num_logprobs >= 0 else None
         if st.bitmask is not None:
-            xgr.apply_token_bitmask_inplace(logits, st.bitmask, vocab_size=logits.shape[-1])
+            xgr.apply_token_bitmask_inplace(logits, st.bitmask, vocab_size=logits.shape[-1], indices=st.bitmask_rows)
         if st.logit_bias is not None:
             rows, ids, biases = st.logit_bias
             logits = logits.index_put((rows, ids), biases, accumulate=True)

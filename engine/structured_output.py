@@ -3,8 +3,8 @@
     add_request ──> GrammarManager.attach: compile in a worker thread (cached by spec)
     schedule    ──> a request waits until its grammar is compiled; then it gets a matcher
     each step   ──> fill_bitmask(the step's sampled requests): one int32 word per 32 tokens
-                    per row, filled for the whole batch at once (xgrammar's batch matcher,
-                    multithreaded) into pinned memory; the sampler applies it on the device
+                    per constrained row, filled at once (xgrammar's batch matcher, multithreaded)
+                    into pinned memory; the sampler applies it to those rows on the device
     update      ──> RequestGrammar.accept(token); a grammar that has ended ends the request
 
 With steps planned ahead, a step is launched before the previous step's tokens are known;
@@ -124,19 +124,19 @@ class GrammarManager:
         self.compile_seconds.append(time.perf_counter() - start)
         return compiled
 
-    def fill_bitmask(self, grammars: list[RequestGrammar | None]) -> torch.Tensor | None:
-        """The allowed tokens of one step's sampled rows, in their order ([rows, vocab/32] int32, host
-        memory; rows without a grammar allow everything), or None when no row has a grammar."""
+    def fill_bitmask(self, grammars: list[RequestGrammar | None]) -> tuple[torch.Tensor, list[int]] | None:
+        """The allowed tokens of one step's sampled rows, in their order: a [rows, vocab/32] int32 bitmask
+        (host memory) of which only the constrained rows (the list returned beside it) are filled and
+        meant; None when no row has a grammar."""
         rows = [i for i, g in enumerate(grammars) if g is not None and g.matcher is not None and not g.terminated]
         if not rows:
             return None
         start = time.perf_counter()
         self._turn ^= 1
         bitmask = self._bitmasks[self._turn][: len(grammars)]
-        bitmask.fill_(-1)  # all bits set: every token allowed
         self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bitmask, indices=rows)
         self.fill_seconds.append(time.perf_counter() - start)
-        return bitmask
+        return bitmask, rows
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
