@@ -45,8 +45,14 @@ def test_the_curl_examples(default_server):
     assert events[-1] == "data: [DONE]" and len(events) > 2
 
 
+def test_the_structured_output_example(default_server):
+    (script,) = code_blocks("python", "chat.completions.parse")
+    out = run([sys.executable, "-c", on_port(script, default_server.url)])
+    assert out.startswith("country=") and "capital=" in out
+
+
 def test_the_openai_sdk_example(default_server):
-    (script,) = code_blocks("python", "from openai import OpenAI")
+    (script,) = [b for b in code_blocks("python", "from openai import OpenAI") if "parse(" not in b]
     lines = run([sys.executable, "-c", on_port(script, default_server.url)]).splitlines()
     assert lines[0] == FRANCE and "".join(lines[1:]).strip()  # then the streamed haiku
 
