@@ -13,8 +13,14 @@ class StructuredOutputsParams:
 
     ``json`` is a JSON schema (as JSON text), ``json_object`` any JSON object, ``regex`` a
     regular expression, ``choice`` one of a list of strings, ``grammar`` an EBNF grammar
-    (xgrammar's dialect, a ``root`` rule). ``strict``: a schema's objects take no properties
-    beyond those it lists (OpenAI's ``strict``).
+    (xgrammar's dialect, a ``root`` rule), ``structural_tag`` an xgrammar structural tag (as JSON
+    text: free text with constrained regions, such as a model's tool-call format). ``strict``: a
+    schema's objects take no properties beyond those it lists (OpenAI's ``strict``).
+
+    ``reasoning``: where the constraint starts when the model thinks first (``<think>…</think>``):
+    "open" - the output begins inside the thinking (the prompt opened it), "optional" - the output
+    may begin with a whole thinking block; the constraint applies after it. None: from the first
+    token. (A structural tag says this itself.)
     """
 
     json: str | None = None
@@ -22,14 +28,19 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
     strict: bool = True
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
-                 self.grammar is not None]
+                 self.grammar is not None, self.structural_tag is not None]
         if sum(given) != 1:
-            raise SamplingParamsError("structured outputs take exactly one of json, json_object, regex, choice "
-                                      "or grammar", "structured_outputs")
+            raise SamplingParamsError("structured outputs take exactly one of json, json_object, regex, choice, "
+                                      "grammar or structural_tag", "structured_outputs")
+        if self.reasoning not in (None, "open", "optional"):
+            raise SamplingParamsError("structured outputs: reasoning is 'open', 'optional' or None",
+                                      "structured_outputs")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise SamplingParamsError("structured outputs: choice must be a list of non-empty strings",
                                       "structured_outputs")
@@ -37,7 +48,8 @@ class StructuredOutputsParams:
     @property
     def key(self) -> tuple:
         """What identifies the compiled grammar (its cache key)."""
-        return (self.json, self.json_object, self.regex, tuple(self.choice or ()), self.grammar, self.strict)
+        return (self.json, self.json_object, self.regex, tuple(self.choice or ()), self.grammar, self.structural_tag,
+                self.strict, self.reasoning)
 
 
 @dataclass

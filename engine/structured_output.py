@@ -47,7 +47,31 @@ def _reason(exc: BaseException) -> str:
 _MAX_JSON_WHITESPACE = 32
 
 
+# The thinking block a reasoning model may write before the constrained part (the constraint starts
+# after it): "open" continues a block the prompt opened, "optional" allows a whole block or none.
+# Qwen3 and DeepSeek-R1 write two newlines after the block; the grammar writes them too.
+_THINK_BLOCK = {"type": "sequence", "elements": [
+    {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "</think>"},
+    {"type": "const_string", "value": "\n\n"}]}
+_THINKING = {
+    "open": _THINK_BLOCK,
+    "optional": {"type": "optional", "content": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<think>"}, _THINK_BLOCK]}},
+}
+
+
 def _grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
+    body = _body_grammar(spec)
+    if spec.reasoning is None or spec.structural_tag is not None:
+        return body
+    thinking = xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag",
+                                                           "format": _THINKING[spec.reasoning]}))
+    return xgr.Grammar.concat(thinking, body)
+
+
+def _body_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
+    if spec.structural_tag is not None:
+        return xgr.Grammar.from_structural_tag(spec.structural_tag)
     if spec.json is not None:
         return xgr.Grammar.from_json_schema(spec.json, strict_mode=spec.strict, max_whitespace_cnt=_MAX_JSON_WHITESPACE)
     if spec.json_object:
@@ -114,7 +138,9 @@ class GrammarManager:
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         start = time.perf_counter()
-        if spec.json is not None:
+        if spec.reasoning is not None or spec.structural_tag is not None:
+            compiled = self.compiler.compile_grammar(_grammar(spec))
+        elif spec.json is not None:
             compiled = self.compiler.compile_json_schema(spec.json, strict_mode=spec.strict,
                                                          max_whitespace_cnt=_MAX_JSON_WHITESPACE)
         elif spec.json_object:

@@ -73,10 +73,17 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(body, raw_request, ctx)
 
+    def card() -> ModelCard:
+        return ModelCard(id=ctx.model.name, root=ctx.model.path, max_model_len=ctx.model.max_model_len)
+
     @app.get("/v1/models", responses=error_responses(401))
     async def models() -> ModelList:
-        card = ModelCard(id=ctx.model.name, root=ctx.model.path, max_model_len=ctx.model.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}", responses=error_responses(401, 404))
+    async def model(model_id: str) -> ModelCard:
+        ctx.check_model(model_id)
+        return card()
 
 
 def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -85,9 +92,13 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
+        if body.messages is None and (body.tools is not None or body.chat_template_kwargs is not None):
+            raise bad_request("tools and chat_template_kwargs go with 'messages'",
+                              param="tools" if body.tools is not None else "chat_template_kwargs")
         if body.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
             token_ids = await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, body.messages,
-                                                      body.add_generation_prompt)
+                                                      body.add_generation_prompt, tools, body.chat_template_kwargs)
         else:
             tokenizer = require_tokenizer(ctx.tokenizer, "prompt", "text cannot be tokenized")
             add_special = True if body.add_special_tokens is None else body.add_special_tokens

@@ -1,7 +1,9 @@
 """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template.
 
 A stream opens with one role delta per choice, then content deltas; each choice's
-``finish_reason`` comes in its last chunk.
+``finish_reason`` comes in its last chunk. A choice's text goes through two readers, each
+optional: the reasoning parser splits off the thinking (``reasoning_content``), then the tool
+plan reads tool calls out of the answer (server/reasoning.py, server/tools.py).
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ from server.protocol import (
     ChatLogprobToken,
     ChatMessage,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     TopLogprob,
 )
+from server.reasoning import ReasoningStream, split_reasoning, thinking_state
+from server.tool_parsers import get_parser
+from server.tools import ToolPlan
 from server.serving import ServingContext, clamp_logprob, collect, respond, usage_info
 from server.tokenization import TokenizedPrompt, render_chat, token_text
 
@@ -41,20 +48,30 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     if max_tokens is None:
         max_tokens = defaults.get("max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, given), logprobs, defaults)
-    prompt_ids = await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, body.messages, body.add_generation_prompt)
+    tools = ToolPlan.of(body, get_parser(ctx.model.tool_parser))
+    prompt_ids = await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, body.messages, body.add_generation_prompt,
+                                               tools.template_tools, body.chat_template_kwargs)
+    thinking = thinking_state(ctx.tokenizer, prompt_ids) if ctx.model.reasoning_parser else "closed"
+    reasoning = None if thinking == "closed" else thinking  # where constraints start (after the thinking)
+    tool_grammar = tools.grammar(parallel=body.parallel_tool_calls is not False, reasoning=reasoning)
+    params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, given), logprobs, defaults,
+                                     tool_grammar=tool_grammar, skip_special_tokens=tools.skip_special_tokens,
+                                     reasoning=reasoning)
     generation = ctx.start_generation("chatcmpl", [TokenizedPrompt(prompt_ids)], params)
-    view = _ChatView(ctx, body, generation)
+    view = _ChatView(ctx, body, generation, tools, thinking)
     return await respond(raw_request, bool(body.stream), view.chunks, view.response)
 
 
 class _ChatView:
     """Renders one generation as a chat completion or as its stream of chunks."""
 
-    def __init__(self, ctx: ServingContext, body: ChatCompletionRequest, generation: Generation):
+    def __init__(self, ctx: ServingContext, body: ChatCompletionRequest, generation: Generation, tools: ToolPlan,
+                 thinking: str):
         self.ctx = ctx
         self.body = body
         self.generation = generation
+        self.tools = tools
+        self.thinking = thinking  # server/reasoning.py: "open", "optional" or "closed" (no reasoning parser)
         self.created = int(time.time())
         self.id = generation.request_id
 
@@ -79,25 +96,66 @@ class _ChatView:
 
     async def response(self) -> ChatCompletionResponse:
         results = await collect(self.generation)
-        choices = [
-            ChatChoice(index=index, message=ChatMessage(content=result.text), logprobs=self._logprobs(result.logprobs),
-                       finish_reason=result.finish_reason)
-            for index, result in enumerate(results)
-        ]
+        choices = []
+        for index, result in enumerate(results):
+            reasoning, answer = split_reasoning(result.text, self.thinking)
+            content, calls = self.tools.extract(answer)
+            if reasoning is not None and not content:
+                content = None  # all thinking (cut off) or all calls: no answer text
+            finish_reason = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
+            message = ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
+            choices.append(ChatChoice(index=index, message=message, logprobs=self._logprobs(result.logprobs),
+                                      finish_reason=finish_reason))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name,
                                       choices=choices, usage=usage_info(self.generation.usage()))
 
     async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
         for index in range(self.generation.num_choices):
             yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        readers = {}  # choice index -> (its ReasoningStream, its ChoiceToolStream), each or None
+        plain = self.tools.mode == "none" and self.thinking == "closed"
         async with aclosing(self.generation.updates()) as updates:
             async for batch in updates:
                 for delta in batch:
                     if not delta.text and not delta.token_ids and delta.finish_reason is None:
                         continue  # nothing new; a token without text yet still gets its chunk
-                    choice = ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text or None),
-                                              logprobs=self._logprobs(delta.logprobs),
-                                              finish_reason=delta.finish_reason)
-                    yield self._chunk([choice])
+                    if plain:
+                        yield self._chunk([self._choice(delta, DeltaMessage(content=delta.text or None))])
+                        continue
+                    if delta.index not in readers:
+                        readers[delta.index] = (ReasoningStream(self.thinking) if self.thinking != "closed" else None,
+                                                self.tools.stream())
+                    thoughts, calls = readers[delta.index]
+                    messages = self._deltas(thoughts, calls, delta) or [DeltaMessage()]
+                    for message in messages[:-1]:
+                        yield self._chunk([self._choice(delta, message, final=False)])
+                    finish = "tool_calls" if calls and calls.num_calls and delta.finish_reason == "stop" else None
+                    yield self._chunk([self._choice(delta, messages[-1], finish=finish)])
         if self.body.include_usage:
             yield self._chunk([], usage=usage_info(self.generation.usage()))
+
+    def _choice(self, delta, message: DeltaMessage, final: bool = True, finish: str | None = None) -> ChatStreamChoice:
+        return ChatStreamChoice(index=delta.index, delta=message, logprobs=self._logprobs(delta.logprobs) if final
+                                else None, finish_reason=(finish or delta.finish_reason) if final else None)
+
+    @staticmethod
+    def _deltas(thoughts: ReasoningStream | None, calls, delta) -> list[DeltaMessage]:
+        """Reasoning first, then content, then each tool-call piece, one message each (OpenAI sends
+        tool-call pieces apart)."""
+        finished = delta.finish_reason is not None
+        messages, text = [], delta.text
+        if thoughts is not None:
+            split = thoughts.feed(text, finished)
+            if split.reasoning:
+                messages.append(DeltaMessage(reasoning_content=split.reasoning))
+            text = split.content
+        if calls is None:
+            return messages + ([DeltaMessage(content=text)] if text else [])
+        out = calls.feed(text, finished)
+        if out.content:
+            messages.append(DeltaMessage(content=out.content))
+        for index, call_id, name, arguments in out.calls:
+            function = DeltaFunctionCall(name=name, arguments=arguments)
+            messages.append(DeltaMessage(tool_calls=[DeltaToolCall(index=index, id=call_id, type="function" if call_id
+                                                                   else None, function=function)]))
+        return messages

@@ -28,6 +28,8 @@ from server.app import build_app
 from server.limits import ServerLimits, guarded_http_protocol
 from server.metrics import ServerMetrics
 from server.serving import ServedModel, ServingContext
+from server.reasoning import PARSERS as REASONING_PARSERS
+from server.tool_parsers import PARSERS, parser_for_template
 
 logger = logging.getLogger("minivllm.server")
 
@@ -74,6 +76,11 @@ def _add_model_args(group) -> None:
     group.add_argument("--device", default=_DEFAULTS["device"], help="auto, cpu, cuda or cuda:N")
     group.add_argument("--load-format", default=_DEFAULTS["load_format"], choices=["auto", "safetensors", "dummy"],
                        help="dummy: random weights (for benchmarks and tests)")
+    group.add_argument("--tool-call-parser", default="auto", choices=["auto", *PARSERS],
+                       help="how tool calls are read out of the model's text; auto: from the chat template "
+                            "(hermes when it names no format)")
+    group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="split a reasoning model's <think>...</think> off into reasoning_content")
     group.add_argument("--generation-config", default=_DEFAULTS["generation_config"],
                        help="request defaults for temperature, top_p, top_k, min_p, repetition_penalty and "
                             "max_tokens: 'auto' reads the model's generation_config.json, 'vllm' ignores it, or a "
@@ -240,7 +247,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"minivllm serve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        model = ServedModel(served_model_name(args), engine.model, engine.tokenizer)
+        parser = args.tool_call_parser
+        if parser == "auto":
+            parser = parser_for_template(getattr(engine.tokenizer, "chat_template", None))
+        model = ServedModel(served_model_name(args), engine.model, engine.tokenizer, tool_parser=parser,
+                            reasoning_parser=args.reasoning_parser)
         metrics = ServerMetrics(engine)
         engine.attach_metrics(metrics)
         ctx = ServingContext(engine, model, metrics, limits,

@@ -9,9 +9,10 @@ numbers inside what the engine's arrays hold.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -59,6 +60,7 @@ class StructuredOutputsRequest(RequestModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None  # an xgrammar structural tag
 
 
 class SamplingRequest(RequestModel):
@@ -101,10 +103,14 @@ class SamplingRequest(RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                           defaults: dict | None = None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None,
+                           tool_grammar: StructuredOutputsParams | None = None,
+                           skip_special_tokens: bool | None = None, reasoning: str | None = None) -> SamplingParams:
         """Validated engine parameters: the request's values, else ``defaults`` (the model's generation
-        config), else the engine's. ``max_tokens=None`` lets the engine fill the context."""
+        config), else the engine's. ``max_tokens=None`` lets the engine fill the context.
+
+        ``tool_grammar``: the constraint the tools put on the output; ``reasoning``: where the output's
+        thinking block is (StructuredOutputsParams.reasoning), so that constraints start after it."""
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
         fields = {
@@ -117,8 +123,19 @@ class SamplingRequest(RequestModel):
         }
         given = {name: value for name, value in fields.items() if value is not None}
         sampling = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
+        if skip_special_tokens is not None and self.skip_special_tokens is None:
+            given["skip_special_tokens"] = skip_special_tokens  # the tool-call parser needs its markers
+        structured = self.structured_outputs_params()
+        if tool_grammar is not None:
+            if structured is not None:
+                raise SamplingParamsError("the tools constrain the output already (tool_choice 'required', a named "
+                                          "function or strict tools): leave out response_format and structured "
+                                          "outputs", "tool_choice")
+            structured = tool_grammar
+        if structured is not None and reasoning is not None and structured.structural_tag is None:
+            structured = dataclasses.replace(structured, reasoning=reasoning)
         return SamplingParams(**{**sampling, **given}, max_tokens=max_tokens, logprobs=logprobs,
-                              logit_bias=self._logit_bias(), structured_outputs=self.structured_outputs_params())
+                              logit_bias=self._logit_bias(), structured_outputs=structured)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -145,7 +162,8 @@ class SamplingRequest(RequestModel):
         so = self.structured_outputs
         if so is not None:
             asked.append(("structured_outputs", _vllm_spec(so.json_, so.regex, so.choice, so.grammar,
-                                                           so.json_object, "structured_outputs")))
+                                                           so.json_object, "structured_outputs",
+                                                           structural_tag=so.structural_tag)))
         legacy = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
                   "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
         for name, value in legacy.items():
@@ -162,12 +180,15 @@ class SamplingRequest(RequestModel):
 
 
 
-def _vllm_spec(json_schema, regex, choice, grammar, json_object, param: str) -> StructuredOutputsParams:
+def _vllm_spec(json_schema, regex, choice, grammar, json_object, param: str,
+               structural_tag=None) -> StructuredOutputsParams:
     if isinstance(json_schema, dict):
         json_schema = json.dumps(json_schema)
+    if isinstance(structural_tag, dict):
+        structural_tag = json.dumps(structural_tag)
     try:
         return StructuredOutputsParams(json=json_schema, regex=regex, choice=choice, grammar=grammar,
-                                       json_object=bool(json_object), strict=False)
+                                       json_object=bool(json_object), structural_tag=structural_tag, strict=False)
     except SamplingParamsError as exc:
         raise SamplingParamsError(str(exc).replace("structured outputs", param), param) from None
 
@@ -185,10 +206,44 @@ class ContentPart(RequestModel):
     text: str | None = None
 
 
+class FunctionCallParam(RequestModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallParam(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessageParam(RequestModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer: which call it answers
+
+
+class FunctionDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ToolParam(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -197,6 +252,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # extra variables for the chat template (e.g. enable_thinking)
 
 
 class TokenizeRequest(RequestModel):
@@ -207,6 +266,8 @@ class TokenizeRequest(RequestModel):
     messages: list[ChatMessageParam] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    tools: list[ToolParam] | None = None  # with messages: rendered as a chat completion would render them
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(RequestModel):
@@ -270,16 +331,49 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (--reasoning-parser)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -297,6 +391,8 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
@@ -307,7 +403,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

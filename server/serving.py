@@ -51,6 +51,8 @@ class ServedModel:
     name: str
     info: ModelInfo
     tokenizer: object | None  # the Hugging Face tokenizer, or None for a model without one
+    tool_parser: str = "hermes"  # server/tool_parsers.py: how tool calls are read out of the text
+    reasoning_parser: str | None = None  # server/reasoning.py: None when the thinking is not split off
 
     @property
     def path(self) -> str:

@@ -6,6 +6,7 @@ needs text answers a 400 there.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from server.errors import bad_request
@@ -62,16 +63,27 @@ def encode_completion_prompts(tokenizer, prompt: str | list) -> list[TokenizedPr
     return prompts
 
 
-def render_chat(tokenizer, messages: list[ChatMessageParam], add_generation_prompt: bool) -> list[int]:
-    """The conversation rendered by the tokenizer's chat template, as token ids."""
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt",
+                             "return_dict", "chat_template", "documents", "continue_final_message"}
+
+
+def render_chat(tokenizer, messages: list[ChatMessageParam], add_generation_prompt: bool,
+                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+    """The conversation rendered by the tokenizer's chat template (with the tools, and any extra
+    template variables the request gave), as token ids."""
     require_tokenizer(tokenizer, "messages", "it has no chat template")
     if not messages:
         raise bad_request("messages must contain at least one message", param="messages")
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model's tokenizer has no chat template", param="messages")
+    reserved = sorted(set(template_kwargs or ()) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
     conversation = [_plain_message(i, m) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = tokenizer.apply_chat_template(conversation, tools=tools or None,
+                                             add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - a template may raise anything on input it rejects
         raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") from exc
     return encode(tokenizer, text, add_special_tokens=False, param="messages")
@@ -101,7 +113,27 @@ def _plain_message(index: int, message: ChatMessageParam) -> dict:
     plain = {"role": role, "content": content or ""}
     if message.name is not None:
         plain["name"] = message.name
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise bad_request("only assistant messages carry tool_calls", param=f"messages.{index}.tool_calls")
+        # Templates read the arguments as a mapping (Qwen's, Llama's, Mistral's alike), not as JSON text.
+        plain["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments,
+                                                                                             index)}}
+                               for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        if message.role != "tool":
+            raise bad_request("only tool messages carry tool_call_id", param=f"messages.{index}.tool_call_id")
+        plain["tool_call_id"] = message.tool_call_id
     return plain
+
+
+def _arguments(text: str, index: int):
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise bad_request(f"messages.{index}.tool_calls: arguments must be JSON text", param=f"messages.{index}."
+                          "tool_calls") from None
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

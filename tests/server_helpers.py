@@ -126,13 +126,22 @@ def process_alive(pid: int) -> bool:
 # ------------------------------------------------------------------------ tiny model
 
 
-def build_tiny_model(out_dir: Path, tokenizer_dir: Path, head_dim: int = 16) -> Path:
+QWEN_STYLE_TEMPLATE = Path(__file__).parent / "data" / "qwen_style_template.jinja"
+QWEN_STYLE_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+
+
+def build_tiny_model(out_dir: Path, tokenizer_dir: Path, head_dim: int = 16, qwen_style: bool = False) -> Path:
     """A 2-layer random-weight Llama with the default model's tokenizer: fast, and text still works.
-    (The Triton kernels on a GPU need ``head_dim`` >= 32.)"""
+    (The Triton kernels on a GPU need ``head_dim`` >= 32.) ``qwen_style``: the tokenizer gets
+    Qwen's tool-call and thinking markers as tokens of their own and a Qwen-style chat template
+    (tests/data/qwen_style_template.jinja)."""
     import torch
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if qwen_style:
+        tokenizer.add_tokens(QWEN_STYLE_TOKENS)
+        tokenizer.chat_template = QWEN_STYLE_TEMPLATE.read_text()
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_MAX_MODEL_LEN,
@@ -140,6 +149,9 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, head_dim: int = 16) -> 
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(str(out_dir))
+    if qwen_style:
+        tokenizer.save_pretrained(str(out_dir))
+        return out_dir
     for name in _TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out_dir / name)

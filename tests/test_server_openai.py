@@ -44,6 +44,9 @@ def stream_completion_text(client, prompt, **kwargs) -> tuple[str, str | None]:
 def test_models_lists_the_served_name(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
 
 
 def test_chat_capital_of_france(client, tokenizer):
