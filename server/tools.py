@@ -9,7 +9,8 @@
 
 With "auto", a tool marked ``strict`` constrains the calls too, in the model's own format (an
 xgrammar structural tag: free text, and after the call marker a call whose arguments match the
-schema); the hermes and llama3_json formats have one. The constraints ride on the grammar engine
+schema); the hermes and llama3_json formats have one. Forced arguments take the parameters the function declares and no others (unless its schema says
+``additionalProperties``), as a function's signature does. The constraints ride on the grammar engine
 (structured outputs), so constrained calls always parse, and they start after a reasoning model's
 thinking. A choice that called tools ends with ``finish_reason: "tool_calls"``.
 """
@@ -85,7 +86,7 @@ class ToolPlan:
             return StructuredOutputsParams(structural_tag=tag.model_dump_json())
         if self.mode == "named":
             schema = by_name[self.named].get("parameters") or _ANY_OBJECT
-            return StructuredOutputsParams(json=json.dumps(schema), strict=False)
+            return StructuredOutputsParams(json=json.dumps(schema), strict=True)
         if self.mode == "required":
             calls = [{"type": "object", "properties": {"name": {"const": name},
                                                        "parameters": fn.get("parameters") or _ANY_OBJECT},
@@ -94,7 +95,7 @@ class ToolPlan:
             schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
             if not parallel:
                 schema["maxItems"] = 1
-            return StructuredOutputsParams(json=json.dumps(schema), strict=False)
+            return StructuredOutputsParams(json=json.dumps(schema), strict=True)
         return None
 
     @property

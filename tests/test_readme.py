@@ -51,8 +51,16 @@ def test_the_structured_output_example(default_server):
     assert out.startswith("country=") and "capital=" in out
 
 
+def test_the_tool_call_example(default_server):
+    (script,) = code_blocks("python", 'tool_choice="required"')
+    out = run([sys.executable, "-c", on_port(script, default_server.url)])
+    name, arguments = out.strip().split(" ", 1)
+    assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str)
+
+
 def test_the_openai_sdk_example(default_server):
-    (script,) = [b for b in code_blocks("python", "from openai import OpenAI") if "parse(" not in b]
+    (script,) = [b for b in code_blocks("python", "from openai import OpenAI") if "parse(" not in b
+                 and "tools=" not in b]
     lines = run([sys.executable, "-c", on_port(script, default_server.url)]).splitlines()
     assert lines[0] == FRANCE and "".join(lines[1:]).strip()  # then the streamed haiku
 
