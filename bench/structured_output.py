@@ -40,9 +40,15 @@ def run(llm, prompts, params) -> tuple[float, list]:
 
 
 def step_medians(llm) -> dict:
-    """Median host, device and wall time (ms) of the run's decode steps."""
-    steps = [t for t in llm.engine.step_timings if t.num_tokens == t.num_reqs]
-    return {k: float(np.median([getattr(t, f"{k}_s") for t in steps]) * 1e3) for k in ("host", "device", "wall")}
+    """Median host, device and wall time (ms) of the run's decode steps, with the wall time's mean and
+    p99 and the number of steps (a few slow steps hide from a median)."""
+    timings = llm.engine.step_timings
+    steps = [t for t in timings if t.num_tokens == t.num_reqs]
+    out = {k: float(np.median([getattr(t, f"{k}_s") for t in steps]) * 1e3) for k in ("host", "device", "wall")}
+    walls = np.array([t.wall_s for t in steps]) * 1e3
+    out.update(wall_mean=float(walls.mean()), wall_p99=float(np.percentile(walls, 99)), decode_steps=len(steps),
+               all_steps=len(timings), all_steps_wall_s=float(sum(t.wall_s for t in timings)))
+    return out
 
 
 def tpot_ms(outputs, rows) -> float:
@@ -57,6 +63,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", BENCH / "out")))
+    parser.add_argument("--profile", action="store_true", help="cProfile the constrained run (host time): "
+                        "prints the top functions and writes structured_output.pstats beside the record")
     args = parser.parse_args()
 
     import torch
@@ -89,7 +97,18 @@ def main() -> None:
     free_s, free_out = run(llm, prompts, free)
     free_steps = step_medians(llm)
     llm.engine.measure_steps(True)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     half_s, half_out = run(llm, prompts, half)
+    if args.profile:
+        profiler.disable()
+        args.out.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(str(args.out / "structured_output.pstats"))
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     half_steps = step_medians(llm)
     constrained, unconstrained = set(range(0, len(prompts), 2)), set(range(1, len(prompts), 2))
     tokens = [sum(len(o.outputs[0].token_ids) for o in outs) for outs in (free_out, half_out)]
@@ -107,6 +126,7 @@ def main() -> None:
                              "constrained_outputs_opening_json": valid_prefix},
         "decode_step_ms": {"unconstrained": free_steps, "half_json_schema": half_steps},
         "mask_fill_ms_median": float(np.median(llm.engine.grammars.fill_seconds) * 1e3),
+        "grammar_accept_ms_median": float(np.median(llm.engine.grammars.accept_seconds) * 1e3),
         "compile_ms": {"first": compile_s[0] * 1e3, "cached_median": float(np.median(compile_s[1:]) * 1e3)
                        if len(compile_s) > 1 else None, "count": len(compile_s)},
     }
@@ -121,7 +141,8 @@ def main() -> None:
           f"{h['tpot_ms_unconstrained_half']:.2f} ms beside constrained requests; constrained half "
           f"{h['tpot_ms_constrained_half']:.2f} ms")
     print(f"  decode step (median ms host/device/wall): unconstrained {free_steps}, half {half_steps}; "
-          f"mask fill {record['mask_fill_ms_median']:.2f} ms per step")
+          f"mask fill {record['mask_fill_ms_median']:.2f} ms, tokens into grammars "
+          f"{record['grammar_accept_ms_median']:.2f} ms per step (medians)")
     print(f"  grammar compile: first {record['compile_ms']['first']:.1f} ms, cached "
           f"{record['compile_ms']['cached_median']} ms (x{record['compile_ms']['count']})")
 

@@ -96,6 +96,7 @@ class LLMEngine:
         self.step_timings: list[StepTiming] = []
         self._last_sync: float | None = None
         self._inflight: tuple | None = None  # (SchedulerOutput, StepHandle, prepare start) of a launched step
+        self._masks_filling: tuple | None = None  # (StepHandle, Future of its masks): _launch_masked_sampling
         self.num_steps_planned_ahead = 0  # steps launched before the previous step's tokens were known
         on_cuda = self.runner.device.type == "cuda"
         self.overlap_steps = config.overlap_steps if config.overlap_steps is not None else on_cuda
@@ -178,6 +179,7 @@ class LLMEngine:
         added or aborted in between take effect from the step after; an aborted request's
         result from the step in flight is dropped.
         """
+        self._launch_masked_sampling()
         if self._inflight is None:
             self._inflight = self._launch_next()
             self._complete_sampling(self._inflight)
@@ -192,19 +194,35 @@ class LLMEngine:
         self.runner.last_timing = None
         runner_out = self.runner.finish(handle)
         synced = time.perf_counter()
+        if self._grammar_requests:
+            # The step planned ahead needs masks from this step's tokens: the grammars take them
+            # first, and the masks are filled on a thread during the bookkeeping below and the
+            # caller's handling of the outputs (its sampling is queued when the engine next steps).
+            self._advance_grammars(runner_out)
+            if self._inflight is not None:
+                self._complete_sampling(self._inflight, wait=False)
         outputs = self.scheduler.update_from_output(sched, runner_out)
         if self._grammar_requests:
             self._grammar_requests.difference_update(out.request_id for out in outputs if out.finished)
-        if self._inflight is not None:
-            self._complete_sampling(self._inflight)  # the grammars have this step's tokens now
         self._record_timing(sched, prepare_start, synced)
         if self._inflight is None and self.overlap_steps and self.scheduler.has_unfinished_requests():
             self._inflight = self._launch_next()
             self._complete_sampling(self._inflight)
         return outputs
 
-    def _complete_sampling(self, inflight: tuple) -> None:
-        """Queue the sampling of a launched step that waits for its grammar masks."""
+    def _advance_grammars(self, runner_out) -> None:
+        requests = self.scheduler.requests
+        grammars, tokens = [], []
+        for rid, token_id in zip(runner_out.request_ids, runner_out.sampled_token_ids):
+            request = requests.get(rid)
+            if request is not None and request.grammar is not None:
+                grammars.append(request.grammar)
+                tokens.append(token_id)
+        self.grammars.advance(grammars, tokens)
+
+    def _complete_sampling(self, inflight: tuple, wait: bool = True) -> None:
+        """Queue the sampling of a launched step that waits for its grammar masks; ``wait=False``
+        leaves the masks filling and the sampling to ``_launch_masked_sampling``."""
         handle = inflight[1]
         if handle.pending is None:
             return
@@ -213,7 +231,18 @@ class LLMEngine:
         for rid in handle.inputs.sampled_request_ids:
             request = requests.get(rid)  # gone: finished while the step was planned; its token is dropped
             grammars.append(request.grammar if request is not None else None)
-        self.runner.launch_sampling(handle, self.grammars.fill_bitmask(grammars))
+        if wait:
+            self.runner.launch_sampling(handle, self.grammars.fill_bitmask(grammars))
+        else:
+            self._masks_filling = (handle, self.grammars.fill_bitmask_async(grammars))
+
+    def _launch_masked_sampling(self) -> None:
+        """Queue the sampling whose masks were left filling (before anything else reaches the device)."""
+        if self._masks_filling is None:
+            return
+        handle, future = self._masks_filling
+        self._masks_filling = None
+        self.runner.launch_sampling(handle, future.result() if future is not None else None)
 
     def check_invariants(self) -> None:
         """Check the KV manager's tables against its pool (~1 us per block): for idle moments only."""

@@ -175,8 +175,8 @@ class Scheduler:
     @staticmethod
     def _follow_grammar(request: Request, token_id: int) -> RequestStatus | None:
         """Advance the request's grammar; a grammar that has ended (or refuses the token) ends the request."""
-        grammar = request.grammar
-        if not grammar.accept(token_id) or grammar.terminated:
+        accepted, ended = request.grammar.accept(token_id)
+        if not accepted or ended:
             if token_id in request.eos_token_ids or token_id in request.sampling_params.stop_token_ids:
                 request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED

@@ -5,7 +5,11 @@
     each step   ──> fill_bitmask(the step's sampled requests): one int32 word per 32 tokens
                     per constrained row, filled at once (xgrammar's batch matcher, multithreaded)
                     into pinned memory; the sampler applies it to those rows on the device
-    update      ──> RequestGrammar.accept(token); a grammar that has ended ends the request
+    update      ──> RequestGrammar.advance(token) for the step's tokens first; the next step's
+                    masks are filled on a thread while the scheduler does its bookkeeping (where
+                    accept reports each token: a grammar that has ended or refused one ends the
+                    request) and the caller handles the outputs; that step's sampling is queued
+                    when the engine next steps
 
 With steps planned ahead, a step is launched before the previous step's tokens are known;
 its forward pass runs while the host waits, and only its sampling waits for the masks,
@@ -91,6 +95,9 @@ class RequestGrammar:
         self._future = future
         self.matcher: xgr.GrammarMatcher | None = None
         self.error: str | None = None
+        # This step's token, taken ahead by ``advance``: (accepted, the grammar has ended); None when not.
+        self._ahead: tuple[bool, bool] | None = None
+        self.ended = False  # terminated (as of the last token taken): no mask any more
 
     @property
     def ready(self) -> bool:
@@ -100,18 +107,24 @@ class RequestGrammar:
         if not self._future.done():
             return False
         try:
-            self.matcher = xgr.GrammarMatcher(self._future.result())
+            # No rollback history: tokens are never taken back (speculative decoding would).
+            self.matcher = xgr.GrammarMatcher(self._future.result(), max_rollback_tokens=0)
         except Exception as exc:  # noqa: BLE001 - reported on the request, the engine goes on
             self.error = _reason(exc) or repr(exc)
         return True
 
-    def accept(self, token_id: int) -> bool:
-        """Advance by one sampled token; False if the grammar does not allow it."""
-        return self.matcher is not None and self.matcher.accept_token(token_id)
+    def advance(self, token_id: int) -> None:
+        """Take one sampled token ahead of the scheduler's bookkeeping (which calls ``accept``)."""
+        accepted = self.matcher is not None and self.matcher.accept_token(token_id)
+        self.ended = not accepted or self.matcher.is_terminated()
+        self._ahead = (accepted, self.ended)
 
-    @property
-    def terminated(self) -> bool:
-        return self.matcher is not None and self.matcher.is_terminated()
+    def accept(self, token_id: int) -> tuple[bool, bool]:
+        """(accepted, ended): whether the grammar allows the token, and whether it has ended with it."""
+        if self._ahead is None:
+            self.advance(token_id)
+        result, self._ahead = self._ahead, None
+        return result
 
 
 class GrammarManager:
@@ -122,6 +135,7 @@ class GrammarManager:
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)
         self.vocab_size = vocab_size
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minivllm-grammar")
+        self._fill_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minivllm-masks")
         self._batch = xgr.BatchGrammarMatcher()
         # Two pinned buffers in turn: one step's mask may still be copying while the next is filled.
         self._bitmasks = [xgr.allocate_token_bitmask(max_num_seqs, vocab_size) for _ in range(2)]
@@ -130,6 +144,7 @@ class GrammarManager:
         self._turn = 0
         self.compile_seconds: list[float] = []  # per compile (cache hits included): for benchmarks
         self.fill_seconds: list[float] = []  # per step with masks: host time to fill them
+        self.accept_seconds: list[float] = []  # per step with grammars: host time to advance them
         logger.info("structured outputs: xgrammar %s ready in %.2f s", getattr(xgr, "__version__", "?"),
                     time.perf_counter() - start)
 
@@ -154,15 +169,38 @@ class GrammarManager:
         """The allowed tokens of one step's sampled rows, in their order: a [rows, vocab/32] int32 bitmask
         (host memory) of which only the constrained rows (the list returned beside it) are filled and
         meant; None when no row has a grammar."""
-        rows = [i for i, g in enumerate(grammars) if g is not None and g.matcher is not None and not g.terminated]
+        job = self._fill_job(grammars)
+        return None if job is None else job()
+
+    def advance(self, grammars: list[RequestGrammar], token_ids: list[int]) -> None:
+        """One step's tokens into their grammars (``RequestGrammar.advance``), timed for benchmarks."""
+        start = time.perf_counter()
+        for grammar, token_id in zip(grammars, token_ids):
+            grammar.advance(token_id)
+        self.accept_seconds.append(time.perf_counter() - start)
+
+    def fill_bitmask_async(self, grammars: list[RequestGrammar | None]) -> concurrent.futures.Future | None:
+        """``fill_bitmask`` on the fill thread (xgrammar lets go of the GIL while it fills), so the
+        caller's bookkeeping runs meanwhile; None when no row has a grammar. The grammars must not
+        take tokens until the future is done."""
+        job = self._fill_job(grammars)
+        return None if job is None else self._fill_pool.submit(job)
+
+    def _fill_job(self, grammars: list[RequestGrammar | None]):
+        rows = [i for i, g in enumerate(grammars) if g is not None and g.matcher is not None and not g.ended]
         if not rows:
             return None
-        start = time.perf_counter()
         self._turn ^= 1
         bitmask = self._bitmasks[self._turn][: len(grammars)]
-        self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bitmask, indices=rows)
-        self.fill_seconds.append(time.perf_counter() - start)
-        return bitmask, rows
+        matchers = [grammars[i].matcher for i in rows]
+
+        def fill():
+            start = time.perf_counter()
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+            self.fill_seconds.append(time.perf_counter() - start)
+            return bitmask, rows
+        return fill
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=True)
