@@ -103,7 +103,11 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
             tokenizer = require_tokenizer(ctx.tokenizer, "prompt", "text cannot be tokenized")
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             token_ids = await ctx.in_tokenizer_thread(encode, tokenizer, body.prompt, add_special)
-        return TokenizeResponse(count=len(token_ids), max_model_len=ctx.model.max_model_len, tokens=token_ids)
+        strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs and ctx.tokenizer else None
+        if body.return_token_strs and ctx.tokenizer is None:
+            raise bad_request("this model has no tokenizer, so its tokens have no strings", param="return_token_strs")
+        return TokenizeResponse(count=len(token_ids), max_model_len=ctx.model.max_model_len, tokens=token_ids,
+                                token_strs=strs)
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 408, 413))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

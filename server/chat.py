@@ -90,9 +90,15 @@ class _ChatView:
         return ChatLogprobToken(token=text, logprob=clamp_logprob(entry.logprob), bytes=list(text.encode()),
                                 top_logprobs=top)
 
-    def _chunk(self, choices: list[ChatStreamChoice], usage=None) -> ChatCompletionChunk:
+    def _prompt_ids(self) -> list[int] | None:
+        return self.generation.prompts[0].token_ids if self.body.return_token_ids else None
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage=None, first: bool = False) -> ChatCompletionChunk:
+        if usage is None and choices and self.body.continuous_usage:
+            usage = usage_info(self.generation.usage())
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.ctx.model.name,
-                                   choices=choices, usage=usage)
+                                   choices=choices, usage=usage, prompt_token_ids=self._prompt_ids() if first
+                                   else None)
 
     async def response(self) -> ChatCompletionResponse:
         results = await collect(self.generation)
@@ -105,13 +111,16 @@ class _ChatView:
             finish_reason = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
             message = ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
             choices.append(ChatChoice(index=index, message=message, logprobs=self._logprobs(result.logprobs),
-                                      finish_reason=finish_reason))
+                                      finish_reason=finish_reason,
+                                      token_ids=result.token_ids if self.body.return_token_ids else None))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name,
-                                      choices=choices, usage=usage_info(self.generation.usage()))
+                                      choices=choices, usage=usage_info(self.generation.usage()),
+                                      prompt_token_ids=self._prompt_ids())
 
     async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
         for index in range(self.generation.num_choices):
-            yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
+                              first=True)
         readers = {}  # choice index -> (its ReasoningStream, its ChoiceToolStream), each or None
         plain = self.tools.mode == "none" and self.thinking == "closed"
         async with aclosing(self.generation.updates()) as updates:
@@ -135,8 +144,11 @@ class _ChatView:
             yield self._chunk([], usage=usage_info(self.generation.usage()))
 
     def _choice(self, delta, message: DeltaMessage, final: bool = True, finish: str | None = None) -> ChatStreamChoice:
+        """One delta's chunk choice; ``final``: the last of the chunks it becomes (logprobs, finish
+        reason and token ids go there)."""
         return ChatStreamChoice(index=delta.index, delta=message, logprobs=self._logprobs(delta.logprobs) if final
-                                else None, finish_reason=(finish or delta.finish_reason) if final else None)
+                                else None, finish_reason=(finish or delta.finish_reason) if final else None,
+                                token_ids=list(delta.token_ids) if final and self.body.return_token_ids else None)
 
     @staticmethod
     def _deltas(thoughts: ReasoningStream | None, calls, delta) -> list[DeltaMessage]:

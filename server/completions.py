@@ -21,13 +21,17 @@ from server.serving import ServingContext, clamp_logprob, collect, respond, usag
 from server.tokenization import decode, encode_completion_prompts, has_text, token_text
 
 
+# OpenAI's and vLLM's default for completions (chat's is the rest of the context).
+DEFAULT_MAX_TOKENS = 16
+
+
 async def create_completion(body: CompletionRequest, raw_request: Request, ctx: ServingContext):
     ctx.check_model(body.model)
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported: prompt logprobs are not computed",
                           param="echo")
     defaults = ctx.model.info.sampling_defaults
-    max_tokens = body.max_tokens if body.max_tokens is not None else defaults.get("max_tokens")
+    max_tokens = body.max_tokens if body.max_tokens is not None else defaults.get("max_tokens", DEFAULT_MAX_TOKENS)
     params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, "max_tokens"), body.logprobs, defaults)
     if has_text(body.prompt):
         prompts = await ctx.in_tokenizer_thread(encode_completion_prompts, ctx.tokenizer, body.prompt)
@@ -47,6 +51,9 @@ class _CompletionView:
         self.generation = generation
         self.created = int(time.time())
         self.id = generation.request_id
+
+    def _prompt_ids(self, choice_index: int) -> list[int]:
+        return self.generation.prompts[choice_index // self.generation.params.n].token_ids
 
     def _echo(self, prompt_index: int) -> str:
         if not self.body.echo:
@@ -77,9 +84,13 @@ class _CompletionView:
         choices = []
         for index, result in enumerate(results):
             prefix = self._echo(index // self.generation.params.n)
-            choices.append(CompletionChoice(index=index, text=prefix + result.text,
-                                            logprobs=self._logprobs(result.logprobs, len(prefix)),
-                                            finish_reason=result.finish_reason))
+            choice = CompletionChoice(index=index, text=prefix + result.text,
+                                      logprobs=self._logprobs(result.logprobs, len(prefix)),
+                                      finish_reason=result.finish_reason)
+            if self.body.return_token_ids:
+                choice.prompt_token_ids = self._prompt_ids(index)
+                choice.token_ids = result.token_ids
+            choices.append(choice)
         return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name,
                                   choices=choices, usage=usage_info(self.generation.usage()))
 
@@ -90,6 +101,8 @@ class _CompletionView:
                 for delta in batch:
                     chunk = self._chunk(delta, text_offsets)
                     if chunk is not None:
+                        if self.body.continuous_usage:
+                            chunk.usage = usage_info(self.generation.usage())
                         yield chunk
         if self.body.include_usage:
             yield CompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name,
@@ -97,7 +110,8 @@ class _CompletionView:
 
     def _chunk(self, delta: ChoiceDelta, text_offsets: dict[int, int]) -> CompletionResponse | None:
         text = delta.text
-        if delta.index not in text_offsets:
+        first = delta.index not in text_offsets
+        if first:
             text = self._echo(delta.prompt_index) + text
             text_offsets[delta.index] = len(text) - len(delta.text)
         if not text and not delta.token_ids and delta.finish_reason is None:
@@ -107,4 +121,8 @@ class _CompletionView:
         logprobs = self._logprobs(delta.logprobs, text_offsets[delta.index])
         text_offsets[delta.index] += len(delta.text)
         choice = CompletionChoice(index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason)
+        if self.body.return_token_ids:
+            choice.token_ids = list(delta.token_ids)
+            if first:
+                choice.prompt_token_ids = self._prompt_ids(delta.index)
         return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name, choices=[choice])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -38,6 +38,17 @@ METADATA_FIELDS = ("user", "metadata", "store", "service_tier")
 
 class StreamOptions(RequestModel):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage so far on every chunk
+
+
+class _OmitNone(BaseModel):
+    """A response model whose vLLM extras (``omitted_when_none``) are left out of the JSON when not asked for."""
+
+    omitted_when_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_extras(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None or k not in self.omitted_when_none}
 
 
 class JSONSchemaFormat(RequestModel):
@@ -80,6 +91,7 @@ class SamplingRequest(RequestModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    return_token_ids: bool | None = None  # vLLM: the prompt's and each choice's token ids in the response
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
@@ -103,6 +115,11 @@ class SamplingRequest(RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far on every chunk (vLLM's ``continuous_usage_stats``; needs ``include_usage``)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None,
                            tool_grammar: StructuredOutputsParams | None = None,
                            skip_special_tokens: bool | None = None, reasoning: str | None = None) -> SamplingParams:
@@ -113,6 +130,8 @@ class SamplingRequest(RequestModel):
         thinking block is (StructuredOutputsParams.reasoning), so that constraints start after it."""
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats and not self.include_usage:
+            raise SamplingParamsError("stream_options.continuous_usage_stats needs include_usage", "stream_options")
         fields = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
@@ -266,6 +285,7 @@ class TokenizeRequest(RequestModel):
     messages: list[ChatMessageParam] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    return_token_strs: bool | None = False
     tools: list[ToolParam] | None = None  # with messages: rendered as a chat completion would render them
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -300,11 +320,14 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_OmitNone):
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "token_ids")
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (a stream: in a choice's first chunk)
+    token_ids: list[int] | None = None  # with return_token_ids (a stream: the chunk's tokens)
 
 
 class CompletionResponse(BaseModel):
@@ -369,14 +392,17 @@ class DeltaToolCall(BaseModel):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_OmitNone):
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("token_ids",)
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_OmitNone):
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids",)
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
@@ -384,6 +410,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -399,14 +426,17 @@ class DeltaMessage(BaseModel):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_OmitNone):
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("token_ids",)
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the chunk's tokens
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_OmitNone):
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids",)
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=_now)
@@ -414,6 +444,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: in the first chunks
 
 
 class ModelCard(BaseModel):
@@ -430,10 +461,12 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeResponse(BaseModel):
+class TokenizeResponse(_OmitNone):
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("token_strs",)
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs: each token as the vocabulary writes it
 
 
 class DetokenizeResponse(BaseModel):

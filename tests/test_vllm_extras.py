@@ -1,0 +1,101 @@
+"""vLLM's request fields beyond OpenAI's, as its clients (RL and evaluation frameworks) use them,
+through a real server and the official ``openai`` client's ``extra_body``."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+pytest.register_assert_rewrite("tests.server_helpers")
+from tests.server_helpers import TINY_MODEL_NAME, assert_error_shape, wait_until_idle  # noqa: E402
+
+pytest_plugins = ["tests.server_helpers"]
+pytestmark = pytest.mark.usefixtures("server_logs_on_failure")
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def tokenize(url: str, **body) -> list[int]:
+    return httpx.post(f"{url}/tokenize", json=body).json()["tokens"]
+
+
+def detokenize(url: str, tokens: list[int]) -> str:
+    return httpx.post(f"{url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+
+
+def test_completions_default_to_16_tokens(client):
+    reply = client.completions.create(model=TINY_MODEL_NAME, prompt=PROMPT, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
+
+
+def test_return_token_ids_on_completions(client, tiny_server):
+    kwargs = {"model": TINY_MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+              "extra_body": {"return_token_ids": True, "ignore_eos": True}}
+    choice = client.completions.create(**kwargs).model_dump()["choices"][0]
+    assert choice["prompt_token_ids"] == tokenize(tiny_server.url, prompt=PROMPT)
+    assert len(choice["token_ids"]) == 12
+    assert detokenize(tiny_server.url, choice["token_ids"]) == choice["text"]
+    chunks = [c.model_dump() for c in client.completions.create(stream=True, **kwargs)]
+    streamed = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert streamed == choice["token_ids"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+
+
+def test_return_token_ids_on_chat(client, tiny_server):
+    kwargs = {"model": TINY_MODEL_NAME, "messages": CHAT, "max_tokens": 10, "temperature": 0,
+              "extra_body": {"return_token_ids": True, "ignore_eos": True}}
+    reply = client.chat.completions.create(**kwargs).model_dump()
+    assert reply["prompt_token_ids"] == tokenize(tiny_server.url, messages=CHAT)
+    assert detokenize(tiny_server.url, reply["choices"][0]["token_ids"]) == reply["choices"][0]["message"]["content"]
+    chunks = [c.model_dump() for c in client.chat.completions.create(stream=True, **kwargs)]
+    assert chunks[0]["prompt_token_ids"] == reply["prompt_token_ids"]
+    streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
+    assert streamed == reply["choices"][0]["token_ids"]
+
+
+def test_token_ids_are_left_out_unless_asked_for(client):
+    reply = client.completions.create(model=TINY_MODEL_NAME, prompt=PROMPT, max_tokens=2).model_dump()
+    assert "token_ids" not in reply["choices"][0] and "prompt_token_ids" not in reply["choices"][0]
+    chat = client.chat.completions.create(model=TINY_MODEL_NAME, messages=CHAT, max_tokens=2).model_dump()
+    assert "prompt_token_ids" not in chat and "token_ids" not in chat["choices"][0]
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_continuous_usage_stats_count_every_chunk(client, kind):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common = {"model": TINY_MODEL_NAME, "max_tokens": 9, "stream": True, "stream_options": options,
+              "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    if kind == "chat":
+        chunks = list(client.chat.completions.create(messages=CHAT, **common))
+    else:
+        chunks = list(client.completions.create(prompt=PROMPT, **common))
+    assert all(c.usage is not None for c in chunks)
+    seen = 0
+    for chunk in chunks[:-1]:
+        seen += sum(len(choice.model_dump().get("token_ids") or []) for choice in chunk.choices)
+        assert chunk.usage.completion_tokens == seen
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + seen
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == seen == 9
+
+
+def test_continuous_usage_needs_include_usage(tiny_server):
+    body = {"model": TINY_MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}
+    error = assert_error_shape(httpx.post(f"{tiny_server.url}/v1/completions", json=body), 400)
+    assert error["param"] == "stream_options"
+    wait_until_idle(tiny_server.url)
+
+
+def test_tokenize_returns_token_strings(tiny_server):
+    body = httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
+    assert len(body["token_strs"]) == body["count"] == len(body["tokens"])
+    assert body["token_strs"][-1] == "Ġis"  # as the vocabulary writes it (byte-level BPE)
+    assert "token_strs" not in httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": PROMPT}).json()
