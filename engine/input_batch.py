@@ -43,6 +43,7 @@ class InputBatch:
         # Rows still under min_tokens: the token ids (EOS, stop tokens) they may not sample yet.
         self.banned_until_min: dict[int, list[int]] = {}
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids int64, biases float32)
+        self.allowed: dict[int, np.ndarray] = {}  # row -> the token ids it may sample (int64)
         self.generators: dict[int, torch.Generator] = {}
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -80,6 +81,10 @@ class InputBatch:
             self.logit_bias[row] = (ids, np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(ids)))
         else:
             self.logit_bias.pop(row, None)
+        if p.allowed_token_ids:
+            self.allowed[row] = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64))
+        else:
+            self.allowed.pop(row, None)
         if p.seed is not None and not p.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(p.seed)
@@ -101,6 +106,7 @@ class InputBatch:
         self.generators.pop(row, None)
         self.banned_until_min.pop(row, None)
         self.logit_bias.pop(row, None)
+        self.allowed.pop(row, None)
         self._free_rows.append(row)
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:

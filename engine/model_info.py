@@ -57,6 +57,9 @@ class ModelInfo:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestError(f"logit_bias: token id {max(params.logit_bias)} is out of range: the vocabulary has "
                                f"{vocab} tokens", param="logit_bias")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            raise RequestError(f"allowed_token_ids: token id {max(params.allowed_token_ids)} is out of range: the "
+                               f"vocabulary has {vocab} tokens", param="allowed_token_ids")
         if params.structured_outputs is not None:
             from engine.structured_output import check_structured_outputs
 

@@ -472,6 +472,8 @@ class ModelRunner:
             st.banned = self._banned_tokens(rows)
         if b.logit_bias:
             st.logit_bias = self._logit_bias(rows)
+        if b.allowed:
+            st.allowed = self._allowed_tokens(rows)
         pres, freq, rep = b.presence_penalty[rows], b.frequency_penalty[rows], b.repetition_penalty[rows]
         if (pres != 0).any() or (freq != 0).any() or (rep != 1).any():
             st.presence_penalty, st.frequency_penalty, st.repetition_penalty = dev(pres), dev(freq), dev(rep)
@@ -488,6 +490,16 @@ class ModelRunner:
         ids = np.concatenate([ids for _, ids, _ in parts])
         values = np.concatenate([values for _, _, values in parts])
         return self._upload(row_idx), self._upload(ids), self._upload(values)
+
+    def _allowed_tokens(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(batch rows that carry allowed_token_ids, and their (row, token) pairs, flattened)."""
+        b = self.batch
+        parts = [(i, b.allowed[r]) for i, r in enumerate(rows.tolist()) if r in b.allowed]
+        if not parts:
+            return None
+        limited = np.array([i for i, _ in parts], dtype=np.int64)
+        pair_rows = np.concatenate([np.full(len(ids), i, dtype=np.int64) for i, ids in parts])
+        return self._upload(limited), self._upload(pair_rows), self._upload(np.concatenate([ids for _, ids in parts]))
 
     def _banned_tokens(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(row, token) pairs to mask: EOS and stop tokens of rows that have not reached min_tokens."""

@@ -38,6 +38,8 @@ class SamplingTensors:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     # (rows, token ids, biases) added to the logits (OpenAI's logit_bias).
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (rows limited to some tokens, and the (row, token id) pairs they may sample): vLLM's allowed_token_ids.
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # [N, ceil(vocab / 32)] int32: the tokens each row's grammar allows (bit set = allowed), meant for the
     # rows in bitmask_rows only; None: no grammar.
     bitmask: torch.Tensor | None = None
@@ -52,7 +54,7 @@ class Sampler:
         log-softmax [N, vocab] of the model's distribution (before penalties and filters).
         """
         argmax_only = (st.all_greedy and st.max_num_logprobs < 0 and st.banned is None and st.repetition_penalty is None
-                       and st.logit_bias is None)
+                       and st.logit_bias is None and st.allowed is None)
         if argmax_only:
             if st.bitmask is not None:  # in place, in the logits' own dtype: no float32 copy of the batch
                 xgr.apply_token_bitmask_inplace(logits, st.bitmask, vocab_size=logits.shape[-1],
@@ -63,6 +65,10 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if st.max_num_logprobs >= 0 else None
         if st.bitmask is not None:
             xgr.apply_token_bitmask_inplace(logits, st.bitmask, vocab_size=logits.shape[-1], indices=st.bitmask_rows)
+        if st.allowed is not None:  # every other token of those rows to -inf, as vector ops
+            limited, pair_rows, pair_ids = st.allowed
+            kept = logits[pair_rows, pair_ids]
+            logits = logits.index_fill(0, limited, float("-inf")).index_put((pair_rows, pair_ids), kept)
         if st.logit_bias is not None:
             rows, ids, biases = st.logit_bias
             logits = logits.index_put((rows, ids), biases, accumulate=True)

@@ -82,6 +82,7 @@ class SamplingParams:
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (OpenAI: -100..100)
+    allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +126,10 @@ class SamplingParams:
              "logit_bias values must be between -100 and 100"),
             (self.logit_bias is None or all(t >= 0 for t in self.logit_bias), "logit_bias",
              "logit_bias keys must be non-negative token ids"),
+            (self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0
+                                                and all(t >= 0 for t in self.allowed_token_ids)),
+             "allowed_token_ids", "allowed_token_ids must be a non-empty list of non-negative token ids"),
+            (self.prompt_logprobs is None, "prompt_logprobs", "prompt_logprobs are not computed by this engine"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -35,7 +35,7 @@ from server.reasoning import ReasoningStream, split_reasoning, thinking_state
 from server.tool_parsers import get_parser
 from server.tools import ToolPlan
 from server.serving import ServingContext, clamp_logprob, collect, respond, usage_info
-from server.tokenization import TokenizedPrompt, render_chat, token_text
+from server.tokenization import TokenizedPrompt, render_chat, token_text, truncate_prompt
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, ctx: ServingContext):
@@ -57,7 +57,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, given), logprobs, defaults,
                                      tool_grammar=tool_grammar, skip_special_tokens=tools.skip_special_tokens,
                                      reasoning=reasoning)
-    generation = ctx.start_generation("chatcmpl", [TokenizedPrompt(prompt_ids)], params)
+    prompt = truncate_prompt(TokenizedPrompt(prompt_ids), body.truncate_prompt_tokens, ctx.model.max_model_len)
+    generation = ctx.start_generation("chatcmpl", [prompt], params)
     view = _ChatView(ctx, body, generation, tools, thinking)
     return await respond(raw_request, bool(body.stream), view.chunks, view.response)
 
@@ -81,12 +82,12 @@ class _ChatView:
         return ChatLogprobs(content=[self._token_logprob(entry) for entry in entries])
 
     def _token_logprob(self, entry: Logprobs) -> ChatLogprobToken:
-        tokenizer = self.ctx.tokenizer
+        tokenizer, as_id = self.ctx.tokenizer, bool(self.body.return_tokens_as_token_ids)
         top = []
         for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs):
-            text = token_text(tokenizer, token_id)
+            text = token_text(tokenizer, token_id, as_id)
             top.append(TopLogprob(token=text, logprob=clamp_logprob(logprob), bytes=list(text.encode())))
-        text = token_text(tokenizer, entry.token_id)
+        text = token_text(tokenizer, entry.token_id, as_id)
         return ChatLogprobToken(token=text, logprob=clamp_logprob(entry.logprob), bytes=list(text.encode()),
                                 top_logprobs=top)
 
@@ -140,7 +141,7 @@ class _ChatView:
                         yield self._chunk([self._choice(delta, message, final=False)])
                     finish = "tool_calls" if calls and calls.num_calls and delta.finish_reason == "stop" else None
                     yield self._chunk([self._choice(delta, messages[-1], finish=finish)])
-        if self.body.include_usage:
+        if self.body.include_usage or self.ctx.force_include_usage:
             yield self._chunk([], usage=usage_info(self.generation.usage()))
 
     def _choice(self, delta, message: DeltaMessage, final: bool = True, finish: str | None = None) -> ChatStreamChoice:

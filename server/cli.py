@@ -79,6 +79,8 @@ def _add_model_args(group) -> None:
     group.add_argument("--tool-call-parser", default="auto", choices=["auto", *PARSERS],
                        help="how tool calls are read out of the model's text; auto: from the chat template "
                             "(hermes when it names no format)")
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="end every stream with a usage chunk, as if stream_options.include_usage were set")
     group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="split a reasoning model's <think>...</think> off into reasoning_content")
     group.add_argument("--generation-config", default=_DEFAULTS["generation_config"],
@@ -254,7 +256,7 @@ def serve(args: argparse.Namespace) -> int:
                             reasoning_parser=args.reasoning_parser)
         metrics = ServerMetrics(engine)
         engine.attach_metrics(metrics)
-        ctx = ServingContext(engine, model, metrics, limits,
+        ctx = ServingContext(engine, model, metrics, limits, force_include_usage=args.enable_force_include_usage,
                              api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
         uvicorn_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port, log_level=args.log_level,
                                         http=guarded_http_protocol(limits.header_timeout_s),

@@ -18,7 +18,7 @@ from server.errors import bad_request
 from server.generation import Generation
 from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.serving import ServingContext, clamp_logprob, collect, respond, usage_info
-from server.tokenization import decode, encode_completion_prompts, has_text, token_text
+from server.tokenization import decode, encode_completion_prompts, has_text, token_text, truncate_prompt
 
 
 # OpenAI's and vLLM's default for completions (chat's is the rest of the context).
@@ -37,6 +37,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
         prompts = await ctx.in_tokenizer_thread(encode_completion_prompts, ctx.tokenizer, body.prompt)
     else:
         prompts = encode_completion_prompts(ctx.tokenizer, body.prompt)
+    prompts = [truncate_prompt(p, body.truncate_prompt_tokens, ctx.model.max_model_len) for p in prompts]
     generation = ctx.start_generation("cmpl", prompts, params)
     view = _CompletionView(ctx, body, generation)
     return await respond(raw_request, bool(body.stream), view.chunks, view.response)
@@ -68,12 +69,14 @@ class _CompletionView:
             return None
         tokenizer = self.ctx.tokenizer
         out = CompletionLogprobs()
+        as_id = bool(self.body.return_tokens_as_token_ids)
         for entry in entries:
-            token = token_text(tokenizer, entry.token_id)
+            token = token_text(tokenizer, entry.token_id, as_id)
             out.tokens.append(token)
             out.token_logprobs.append(clamp_logprob(entry.logprob))
             out.top_logprobs.append({
-                token_text(tokenizer, tid): clamp_logprob(lp) for tid, lp in zip(entry.top_token_ids, entry.top_logprobs)
+                token_text(tokenizer, tid, as_id): clamp_logprob(lp)
+                for tid, lp in zip(entry.top_token_ids, entry.top_logprobs)
             })
             out.text_offset.append(text_offset)
             text_offset += len(token)
@@ -104,7 +107,7 @@ class _CompletionView:
                         if self.body.continuous_usage:
                             chunk.usage = usage_info(self.generation.usage())
                         yield chunk
-        if self.body.include_usage:
+        if self.body.include_usage or self.ctx.force_include_usage:
             yield CompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name,
                                      choices=[], usage=usage_info(self.generation.usage()))
 

@@ -92,6 +92,10 @@ class SamplingRequest(RequestModel):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None  # vLLM: the prompt's and each choice's token ids in the response
+    allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
+    # vLLM: keep only the prompt's last N tokens (-1: as many as the context holds with max_tokens)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    return_tokens_as_token_ids: bool | None = None  # vLLM: logprob entries name tokens as "token_id:N"
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
@@ -154,7 +158,8 @@ class SamplingRequest(RequestModel):
         if structured is not None and reasoning is not None and structured.structural_tag is None:
             structured = dataclasses.replace(structured, reasoning=reasoning)
         return SamplingParams(**{**sampling, **given}, max_tokens=max_tokens, logprobs=logprobs,
-                              logit_bias=self._logit_bias(), structured_outputs=structured)
+                              logit_bias=self._logit_bias(), structured_outputs=structured,
+                              allowed_token_ids=self.allowed_token_ids)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:

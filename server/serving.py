@@ -76,6 +76,7 @@ class ServingContext:
     metrics: ServerMetrics
     limits: ServerLimits = field(default_factory=ServerLimits)
     api_key: str | None = None
+    force_include_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
     # Tokenization and chat templates run here, off the event loop: one thread, so the tokenizer
     # is never used by two encodes at once, and a huge prompt delays only other tokenizations.
     _tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(

@@ -147,8 +147,21 @@ def decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = False) -
     return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
-def token_text(tokenizer, token_id: int) -> str:
-    """One token as text, for logprobs; ``token_id:N`` when there is no tokenizer."""
-    if tokenizer is None:
+def token_text(tokenizer, token_id: int, as_id: bool = False) -> str:
+    """One token as text, for logprobs; ``token_id:N`` when there is no tokenizer or ``as_id``
+    (vLLM's ``return_tokens_as_token_ids``)."""
+    if tokenizer is None or as_id:
         return f"token_id:{token_id}"
     return decode(tokenizer, [token_id])
+
+
+def truncate_prompt(prompt: TokenizedPrompt, keep: int | None, max_model_len: int) -> TokenizedPrompt:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context's worth)."""
+    if keep is None:
+        return prompt
+    keep = max_model_len if keep == -1 else keep
+    if keep == 0:
+        raise bad_request("truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
+    if len(prompt.token_ids) <= keep:
+        return prompt
+    return TokenizedPrompt(prompt.token_ids[-keep:])  # its text is no longer the prompt's (echo decodes)

@@ -89,3 +89,17 @@ def test_invalid_params_name_the_field(kwargs, param):
     with pytest.raises(SamplingParamsError) as err:
         SamplingParams(**kwargs)
     assert err.value.param == param
+
+
+def test_allowed_tokens_confine_their_rows_only():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    # Row 0 may only take 7 or 11, row 2 only 3; row 1 is free. Greedy and random alike.
+    allowed = (torch.tensor([0, 2]), torch.tensor([0, 0, 2]), torch.tensor([7, 11, 3]))
+    for temperature in (0.0, 1.0):
+        for _ in range(20):
+            sampled, _ = Sampler()(logits.clone(), tensors(3, temperature=temperature, allowed=allowed))
+            assert sampled[0].item() in (7, 11) and sampled[2].item() == 3
+    greedy, _ = Sampler()(logits.clone(), tensors(3, temperature=0.0, allowed=allowed))
+    assert greedy[1].item() == logits[1].argmax().item()
+    assert greedy[0].item() == (7 if logits[0, 7] > logits[0, 11] else 11)

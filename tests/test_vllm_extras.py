@@ -99,3 +99,58 @@ def test_tokenize_returns_token_strings(tiny_server):
     assert len(body["token_strs"]) == body["count"] == len(body["tokens"])
     assert body["token_strs"][-1] == "Ġis"  # as the vocabulary writes it (byte-level BPE)
     assert "token_strs" not in httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": PROMPT}).json()
+
+
+def test_allowed_token_ids_confine_every_sampled_token(client, tiny_server):
+    allowed = tokenize(tiny_server.url, prompt=" cat dog bird fish", add_special_tokens=False)
+    for temperature, seed in ((0, None), (1.0, 1), (1.0, 2)):
+        choice = client.completions.create(model=TINY_MODEL_NAME, prompt=PROMPT, max_tokens=24, seed=seed,
+                                           temperature=temperature, extra_body={
+                                               "allowed_token_ids": allowed, "return_token_ids": True,
+                                               "ignore_eos": True}).model_dump()["choices"][0]
+        assert len(choice["token_ids"]) == 24 and set(choice["token_ids"]) <= set(allowed)
+
+
+@pytest.mark.parametrize("allowed", [[], [10**7], [-1]])
+def test_bad_allowed_token_ids_are_400s(tiny_server, allowed):
+    body = {"model": TINY_MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "allowed_token_ids": allowed}
+    error = assert_error_shape(httpx.post(f"{tiny_server.url}/v1/completions", json=body), 400)
+    assert error["param"] == "allowed_token_ids"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(client, tiny_server):
+    long_prompt = "one two three four five six seven eight nine ten"
+    ids = tokenize(tiny_server.url, prompt=long_prompt)
+    reply = client.completions.create(model=TINY_MODEL_NAME, prompt=long_prompt, max_tokens=2, extra_body={
+        "truncate_prompt_tokens": 4, "return_token_ids": True}).model_dump()
+    assert reply["usage"]["prompt_tokens"] == 4 and reply["choices"][0]["prompt_token_ids"] == ids[-4:]
+    chat = client.chat.completions.create(model=TINY_MODEL_NAME, messages=CHAT, max_tokens=2, extra_body={
+        "truncate_prompt_tokens": 5, "return_token_ids": True}).model_dump()
+    assert chat["prompt_token_ids"] == tokenize(tiny_server.url, messages=CHAT)[-5:]
+
+
+def test_return_tokens_as_token_ids_in_logprobs(client):
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    choice = client.completions.create(model=TINY_MODEL_NAME, prompt=PROMPT, max_tokens=5, logprobs=2,
+                                       extra_body=extra).model_dump()["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for k in top)
+    chat = client.chat.completions.create(model=TINY_MODEL_NAME, messages=CHAT, max_tokens=5, logprobs=True,
+                                          top_logprobs=2, extra_body=extra).model_dump()["choices"][0]
+    assert [e["token"] for e in chat["logprobs"]["content"]] == [f"token_id:{t}" for t in chat["token_ids"]]
+
+
+def test_force_include_usage_ends_every_stream_with_usage(tmp_path, tiny_model_path):
+    from tests.server_helpers import start_server, tiny_server_args
+
+    server = start_server(tmp_path, "usage", tiny_server_args(tiny_model_path) + ["--enable-force-include-usage"])
+    try:
+        forced = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        chunks = list(forced.completions.create(model=TINY_MODEL_NAME, prompt=PROMPT, max_tokens=3, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+        chunks = list(forced.chat.completions.create(model=TINY_MODEL_NAME, messages=CHAT, max_tokens=3,
+                                                     stream=True, extra_body={"ignore_eos": True}))
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    finally:
+        server.stop()
