@@ -34,7 +34,7 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.serving import ServingContext
-from server.tokenization import check_token_ids, decode, encode, render_chat, require_tokenizer
+from server.tokenization import ChatTemplateOptions, check_token_ids, decode, encode, render_chat, require_tokenizer
 
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
@@ -92,13 +92,16 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
-        if body.messages is None and (body.tools is not None or body.chat_template_kwargs is not None):
-            raise bad_request("tools and chat_template_kwargs go with 'messages'",
-                              param="tools" if body.tools is not None else "chat_template_kwargs")
+        chat_only = {"tools": body.tools, "chat_template_kwargs": body.chat_template_kwargs,
+                     "chat_template": body.chat_template, "continue_final_message": body.continue_final_message or None}
+        given = [name for name, value in chat_only.items() if value is not None]
+        if body.messages is None and given:
+            raise bad_request(f"{given[0]} goes with 'messages'", param=given[0])
         if body.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-            token_ids = await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, body.messages,
-                                                      body.add_generation_prompt, tools, body.chat_template_kwargs)
+            options = ChatTemplateOptions(body.add_generation_prompt, body.continue_final_message,
+                                          body.chat_template, body.chat_template_kwargs)
+            token_ids = await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, body.messages, options, tools)
         else:
             tokenizer = require_tokenizer(ctx.tokenizer, "prompt", "text cannot be tokenized")
             add_special = True if body.add_special_tokens is None else body.add_special_tokens

@@ -35,7 +35,7 @@ from server.reasoning import ReasoningStream, split_reasoning, thinking_state
 from server.tool_parsers import get_parser
 from server.tools import ToolPlan
 from server.serving import ServingContext, clamp_logprob, collect, respond, usage_info
-from server.tokenization import TokenizedPrompt, render_chat, token_text, truncate_prompt
+from server.tokenization import ChatTemplateOptions, TokenizedPrompt, render_chat, token_text, truncate_prompt
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, ctx: ServingContext):
@@ -49,8 +49,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         max_tokens = defaults.get("max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     tools = ToolPlan.of(body, get_parser(ctx.model.tool_parser))
-    prompt_ids = await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, body.messages, body.add_generation_prompt,
-                                               tools.template_tools, body.chat_template_kwargs)
+    options = ChatTemplateOptions(body.add_generation_prompt, body.continue_final_message, body.chat_template,
+                                  body.chat_template_kwargs)
+    prompt_ids = await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, body.messages, options,
+                                               tools.template_tools)
     thinking = thinking_state(ctx.tokenizer, prompt_ids) if ctx.model.reasoning_parser else "closed"
     reasoning = None if thinking == "closed" else thinking  # where constraints start (after the thinking)
     tool_grammar = tools.grammar(parallel=body.parallel_tool_calls is not False, reasoning=reasoning)
@@ -91,6 +93,16 @@ class _ChatView:
         return ChatLogprobToken(token=text, logprob=clamp_logprob(entry.logprob), bytes=list(text.encode()),
                                 top_logprobs=top)
 
+    @property
+    def _echo(self) -> str:
+        """With ``echo``: the last message's text, when the reply continues its role (the assistant's)."""
+        last = self.body.messages[-1]
+        if not self.body.echo or last.role != "assistant":
+            return ""
+        if isinstance(last.content, list):
+            return "".join(part.text or "" for part in last.content)
+        return last.content or ""
+
     def _prompt_ids(self) -> list[int] | None:
         return self.generation.prompts[0].token_ids if self.body.return_token_ids else None
 
@@ -109,6 +121,8 @@ class _ChatView:
             content, calls = self.tools.extract(answer)
             if reasoning is not None and not content:
                 content = None  # all thinking (cut off) or all calls: no answer text
+            if self._echo:
+                content = self._echo + (content or "")
             finish_reason = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
             message = ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
             choices.append(ChatChoice(index=index, message=message, logprobs=self._logprobs(result.logprobs),
@@ -122,6 +136,8 @@ class _ChatView:
         for index in range(self.generation.num_choices):
             yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
                               first=True)
+            if self._echo:
+                yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=self._echo))])
         readers = {}  # choice index -> (its ReasoningStream, its ChoiceToolStream), each or None
         plain = self.tools.mode == "none" and self.thinking == "closed"
         async with aclosing(self.generation.updates()) as updates:

@@ -276,6 +276,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: continue the last (assistant) message instead of a new one
+    echo: bool = False  # vLLM: the reply starts with the last message when it is the assistant's (continued)
+    chat_template: str | None = None  # vLLM: a Jinja chat template for this request
     tools: list[ToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -291,6 +294,8 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     return_token_strs: bool | None = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
     tools: list[ToolParam] | None = None  # with messages: rendered as a chat completion would render them
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -67,23 +67,41 @@ _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "tokenize", "a
                              "return_dict", "chat_template", "documents", "continue_final_message"}
 
 
-def render_chat(tokenizer, messages: list[ChatMessageParam], add_generation_prompt: bool,
-                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
-    """The conversation rendered by the tokenizer's chat template (with the tools, and any extra
-    template variables the request gave), as token ids."""
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a request asks its conversation to be rendered (vLLM's names)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is left open, to be continued
+    chat_template: str | None = None  # a Jinja template of the request's own instead of the tokenizer's
+    template_kwargs: dict | None = None  # extra template variables (chat_template_kwargs)
+
+
+def render_chat(tokenizer, messages: list[ChatMessageParam], options: ChatTemplateOptions = ChatTemplateOptions(),
+                tools: list[dict] | None = None) -> list[int]:
+    """The conversation rendered by the chat template (with the tools, and any extra template
+    variables the request gave), as token ids."""
+    template_kwargs = options.template_kwargs
     require_tokenizer(tokenizer, "messages", "it has no chat template")
     if not messages:
         raise bad_request("messages must contain at least one message", param="messages")
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None) and options.chat_template is None:
         raise bad_request("this model's tokenizer has no chat template", param="messages")
+    if options.continue_final_message:
+        if options.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt exclude each other: set "
+                              "add_generation_prompt to false", param="continue_final_message")
+        if messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs an assistant message last", param="messages")
     reserved = sorted(set(template_kwargs or ()) & _RESERVED_TEMPLATE_KWARGS)
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
     conversation = [_plain_message(i, m) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(conversation, tools=tools or None,
-                                             add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             **(template_kwargs or {}))
+        text = tokenizer.apply_chat_template(conversation, tools=tools or None, chat_template=options.chat_template,
+                                             add_generation_prompt=options.add_generation_prompt,
+                                             continue_final_message=options.continue_final_message,
+                                             tokenize=False, **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - a template may raise anything on input it rejects
         raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") from exc
     return encode(tokenizer, text, add_special_tokens=False, param="messages")

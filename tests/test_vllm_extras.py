@@ -154,3 +154,40 @@ def test_force_include_usage_ends_every_stream_with_usage(tmp_path, tiny_model_p
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
     finally:
         server.stop()
+
+
+def test_continue_final_message_and_chat_echo(client, tiny_server):
+    partial = CHAT + [{"role": "assistant", "content": "The capital of France is"}]
+    ids = tokenize(tiny_server.url, messages=partial, add_generation_prompt=False, continue_final_message=True)
+    text = detokenize(tiny_server.url, ids)
+    assert text.endswith("The capital of France is")  # left open: no end-of-turn after it
+    kwargs = {"model": TINY_MODEL_NAME, "messages": partial, "max_tokens": 4, "temperature": 0,
+              "extra_body": {"continue_final_message": True, "add_generation_prompt": False, "echo": True,
+                             "return_token_ids": True, "ignore_eos": True}}
+    reply = client.chat.completions.create(**kwargs).model_dump()
+    assert reply["prompt_token_ids"] == ids
+    content = reply["choices"][0]["message"]["content"]
+    assert content.startswith("The capital of France is") and len(content) > len("The capital of France is")
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+                       if c.choices)
+    assert streamed == content
+
+
+def test_a_request_chat_template_replaces_the_models(client, tiny_server):
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    ids = tokenize(tiny_server.url, messages=CHAT, chat_template=template)
+    assert detokenize(tiny_server.url, ids) == "[user] What is the capital of France?\n[assistant]"
+    reply = client.chat.completions.create(model=TINY_MODEL_NAME, messages=CHAT, max_tokens=2,
+                                           extra_body={"chat_template": template})
+    assert reply.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False}, "messages"),
+    ({"messages": CHAT + [{"role": "assistant", "content": "x"}], "continue_final_message": True},
+     "continue_final_message"),
+])
+def test_bad_continuations_are_400s(tiny_server, body, param):
+    error = assert_error_shape(httpx.post(f"{tiny_server.url}/v1/chat/completions",
+                                          json={"model": TINY_MODEL_NAME, "max_tokens": 2, **body}), 400)
+    assert error["param"] == param
