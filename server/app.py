@@ -9,10 +9,13 @@ check runs before the body is read, so an unauthenticated client learns nothing 
 
 from __future__ import annotations
 
+import json
 import secrets
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from fastapi.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -36,7 +39,7 @@ from server.protocol import (
 from server.serving import ServingContext
 from server.tokenization import ChatTemplateOptions, check_token_ids, decode, encode, render_chat, require_tokenizer
 
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations")
 
 
 def build_app(ctx: ServingContext) -> FastAPI:
@@ -72,6 +75,27 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(body, raw_request, ctx)
+
+    @app.post("/invocations", response_model=None, responses=CHAT_RESPONSES,
+              openapi_extra={"requestBody": {"content": {"application/json": {"schema": {"oneOf": [
+                  {"$ref": "#/components/schemas/ChatCompletionRequest"},
+                  {"$ref": "#/components/schemas/CompletionRequest"}]}}}, "required": True}})
+    async def invocations(raw_request: Request) -> Response:
+        """SageMaker's endpoint: a chat completion when the body has ``messages``, else a completion."""
+        try:
+            body = json.loads(await raw_request.body())
+        except ValueError as exc:
+            raise bad_request(f"the body is not JSON: {exc}", param=None) from None
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object", param=None)
+        try:
+            if "messages" in body:
+                return await create_chat_completion(ChatCompletionRequest.model_validate(body), raw_request, ctx)
+            if "prompt" in body:
+                return await create_completion(CompletionRequest.model_validate(body), raw_request, ctx)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        raise bad_request("give 'messages' (a chat completion) or 'prompt' (a completion)", param="messages")
 
     def card() -> ModelCard:
         return ModelCard(id=ctx.model.name, root=ctx.model.path, max_model_len=ctx.model.max_model_len)
@@ -141,6 +165,11 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/version")
     async def version() -> dict:
         return {"version": __version__}
+
+    @app.get("/load")
+    async def load() -> dict:
+        """Requests this server is handling now (vLLM's server load), for load balancers."""
+        return {"server_load": ctx.engine.num_in_flight}
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text exposition format"}})

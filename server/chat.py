@@ -34,12 +34,13 @@ from server.protocol import (
 from server.reasoning import ReasoningStream, split_reasoning, thinking_state
 from server.tool_parsers import get_parser
 from server.tools import ToolPlan
-from server.serving import ServingContext, clamp_logprob, collect, respond, usage_info
+from server.serving import ServingContext, clamp_logprob, collect, load_report, respond, usage_info
 from server.tokenization import ChatTemplateOptions, TokenizedPrompt, render_chat, token_text, truncate_prompt
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, ctx: ServingContext):
     ctx.check_model(body.model)
+    headers = load_report(raw_request)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -62,7 +63,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     prompt = truncate_prompt(TokenizedPrompt(prompt_ids), body.truncate_prompt_tokens, ctx.model.max_model_len)
     generation = ctx.start_generation("chatcmpl", [prompt], params)
     view = _ChatView(ctx, body, generation, tools, thinking)
-    return await respond(raw_request, bool(body.stream), view.chunks, view.response)
+    return await respond(raw_request, bool(body.stream), view.chunks, view.response, headers)
 
 
 class _ChatView:

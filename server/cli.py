@@ -79,8 +79,6 @@ def _add_model_args(group) -> None:
     group.add_argument("--tool-call-parser", default="auto", choices=["auto", *PARSERS],
                        help="how tool calls are read out of the model's text; auto: from the chat template "
                             "(hermes when it names no format)")
-    group.add_argument("--enable-force-include-usage", action="store_true",
-                       help="end every stream with a usage chunk, as if stream_options.include_usage were set")
     group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="split a reasoning model's <think>...</think> off into reasoning_content")
     group.add_argument("--generation-config", default=_DEFAULTS["generation_config"],
@@ -128,9 +126,14 @@ def _add_scheduler_args(group) -> None:
 def _add_server_args(group) -> None:
     group.add_argument("--host", default="0.0.0.0", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on")
+    group.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of host:port")
+    group.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under "
+                       "(it strips it before forwarding; /openapi.json names it)")
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize "
                             "(default: $MINIVLLM_API_KEY; none: no authentication)")
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="end every stream with a usage chunk, as if stream_options.include_usage were set")
     group.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 503 when this many requests already wait to be scheduled; default: no limit")
     _add_limit_args(group)
@@ -258,12 +261,13 @@ def serve(args: argparse.Namespace) -> int:
         engine.attach_metrics(metrics)
         ctx = ServingContext(engine, model, metrics, limits, force_include_usage=args.enable_force_include_usage,
                              api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
-        uvicorn_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port, log_level=args.log_level,
+        uvicorn_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port, uds=args.uds,
+                                        root_path=args.root_path, log_level=args.log_level,
                                         http=guarded_http_protocol(limits.header_timeout_s),
                                         timeout_keep_alive=args.timeout_keep_alive,
                                         timeout_graceful_shutdown=_AFTER_DRAIN_GRACE_S)
         server = DrainingServer(uvicorn_config, engine, args.shutdown_timeout, ready_line(args, ctx, engine))
-        if ctx.api_key is None and not _is_loopback(args.host):
+        if ctx.api_key is None and not args.uds and not _is_loopback(args.host):
             logger.warning("listening on %s without an API key: anyone who can reach this host can use the model "
                            "(set --api-key or MINIVLLM_API_KEY, or --host 127.0.0.1)", args.host)
         gc.collect()
@@ -277,7 +281,9 @@ def serve(args: argparse.Namespace) -> int:
 def ready_line(args: argparse.Namespace, ctx: ServingContext, engine: AsyncEngine) -> str:
     """The one line that says what is served where, and how to reach it."""
     host = "localhost" if args.host in ("0.0.0.0", "::", "127.0.0.1", "::1") else args.host
-    base = f"http://{host}:{args.port}"
+    base = f"http://{host}:{args.port}{args.root_path}"
+    if args.uds:
+        base = f"http+unix://{args.uds}{args.root_path}"
     key = "required (Authorization: Bearer)" if ctx.api_key else "not required"
     cache = f"; model cache {default_cache_dir()}" if args.model is None else ""
     return (f"ready: {ctx.model.name!r} ({ctx.model.path}) at {base}/v1; dashboard {base}/dashboard, metrics "

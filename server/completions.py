@@ -17,7 +17,7 @@ from engine.outputs import Logprobs
 from server.errors import bad_request
 from server.generation import Generation
 from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from server.serving import ServingContext, clamp_logprob, collect, respond, usage_info
+from server.serving import ServingContext, clamp_logprob, collect, load_report, respond, usage_info
 from server.tokenization import decode, encode_completion_prompts, has_text, token_text, truncate_prompt
 
 
@@ -27,6 +27,7 @@ DEFAULT_MAX_TOKENS = 16
 
 async def create_completion(body: CompletionRequest, raw_request: Request, ctx: ServingContext):
     ctx.check_model(body.model)
+    headers = load_report(raw_request)
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported: prompt logprobs are not computed",
                           param="echo")
@@ -40,7 +41,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
     prompts = [truncate_prompt(p, body.truncate_prompt_tokens, ctx.model.max_model_len) for p in prompts]
     generation = ctx.start_generation("cmpl", prompts, params)
     view = _CompletionView(ctx, body, generation)
-    return await respond(raw_request, bool(body.stream), view.chunks, view.response)
+    return await respond(raw_request, bool(body.stream), view.chunks, view.response, headers)
 
 
 class _CompletionView:

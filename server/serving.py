@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -149,15 +150,33 @@ async def respond(
     stream: bool,
     chunks: Callable[[], AsyncIterator[BaseModel]],
     response: Callable[[], Awaitable[BaseModel]],
+    headers: dict[str, str] | None = None,
 ) -> Response:
     """Stream the chunks as SSE, or build the whole response unless the client leaves first."""
     if stream:
-        return SSEResponse(sse_stream(chunks()))
+        return SSEResponse(sse_stream(chunks()), headers=headers)
     try:
         body = await run_until_disconnected(raw_request, response())
     except ClientDisconnected:
         return client_closed_response()
-    return Response(content=body.model_dump_json(), media_type="application/json")
+    return Response(content=body.model_dump_json(), media_type="application/json", headers=headers)
+
+
+def load_report(raw_request: Request) -> dict[str, str]:
+    """The ORCA load report a load balancer asks for with ``endpoint-load-metrics-format: text|json``
+    (as vLLM answers it): the engine's KV cache use and queue, in an ``endpoint-load-metrics`` header."""
+    fmt = raw_request.headers.get("endpoint-load-metrics-format")
+    if fmt is None:
+        return {}
+    stats = raw_request.app.state.ctx.engine.stats()
+    metrics = {"kv_cache_usage_perc": round(stats.kv.usage, 6), "num_requests_waiting": stats.num_waiting,
+               "num_requests_running": stats.num_running}
+    if fmt.lower() == "text":
+        return {"endpoint-load-metrics": "TEXT " + ", ".join(f"named_metrics.{k}={v}" for k, v in metrics.items())}
+    if fmt.lower() == "json":
+        return {"endpoint-load-metrics": "JSON " + json.dumps({"named_metrics": metrics})}
+    raise bad_request(f"endpoint-load-metrics-format must be 'text' or 'json', not {fmt!r}",
+                      param="endpoint-load-metrics-format")
 
 
 async def sse_stream(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:

@@ -35,8 +35,8 @@ def _json(payload: dict) -> str:
 class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str]):
-        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, events: AsyncIterator[str], headers: dict[str, str] | None = None):
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._events = events
 
     async def __call__(self, scope, receive, send) -> None:

@@ -45,6 +45,14 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc: subprocess.Popen | None = None
+        # A server on a Unix socket (--uds) is reached through it: self.client() then.
+        self.uds = self.args[self.args.index("--uds") + 1] if "--uds" in self.args else None
+
+    def client(self, **kwargs) -> httpx.Client:
+        """An HTTP client for this server, over its Unix socket when it has one."""
+        if self.uds:
+            return httpx.Client(transport=httpx.HTTPTransport(uds=self.uds), base_url="http://localhost", **kwargs)
+        return httpx.Client(base_url=self.url, **kwargs)
 
     def start(self, timeout_s: float = 240.0) -> ServerProcess:
         cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
@@ -57,8 +65,9 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self
+                with self.client(timeout=2.0) as client:
+                    if client.get("/health").status_code == 200:
+                        return self
             except httpx.TransportError:
                 pass
             time.sleep(0.2)

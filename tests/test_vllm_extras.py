@@ -191,3 +191,55 @@ def test_bad_continuations_are_400s(tiny_server, body, param):
     error = assert_error_shape(httpx.post(f"{tiny_server.url}/v1/chat/completions",
                                           json={"model": TINY_MODEL_NAME, "max_tokens": 2, **body}), 400)
     assert error["param"] == param
+
+
+def test_load_counts_requests_in_flight(tiny_server):
+    assert httpx.get(f"{tiny_server.url}/load").json() == {"server_load": 0}
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_orca_load_report_header(tiny_server, fmt):
+    body = {"model": TINY_MODEL_NAME, "prompt": PROMPT, "max_tokens": 2}
+    for stream in (False, True):
+        reply = httpx.post(f"{tiny_server.url}/v1/completions", json={**body, "stream": stream},
+                           headers={"endpoint-load-metrics-format": fmt})
+        report = reply.headers["endpoint-load-metrics"]
+        if fmt == "text":
+            assert report.startswith("TEXT named_metrics.kv_cache_usage_perc=")
+            assert "named_metrics.num_requests_waiting=" in report
+        else:
+            import json
+
+            assert report.startswith("JSON ")
+            assert set(json.loads(report[5:])["named_metrics"]) >= {"kv_cache_usage_perc", "num_requests_waiting"}
+    bad = httpx.post(f"{tiny_server.url}/v1/completions", json=body, headers={"endpoint-load-metrics-format": "xml"})
+    assert assert_error_shape(bad, 400)["param"] == "endpoint-load-metrics-format"
+    wait_until_idle(tiny_server.url)
+
+
+def test_invocations_dispatches_on_the_body(tiny_server):
+    url = f"{tiny_server.url}/invocations"
+    chat = httpx.post(url, json={"model": TINY_MODEL_NAME, "messages": CHAT, "max_tokens": 2}).json()
+    assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] <= 2
+    cmpl = httpx.post(url, json={"model": TINY_MODEL_NAME, "prompt": PROMPT, "max_tokens": 2}).json()
+    assert cmpl["object"] == "text_completion"
+    assert assert_error_shape(httpx.post(url, json={"model": TINY_MODEL_NAME}), 400)["param"] == "messages"
+    bad = httpx.post(url, json={"prompt": PROMPT, "max_tokens": "many"})
+    assert assert_error_shape(bad, 400)["param"] == "max_tokens"
+    assert_error_shape(httpx.post(url, content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
+
+
+def test_unix_socket_and_root_path(tmp_path, tiny_model_path):
+    from tests.server_helpers import start_server, tiny_server_args
+
+    sock = tmp_path / "minivllm.sock"
+    server = start_server(tmp_path, "uds", tiny_server_args(tiny_model_path) + ["--uds", str(sock),
+                                                                               "--root-path", "/llm"])
+    try:
+        with server.client(timeout=30) as client:
+            reply = client.post("/v1/completions", json={"model": TINY_MODEL_NAME, "prompt": PROMPT, "max_tokens": 2})
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 2
+            assert {"url": "/llm"} in client.get("/openapi.json").json()["servers"]
+        assert "http+unix://" in server.log_path.read_text()
+    finally:
+        server.stop()
