@@ -39,7 +39,7 @@ from server.protocol import (
 from server.serving import ServingContext
 from server.tokenization import ChatTemplateOptions, check_token_ids, decode, encode, render_chat, require_tokenizer
 
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
 
 
 def build_app(ctx: ServingContext) -> FastAPI:
@@ -136,6 +136,16 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
         return TokenizeResponse(count=len(token_ids), max_model_len=ctx.model.max_model_len, tokens=token_ids,
                                 token_strs=strs)
 
+    @app.get("/tokenizer_info", responses=error_responses(400, 401))
+    async def tokenizer_info() -> dict:
+        """The tokenizer's configuration (its class, special tokens, chat template), as vLLM reports it."""
+        tokenizer = require_tokenizer(ctx.tokenizer, "model", "it has no tokenizer to describe")
+        info = {key: value for key, value in tokenizer.init_kwargs.items() if _json_value(value)}
+        info.update(tokenizer_class=type(tokenizer).__name__, vocab_size=len(tokenizer),
+                    chat_template=getattr(tokenizer, "chat_template", None),
+                    special_tokens={k: str(v) for k, v in tokenizer.special_tokens_map.items()})
+        return info
+
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 408, 413))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
@@ -176,6 +186,15 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def metrics() -> Response:
         content, content_type = ctx.metrics.render()
         return Response(content=content, media_type=content_type)
+
+
+def _json_value(value) -> bool:
+    """Plain JSON data (a tokenizer's init kwargs also hold paths' objects and token objects)."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 class APIKeyMiddleware:

@@ -243,3 +243,13 @@ def test_unix_socket_and_root_path(tmp_path, tiny_model_path):
         assert "http+unix://" in server.log_path.read_text()
     finally:
         server.stop()
+
+
+def test_tokenizer_info_describes_the_tokenizer(tiny_server, tiny_model_path):
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny_model_path))
+    info = httpx.get(f"{tiny_server.url}/tokenizer_info").json()
+    assert info["tokenizer_class"] == type(tokenizer).__name__ and info["vocab_size"] == len(tokenizer)
+    assert info["chat_template"] == tokenizer.chat_template
+    assert info["special_tokens"]["eos_token"] == tokenizer.eos_token
