@@ -306,6 +306,8 @@ class AsyncEngine:
                     self._send(AbortRequests(to_abort))
                 if self._metrics is not None:
                     self._metrics.record_delivery(received - step.sent_s, time.monotonic() - received)
+            if self._metrics is not None and step.num_scheduled_tokens:
+                self._metrics.record_iteration(step.num_scheduled_tokens)
 
     def _fail_request(self, child_id: str, reason: str) -> None:
         request_id = child_id.rpartition("-")[0]

@@ -78,6 +78,7 @@ class StepOutputs(msgspec.Struct, array_like=True, gc=False):
     num_requests_added: int = 0  # requests the core has received so far (for the waiting-queue estimate)
     failed: list[tuple[str, str]] = []  # (request id, why) for requests the engine refused
     sent_s: float = 0.0  # time.monotonic() when the core sent it, to measure the delivery delay
+    num_scheduled_tokens: int = 0  # the step's tokens (prompt and decode): vLLM's iteration_tokens_total
 
 
 def _enc_hook(obj):
@@ -188,7 +189,8 @@ class EngineCore:
         if self._stats_dirty or due or counts != self._last_counts or not self.engine.has_unfinished_requests():
             stats, self._last_counts, self._last_stats_s, self._stats_dirty = self.engine.stats(), counts, now, False
         failed, self._failed = self._failed, []
-        message = StepOutputs(outputs, stats, self._num_added, failed, time.monotonic())
+        message = StepOutputs(outputs, stats, self._num_added, failed, time.monotonic(),
+                              self.engine.last_num_scheduled_tokens)
         self.outputs.send(self._encoder.encode(message), copy=False)
 
 

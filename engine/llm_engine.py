@@ -52,6 +52,7 @@ class EngineStats:
     # int8 [num_blocks], BlockPool.block_states() values: a copy taken with the rest of the
     # snapshot, so the dashboard's map always agrees with ``kv`` (a memcpy: ~5 us for 100k blocks).
     block_states: np.ndarray = field(compare=False, repr=False)
+    num_waiting_for_grammar: int = 0  # of num_waiting: held back while their grammar compiles
 
 
 def resolve_model_path(config: EngineConfig) -> str:
@@ -96,6 +97,7 @@ class LLMEngine:
         self.step_timings: list[StepTiming] = []
         self._last_sync: float | None = None
         self._inflight: tuple | None = None  # (SchedulerOutput, StepHandle, prepare start) of a launched step
+        self.last_num_scheduled_tokens = 0  # of the step step() finished last
         self._masks_filling: tuple | None = None  # (StepHandle, Future of its masks): _launch_masked_sampling
         self.num_steps_planned_ahead = 0  # steps launched before the previous step's tokens were known
         on_cuda = self.runner.device.type == "cuda"
@@ -202,6 +204,7 @@ class LLMEngine:
             if self._inflight is not None:
                 self._complete_sampling(self._inflight, wait=False)
         outputs = self.scheduler.update_from_output(sched, runner_out)
+        self.last_num_scheduled_tokens = sched.total_num_scheduled_tokens
         if self._grammar_requests:
             self._grammar_requests.difference_update(out.request_id for out in outputs if out.finished)
         self._record_timing(sched, prepare_start, synced)
@@ -278,6 +281,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions_total,
             kv=self.kv_manager.get_stats(),
             block_states=self.kv_manager.pool.block_states(),
+            num_waiting_for_grammar=sum(1 for r in self.scheduler.waiting if not r.ready),
         )
 
 

@@ -15,6 +15,7 @@ import gc
 import ipaddress
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -132,6 +133,9 @@ def _add_server_args(group) -> None:
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize "
                             "(default: $MINIVLLM_API_KEY; none: no authentication)")
+    group.add_argument("--metrics-prefix", default="minivllm:", type=_metrics_prefix,
+                       help="what every /metrics name starts with; 'vllm:' lets vLLM's Grafana dashboards and "
+                            "alerts read this server (the names after it are vLLM's)")
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="end every stream with a usage chunk, as if stream_options.include_usage were set")
     group.add_argument("--max-waiting-requests", type=int, default=None,
@@ -257,7 +261,7 @@ def serve(args: argparse.Namespace) -> int:
             parser = parser_for_template(getattr(engine.tokenizer, "chat_template", None))
         model = ServedModel(served_model_name(args), engine.model, engine.tokenizer, tool_parser=parser,
                             reasoning_parser=args.reasoning_parser)
-        metrics = ServerMetrics(engine)
+        metrics = ServerMetrics(engine, prefix=args.metrics_prefix)
         engine.attach_metrics(metrics)
         ctx = ServingContext(engine, model, metrics, limits, force_include_usage=args.enable_force_include_usage,
                              api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
@@ -288,6 +292,12 @@ def ready_line(args: argparse.Namespace, ctx: ServingContext, engine: AsyncEngin
     cache = f"; model cache {default_cache_dir()}" if args.model is None else ""
     return (f"ready: {ctx.model.name!r} ({ctx.model.path}) at {base}/v1; dashboard {base}/dashboard, metrics "
             f"{base}/metrics; API key {key}; engine core process {engine.engine_pid}{cache}")
+
+
+def _metrics_prefix(text: str) -> str:
+    if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot start a Prometheus metric name")
+    return text
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,4 +1,7 @@
-"""Prometheus metrics, one registry per app, every name prefixed ``minivllm:``.
+"""Prometheus metrics, one registry per app, every name prefixed ``minivllm:`` (``--metrics-prefix``).
+
+The names after the prefix are vLLM's, so ``--metrics-prefix vllm:`` lets vLLM's Grafana
+dashboards and alerts read this server.
 
 Gauges and engine counters (queue sizes, KV pool, prefix cache, preemptions) are read
 from ``engine.stats()`` (the engine core's latest snapshot) at scrape time by a custom
@@ -16,12 +19,14 @@ from prometheus_client.utils import floatToGoString
 
 from engine.output_processor import StepMetrics
 
-PREFIX = "minivllm:"
+PREFIX = "minivllm:"  # the default
 FINISH_REASONS = ("stop", "length", "abort")
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                       40.0, 80.0, 160.0)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                   0.4, 0.5, 0.75, 1.0, 2.5)
+
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 # What a step's outputs may wait for and take in the API server: tens of microseconds to, at worst, seconds.
 _DELIVERY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
@@ -31,10 +36,12 @@ _DELIVERY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.01
 class EngineStatsCollector(Collector):
     """Reads the engine's latest stats snapshot at scrape time."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, prefix: str = PREFIX):
         self.engine = engine
+        self.prefix = prefix
 
     def collect(self):
+        PREFIX = self.prefix  # noqa: N806 - the module default, overridden
         alive = self.engine.dead_error is None
         yield GaugeMetricFamily(PREFIX + "engine_up", "1 while the engine runs; 0 once it has failed (the other "
                                 "engine figures are then no longer reported).", value=1 if alive else 0)
@@ -57,6 +64,16 @@ class EngineStatsCollector(Collector):
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason", "Waiting requests, by why they "
+                                      "wait: capacity (seats or KV blocks) or deferred (a grammar compiling).",
+                                      labels=["reason"])
+        by_reason.add_metric(["capacity"], stats.num_waiting - stats.num_waiting_for_grammar)
+        by_reason.add_metric(["deferred"], stats.num_waiting_for_grammar)
+        yield by_reason
+        config = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration (value 1).",
+                                   labels=["block_size", "num_gpu_blocks"])
+        config.add_metric([str(kv.block_size), str(kv.num_total_blocks)], 1)
+        yield config
         counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_cache_hits),
@@ -100,9 +117,11 @@ class BatchHistogram(Collector):
 class ServerMetrics:
     """The app's registry: the engine collector plus what the output processor records."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, prefix: str = PREFIX):
+        PREFIX = prefix  # noqa: N806 - the module default, overridden
+        self.prefix = prefix
         self.registry = reg = CollectorRegistry()
-        reg.register(EngineStatsCollector(engine))
+        reg.register(EngineStatsCollector(engine, prefix))
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", registry=reg)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=reg)
         self.request_success = Counter(PREFIX + "request_success", "Finished engine requests, by finish reason.",
@@ -116,6 +135,9 @@ class ServerMetrics:
                                                   "Time from arrival to the last token.", _LATENCY_BUCKETS_S, reg)
         self.request_queue_time = BatchHistogram(PREFIX + "request_queue_time_seconds",
                                                  "Time from arrival to first scheduling.", _LATENCY_BUCKETS_S, reg)
+        self.iteration_tokens = BatchHistogram(PREFIX + "iteration_tokens_total",
+                                               "Tokens per engine step (prompt and generated).",
+                                               _ITERATION_TOKEN_BUCKETS, reg)
         self.output_delay = BatchHistogram(
             PREFIX + "engine_output_delay_seconds",
             "Time from the engine core sending a step's outputs to the API server taking them up.",
@@ -128,6 +150,10 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
+    def record_iteration(self, num_tokens: int) -> None:
+        """One engine step's scheduled tokens."""
+        self.iteration_tokens.observe_many([num_tokens])
+
     def record_delivery(self, delay_s: float, processing_s: float) -> None:
         self.output_delay.observe_many([delay_s])
         self.output_processing.observe_many([processing_s])
@@ -138,6 +164,7 @@ class ServerMetrics:
             self.generation_tokens.inc(step.num_generation_tokens)
         if step.num_prompt_tokens:
             self.prompt_tokens.inc(step.num_prompt_tokens)
+
         self.time_to_first_token.observe_many(step.ttfts_s)
         self.inter_token_latency.observe_many(step.inter_token_s)
         self.request_queue_time.observe_many(step.queue_times_s)

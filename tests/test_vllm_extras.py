@@ -253,3 +253,42 @@ def test_tokenizer_info_describes_the_tokenizer(tiny_server, tiny_model_path):
     assert info["tokenizer_class"] == type(tokenizer).__name__ and info["vocab_size"] == len(tokenizer)
     assert info["chat_template"] == tokenizer.chat_template
     assert info["special_tokens"]["eos_token"] == tokenizer.eos_token
+
+
+VLLM_DASHBOARD_SERIES = [  # what vLLM's Grafana dashboard and alerts query
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+    "generation_tokens_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+    "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket", "num_preemptions_total",
+    "prefix_cache_queries_total", "prefix_cache_hits_total", "iteration_tokens_total_bucket",
+]
+
+
+def test_metrics_under_vllms_prefix(tmp_path, tiny_model_path):
+    from tests.server_helpers import start_server, tiny_server_args
+
+    server = start_server(tmp_path, "vllm-names", tiny_server_args(tiny_model_path) + ["--metrics-prefix", "vllm:"])
+    try:
+        reply = httpx.post(f"{server.url}/v1/completions", json={"model": TINY_MODEL_NAME, "prompt": PROMPT,
+                                                                 "max_tokens": 5, "ignore_eos": True})
+        assert reply.status_code == 200
+        text = httpx.get(f"{server.url}/metrics").text
+        names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+        assert not any(name.startswith("minivllm:") for name in names)
+        for series in VLLM_DASHBOARD_SERIES:
+            assert f"vllm:{series}" in names, series
+        assert 'vllm:num_requests_waiting_by_reason{reason="capacity"} 0.0' in text
+        # --num-kvcache-blocks 2048, of which one is the reserved null block.
+        assert 'vllm:cache_config_info{block_size="16",num_gpu_blocks="2047"} 1.0' in text
+        # The step that prefilled the 5-token prompt and the four decode steps after it.
+        assert "vllm:iteration_tokens_total_count 5.0" in text
+    finally:
+        server.stop()
+
+
+def test_a_bad_metrics_prefix_is_refused(tiny_model_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_path),
+                           "--metrics-prefix", "9lives"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "cannot start a Prometheus metric name" in proc.stderr
