@@ -279,7 +279,11 @@ class ModelRunner:
         logits, st = handle.pending
         handle.pending = None
         if masks is not None:
-            st.bitmask, st.bitmask_rows = self._upload(masks[0]), masks[1]
+            bitmask = self._upload(masks[0])
+            words = -(-logits.shape[-1] // 32)
+            if bitmask.shape[1] < words:  # the grammars' vocabulary is the tokenizer's: the padding ids stay out
+                bitmask = torch.nn.functional.pad(bitmask, (0, words - bitmask.shape[1]))
+            st.bitmask, st.bitmask_rows = bitmask, masks[1]
         sampled, raw_logprobs = self.sampler(logits, st)
         # Two pinned buffers in turn: with a step planned ahead, this copy may land while the
         # host still reads the previous step's tokens.

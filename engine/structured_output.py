@@ -130,6 +130,11 @@ class RequestGrammar:
 class GrammarManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], max_num_seqs: int):
         start = time.perf_counter()
+        # The grammars see the tokenizer's tokens only. The ids a model's embedding is padded with
+        # (Qwen3: 151,936 rows for 151,669 tokens) are not tokens: told the model's size, xgrammar would
+        # take each of them for a special token and every accept would pay for them (7x slower with
+        # 100k of them). Their bits are zero: the sampler pads the masks to the model's vocabulary.
+        vocab_size = min(vocab_size, len(tokenizer))
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(eos_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)

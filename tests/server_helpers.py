@@ -139,11 +139,13 @@ QWEN_STYLE_TEMPLATE = Path(__file__).parent / "data" / "qwen_style_template.jinj
 QWEN_STYLE_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 
 
-def build_tiny_model(out_dir: Path, tokenizer_dir: Path, head_dim: int = 16, qwen_style: bool = False) -> Path:
+def build_tiny_model(out_dir: Path, tokenizer_dir: Path, head_dim: int = 16, qwen_style: bool = False,
+                     pad_vocab: int = 0) -> Path:
     """A 2-layer random-weight Llama with the default model's tokenizer: fast, and text still works.
     (The Triton kernels on a GPU need ``head_dim`` >= 32.) ``qwen_style``: the tokenizer gets
     Qwen's tool-call and thinking markers as tokens of their own and a Qwen-style chat template
-    (tests/data/qwen_style_template.jinja)."""
+    (tests/data/qwen_style_template.jinja). ``pad_vocab``: embedding rows beyond the tokenizer's
+    tokens, as Qwen's and Llama's checkpoints have."""
     import torch
     import transformers
 
@@ -152,7 +154,7 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, head_dim: int = 16, qwe
         tokenizer.add_tokens(QWEN_STYLE_TOKENS)
         tokenizer.chat_template = QWEN_STYLE_TEMPLATE.read_text()
     config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_hidden_layers=2,
+        vocab_size=len(tokenizer) + pad_vocab, hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_MAX_MODEL_LEN,
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )

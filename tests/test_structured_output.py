@@ -160,3 +160,29 @@ def test_logit_bias_forbids_and_forces_tokens(tiny_server):
     assert forced["choices"][0]["logprobs"]["tokens"] == [forced_id_text] * 5
     error = assert_error_shape(httpx.post(f"{tiny_server.url}{CMPL}", json={**base, "logit_bias": {"x": 1}}), 400)
     assert error["param"] == "logit_bias"
+
+
+def test_a_padded_vocabulary_never_samples_its_padding(tmp_path, default_model_path):
+    """Checkpoints pad their embedding past the tokenizer (Qwen3: 151,936 rows, 151,669 tokens): the
+    grammar covers the tokenizer's tokens and the padding ids are masked out."""
+    from pathlib import Path
+
+    from engine import LLM, SamplingParams
+    from engine.sampling_params import StructuredOutputsParams
+    from tests.server_helpers import build_tiny_model
+
+    # No length-bounded strings: xgrammar lets raw control characters into them.
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                               "pet": {"enum": ["cat", "dog"]},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                        "maxItems": 3}},
+              "required": ["age", "pet", "tags"], "additionalProperties": False}
+    path = build_tiny_model(tmp_path / "padded", Path(default_model_path), pad_vocab=100)
+    llm = LLM(str(path), max_model_len=512, num_kvcache_blocks=128)
+    vocab = len(llm.tokenizer)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=300,
+                             structured_outputs=StructuredOutputsParams(json=json.dumps(schema)))
+              for seed in range(6)]
+    for out in llm.generate(["person"] * len(params), params, use_tqdm=False):
+        assert max(out.outputs[0].token_ids) < vocab
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
