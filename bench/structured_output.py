@@ -114,7 +114,7 @@ def main() -> None:
     tokens = [sum(len(o.outputs[0].token_ids) for o in outs) for outs in (free_out, half_out)]
     valid_prefix = sum(half_out[i].outputs[0].text.startswith('{"text"') or half_out[i].outputs[0].text.startswith("{")
                        for i in constrained)
-    compile_s = llm.engine.grammars.compile_seconds
+    compile_s = list(llm.engine.grammars.compile_seconds)
     # The same tokens fed again into fresh matchers, alone: what an accept costs outside the engine's step.
     import xgrammar as xgr
 

@@ -45,12 +45,6 @@ class StructuredOutputsParams:
             raise SamplingParamsError("structured outputs: choice must be a list of non-empty strings",
                                       "structured_outputs")
 
-    @property
-    def key(self) -> tuple:
-        """What identifies the compiled grammar (its cache key)."""
-        return (self.json, self.json_object, self.regex, tuple(self.choice or ()), self.grammar, self.structural_tag,
-                self.strict, self.reasoning)
-
 
 @dataclass
 class SamplingParams:
@@ -118,8 +112,6 @@ class SamplingParams:
              f"repetition_penalty must be positive, got {self.repetition_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
              f"logprobs must be between 0 and 20, got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
-             f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}"),
             (all(s for s in self.stop), "stop", "stop strings must not be empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative"),
             (self.logit_bias is None or all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias",
@@ -138,10 +130,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    @property
-    def has_grammar(self) -> bool:
-        return self.structured_outputs is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -174,9 +174,9 @@ class Scheduler:
 
     @staticmethod
     def _follow_grammar(request: Request, token_id: int) -> RequestStatus | None:
-        """Advance the request's grammar; a grammar that has ended (or refuses the token) ends the request."""
-        accepted, ended = request.grammar.accept(token_id)
-        if not accepted or ended:
+        """A grammar that has ended with this token (or refused it) ends the request. The engine has
+        fed the step's tokens into the grammars already (LLMEngine._advance_grammars)."""
+        if request.grammar.ended:
             if token_id in request.eos_token_ids or token_id in request.sampling_params.stop_token_ids:
                 request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED

@@ -6,10 +6,9 @@
                     per constrained row, filled at once (xgrammar's batch matcher, multithreaded)
                     into pinned memory; the sampler applies it to those rows on the device
     update      ──> RequestGrammar.advance(token) for the step's tokens first; the next step's
-                    masks are filled on a thread while the scheduler does its bookkeeping (where
-                    accept reports each token: a grammar that has ended or refused one ends the
-                    request) and the caller handles the outputs; that step's sampling is queued
-                    when the engine next steps
+                    masks are filled on a thread while the scheduler does its bookkeeping (a
+                    grammar that has ended or refused its token ends the request) and the caller
+                    handles the outputs; that step's sampling is queued when the engine next steps
 
 With steps planned ahead, a step is launched before the previous step's tokens are known;
 its forward pass runs while the host waits, and only its sampling waits for the masks,
@@ -18,6 +17,7 @@ which are filled once those tokens are accepted (``LLMEngine`` orders this).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import logging
@@ -45,6 +45,8 @@ def _reason(exc: BaseException) -> str:
     """xgrammar's message without its time stamp and C++ source location."""
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
 
+
+_TIMINGS_KEPT = 100_000
 
 # Whitespace between JSON tokens is free, but not endless: a run of at most this many characters
 # (deep indentation fits; a model cannot stall in whitespace forever).
@@ -95,9 +97,7 @@ class RequestGrammar:
         self._future = future
         self.matcher: xgr.GrammarMatcher | None = None
         self.error: str | None = None
-        # This step's token, taken ahead by ``advance``: (accepted, the grammar has ended); None when not.
-        self._ahead: tuple[bool, bool] | None = None
-        self.ended = False  # terminated (as of the last token taken): no mask any more
+        self.ended = False  # it refused a token or took its last: the request ends, no mask any more
 
     @property
     def ready(self) -> bool:
@@ -114,17 +114,9 @@ class RequestGrammar:
         return True
 
     def advance(self, token_id: int) -> None:
-        """Take one sampled token ahead of the scheduler's bookkeeping (which calls ``accept``)."""
+        """Take one sampled token (before the scheduler's bookkeeping, which reads ``ended``)."""
         accepted = self.matcher is not None and self.matcher.accept_token(token_id)
         self.ended = not accepted or self.matcher.is_terminated()
-        self._ahead = (accepted, self.ended)
-
-    def accept(self, token_id: int) -> tuple[bool, bool]:
-        """(accepted, ended): whether the grammar allows the token, and whether it has ended with it."""
-        if self._ahead is None:
-            self.advance(token_id)
-        result, self._ahead = self._ahead, None
-        return result
 
 
 class GrammarManager:
@@ -147,9 +139,11 @@ class GrammarManager:
         if torch.cuda.is_available():
             self._bitmasks = [b.pin_memory() for b in self._bitmasks]
         self._turn = 0
-        self.compile_seconds: list[float] = []  # per compile (cache hits included): for benchmarks
-        self.fill_seconds: list[float] = []  # per step with masks: host time to fill them
-        self.accept_seconds: list[float] = []  # per step with grammars: host time to advance them
+        # For benchmarks, the latest ones only (a server runs for days): per compile (cache hits
+        # included), per step with masks (host time to fill them), per step with grammars (to advance them).
+        self.compile_seconds: collections.deque[float] = collections.deque(maxlen=_TIMINGS_KEPT)
+        self.fill_seconds: collections.deque[float] = collections.deque(maxlen=_TIMINGS_KEPT)
+        self.accept_seconds: collections.deque[float] = collections.deque(maxlen=_TIMINGS_KEPT)
         logger.info("structured outputs: xgrammar %s ready in %.2f s", getattr(xgr, "__version__", "?"),
                     time.perf_counter() - start)
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from server.tool_parsers import marker_prefix_length
+
 START, END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
 _PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens, where a template opens or closes the block
@@ -100,16 +102,9 @@ class ReasoningStream:
                 out.reasoning += text[:idx]
                 text, self.phase = text[idx + len(END):], "answer"
                 continue
-            keep = 0 if finished else _partial_suffix(text, END)
+            keep = 0 if finished else marker_prefix_length(text, END)
             out.reasoning += text[:len(text) - keep]
             self._pending = text[len(text) - keep:]
             break
         return out
 
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """How many trailing characters of ``text`` begin ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

@@ -35,6 +35,31 @@ def loads_partial(text: str) -> Any:
     return partial_json_parser.loads(text, Allow.ALL & ~Allow.STR, parser=loads)
 
 
+def complete_items(text: str, finished: bool) -> list:
+    """The complete items of a JSON array: all of them once it parses whole (``finished``), else
+    all but the last of what has been written (also when a finished one was cut off)."""
+    if finished:
+        try:
+            value = loads(text)
+            return value if isinstance(value, list) else []
+        except ValueError:
+            pass  # cut off by max_tokens
+    try:
+        value = loads_partial(text) if text.strip() else []
+    except Exception:  # noqa: BLE001 - not even the start of a JSON value
+        return []
+    return value[:-1] if isinstance(value, list) else []
+
+
+def marker_prefix_length(text: str, marker: str) -> int:
+    """How many trailing characters of ``text`` could be the beginning of ``marker`` (held back
+    from a stream until the next delta says what they are)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
 @dataclass
 class ParsedCall:
     name: str
@@ -62,10 +87,7 @@ class ToolParser:
 
     def hold_back(self, text: str) -> int:
         """How many trailing characters could be the beginning of the marker (not content yet)."""
-        for n in range(min(len(self.marker) - 1, len(text)), 0, -1):
-            if self.marker.startswith(text[-n:]):
-                return n
-        return 0
+        return marker_prefix_length(text, self.marker)
 
     def calls(self, section: str, finished: bool) -> list[ParsedCall] | None:
         """The complete calls in ``section`` (the text from the start on); None if it cannot be calls."""
@@ -83,7 +105,8 @@ class ToolParser:
         return (content if content.strip() else None), calls
 
 
-def _call_from(obj: Any, keys=("arguments", "parameters")) -> ParsedCall | None:
+def call_from(obj: Any, keys=("arguments", "parameters")) -> ParsedCall | None:
+    """A call out of a decoded {"name", "arguments" (or "parameters")} object; None if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = next((obj[k] for k in keys if k in obj), {})
@@ -119,7 +142,7 @@ class HermesToolParser(ToolParser):
             decoded = _decode_at(section, idx + len(self.marker))
             if decoded is None:
                 break  # still being written (or malformed: then the finished output keeps it as content)
-            call = _call_from(decoded[0])
+            call = call_from(decoded[0])
             if call is None:
                 return None
             found.append(call)
@@ -150,7 +173,7 @@ class Llama3JsonToolParser(ToolParser):
             decoded = _decode_at(section, pos)
             if decoded is None:
                 return found if found or not finished else None
-            call = _call_from(decoded[0])
+            call = call_from(decoded[0])
             if call is None:
                 return None
             found.append(call)
@@ -171,9 +194,10 @@ class MistralToolParser(ToolParser):
         body = section[len(self.marker):]
         if body.lstrip().startswith("["):  # [{"name": ..., "arguments": ...}, ...]
             decoded = _decode_at(body, 0)
-            if decoded is None:
-                return self._partial_array(body)
-            calls = [_call_from(obj) for obj in decoded[0]] if isinstance(decoded[0], list) else [None]
+            if decoded is None:  # still being written: its complete calls
+                calls = [call_from(obj) for obj in complete_items(body.strip(), finished=False)]
+                return [c for c in calls if c is not None]
+            calls = [call_from(obj) for obj in decoded[0]] if isinstance(decoded[0], list) else [None]
             return None if any(c is None for c in calls) else calls
         found = []  # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
         for part in body.split(self.marker):
@@ -183,17 +207,6 @@ class MistralToolParser(ToolParser):
                 break
             found.append(ParsedCall(name.strip(), decoded[0]))
         return found
-
-    @staticmethod
-    def _partial_array(body: str) -> list[ParsedCall]:
-        """The complete objects of an array still being written."""
-        try:
-            items = loads_partial(body.strip())
-        except Exception:  # noqa: BLE001 - not JSON (yet)
-            return []
-        complete = items[:-1] if isinstance(items, list) else []
-        calls = [_call_from(obj) for obj in complete]
-        return [c for c in calls if c is not None]
 
 
 PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
@@ -237,10 +250,6 @@ class ToolCallStream:
         new = (calls or [])[self._calls_sent:]
         self._calls_sent += len(new)
         return content, new
-
-    @property
-    def called(self) -> bool:
-        return self._calls_sent > 0
 
     def _content_until(self, end: int) -> str:
         if end <= self._content_sent:

@@ -25,7 +25,7 @@ import xgrammar as xgr
 from engine.sampling_params import StructuredOutputsParams
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, FunctionCall, ToolCall
-from server.tool_parsers import ParsedCall, ToolCallStream, ToolParser, loads, loads_partial, new_call_id
+from server.tool_parsers import ParsedCall, ToolCallStream, ToolParser, call_from, complete_items, new_call_id
 
 _ANY_OBJECT = {"type": "object"}
 # The parsers whose call format xgrammar has a structural tag for (strict tools under "auto").
@@ -125,19 +125,8 @@ def _tool_call(name: str, arguments: str) -> ToolCall:
 def _required_calls(text: str, finished: bool = True) -> list[ParsedCall]:
     """The calls of a "required" output (a JSON array of {"name", "parameters"}): all of them once it
     is finished, the complete ones while it is being written."""
-    try:
-        items = loads(text) if finished else loads_partial(text)
-    except Exception:  # noqa: BLE001 - cut off (max_tokens), or not started
-        finished = False
-        try:
-            items = loads_partial(text) if text.strip() else []
-        except Exception:  # noqa: BLE001 - not even the start of a value
-            items = []
-    if not isinstance(items, list):
-        return []
-    complete = items if finished else items[:-1]
-    return [ParsedCall(obj["name"], obj.get("parameters", {})) for obj in complete
-            if isinstance(obj, dict) and isinstance(obj.get("name"), str)]
+    calls = [call_from(obj, keys=("parameters",)) for obj in complete_items(text, finished)]
+    return [c for c in calls if c is not None]
 
 
 @dataclass
