@@ -344,6 +344,10 @@ class PrometheusProcess:
         assert body["status"] == "success", f"{promql}: {body}"
         return body["data"]["result"]
 
+    def ready(self) -> bool:
+        """Prometheus answers queries once /-/ready says 200 (503 "Service Unavailable" while it starts)."""
+        return httpx.get(f"{self.url}/-/ready", timeout=10).status_code == 200
+
     def query_body(self, promql: str) -> dict:
         return httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=10).json()
 
@@ -351,9 +355,10 @@ class PrometheusProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                result = self.query(promql)
-                if done(result):
-                    return result
+                if self.ready():
+                    result = self.query(promql)
+                    if done(result):
+                        return result
             except httpx.TransportError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:

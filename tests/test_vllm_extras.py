@@ -194,7 +194,23 @@ def test_bad_continuations_are_400s(tiny_server, body, param):
 
 
 def test_load_counts_requests_in_flight(tiny_server):
-    assert httpx.get(f"{tiny_server.url}/load").json() == {"server_load": 0}
+    import threading
+    import time
+
+    url = tiny_server.url
+    body = {"model": TINY_MODEL_NAME, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
+    replies = []
+    worker = threading.Thread(target=lambda: replies.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                       timeout=120)))
+    worker.start()
+    seen = set()
+    while worker.is_alive():
+        seen.add(httpx.get(f"{url}/load").json()["server_load"])
+        time.sleep(0.005)
+    worker.join()
+    assert replies[0].status_code == 200
+    assert 1 in seen and seen <= {0, 1}  # while it ran, and only it
+    assert httpx.get(f"{url}/load").json() == {"server_load": 0}
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
