@@ -28,6 +28,7 @@ class EngineConfig:
     # Request defaults from generation_config.json: "auto" (the model's), "vllm" (none), or a folder.
     generation_config: str = "auto"
     seed: int = 0
+    max_logprobs: int = 20  # the most logprobs one token may ask for (vLLM's default); -1: the whole vocabulary
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # KV cache (the seed's names).
     kvcache_block_size: int = 16
@@ -74,6 +75,8 @@ class EngineConfig:
         need(0.0 < self.gpu_memory_utilization <= 1.0,
              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.cpu_kvcache_space_gib > 0, f"cpu_kvcache_space_gib must be positive, got {self.cpu_kvcache_space_gib}")
+        need(self.max_logprobs >= -1, f"max_logprobs must be -1 (the whole vocabulary) or non-negative, got "
+                                      f"{self.max_logprobs}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         need(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be at least 1, got {self.max_model_len}")

@@ -38,7 +38,8 @@ class InputBatch:
         self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
-        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: none
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: none
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         # Rows still under min_tokens: the token ids (EOS, stop tokens) they may not sample yet.
         self.banned_until_min: dict[int, list[int]] = {}
@@ -71,7 +72,8 @@ class InputBatch:
         self.presence_penalty[row] = p.presence_penalty
         self.frequency_penalty[row] = p.frequency_penalty
         self.repetition_penalty[row] = p.repetition_penalty
-        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.num_logprobs[row] = self._num_logprobs(p.logprobs)
+        self.num_prompt_logprobs[row] = self._num_logprobs(data.prompt_logprobs)
         self.min_tokens[row] = p.min_tokens
         if p.min_tokens > 0:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
@@ -93,6 +95,12 @@ class InputBatch:
             for _ in range(n - data.num_prompt_tokens):
                 torch.empty(self.vocab_size, device=self.device).exponential_(generator=generator)
             self.generators[row] = generator
+
+    def _num_logprobs(self, asked: int | None) -> int:
+        """How many top logprobs a row computes: -1 for none; a request's -1 is the whole vocabulary."""
+        if asked is None:
+            return -1
+        return self.vocab_size if asked == -1 else asked
 
     def update(self, data: CachedRequestData) -> None:
         row = self.row_of[data.request_id]

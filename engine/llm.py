@@ -46,6 +46,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # With SamplingParams(prompt_logprobs=N): one entry per prompt token, None for the first (nothing
+    # precedes it), as vLLM's; each has the prompt token's logprob, its rank and the top-N.
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 class LLM:
@@ -155,6 +158,8 @@ class _ResultBuilder:
         if delta.text:
             self._texts[delta.index].append(delta.text)
         completion.token_ids.extend(delta.token_ids)
+        if delta.prompt_logprobs is not None and self.result.prompt_logprobs is None:
+            self.result.prompt_logprobs = [None, *delta.prompt_logprobs]
         if completion.logprobs is not None:
             completion.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:

@@ -87,6 +87,7 @@ class LLMEngine:
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(sorted(self.eos_token_ids)),
             num_kv_blocks=num_blocks, kv_block_size=config.kvcache_block_size, device=str(self.runner.device),
             sampling_defaults=load_sampling_defaults(config.generation_config, self.model_path),
+            max_logprobs=config.max_logprobs,
         )
         if self.model_info.sampling_defaults:
             logger.info("sampling defaults from the generation config (requests override them; "

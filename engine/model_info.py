@@ -38,6 +38,7 @@ class ModelInfo:
     device: str
     # Sampling defaults from the model's generation_config.json (SamplingParams names); requests override them.
     sampling_defaults: dict = field(default_factory=dict)
+    max_logprobs: int = 20  # the most logprobs a token may ask for; -1: the whole vocabulary
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check a prompt against the vocabulary and the context; return params with max_tokens resolved."""
@@ -60,6 +61,8 @@ class ModelInfo:
         if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
             raise RequestError(f"allowed_token_ids: token id {max(params.allowed_token_ids)} is out of range: the "
                                f"vocabulary has {vocab} tokens", param="allowed_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            self.check_num_logprobs(getattr(params, name), name)
         if params.structured_outputs is not None:
             from engine.structured_output import check_structured_outputs
 
@@ -77,3 +80,14 @@ class ModelInfo:
                 f"max_tokens={params.max_tokens} ask for {n + params.max_tokens}", param="max_tokens",
                 code="context_length_exceeded")
         return params
+
+    def check_num_logprobs(self, value: int | None, param: str) -> None:
+        """-1 asks for the whole vocabulary; no more than ``max_logprobs`` (as vLLM's ``--max-logprobs``)."""
+        if value is None:
+            return
+        wanted = self.vocab_size if value == -1 else value
+        limit = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        if wanted > limit:
+            kind = "prompt" if param == "prompt_logprobs" else "sample"
+            raise RequestError(f"requested {kind} logprobs of {wanted}{' (-1: the whole vocabulary)' if value == -1 else ''}"
+                               f", more than the server allows: {limit} (--max-logprobs)", param=param)

@@ -22,7 +22,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import InputBatch
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingTensors, build_logprobs, gather_logprobs
 from engine.step_buffers import StepBuffers
 from kvcache.paged_cache import PagedKVCache
@@ -31,6 +31,8 @@ logger = logging.getLogger("minivllm")
 
 # Prompts in the profiling pass are cut into requests of at most this many tokens.
 _PROFILE_REQUEST_LEN = 512
+# Prompt logprobs are computed this many tokens at a time: [rows, vocab] float32 logits each.
+_PROMPT_LOGPROBS_CHUNK = 512
 
 
 @dataclass
@@ -48,6 +50,9 @@ class StepHandle:
     launched: float = 0.0
     # (logits, SamplingTensors) of a step whose sampling waits for launch_sampling (grammar masks).
     pending: tuple | None = None
+    # Prompt logprobs of the step, being copied to host memory: ((chosen, ranks, top ids, top values),
+    # the CUDA event after the copies).
+    prompt_logprobs: tuple | None = None
 
 
 @dataclass
@@ -65,6 +70,20 @@ class StepInputs:
     # Tokens whose id a step in flight is still sampling: their batch positions and requests.
     placeholder_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     placeholder_request_ids: list[str] = field(default_factory=list)
+    prompt_logprobs: "PromptLogprobsPlan | None" = None
+
+
+@dataclass
+class PromptLogprobsPlan:
+    """The prompt tokens of a step whose logprobs were asked for: each computed token's logits score
+    the prompt token after it."""
+
+    token_indices: torch.Tensor  # [K] positions in the step's flat tokens, on the device
+    targets: torch.Tensor  # [K] the prompt token each of them predicts, on the device
+    target_ids: np.ndarray  # the same, in host memory
+    num_top: int  # top-N computed for all K (the largest any of the requests asked for)
+    # Per request, in token order: (request id, prompt position of its first target, count, its top-N).
+    requests: list[tuple[str, int, int, int]]
 
 
 def make_attention_backend(name: str):
@@ -262,6 +281,8 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices]) if st is not None else None
         handle = StepHandle(inputs=inputs, events=events, launched=time.perf_counter())
+        if inputs.prompt_logprobs is not None:
+            handle.prompt_logprobs = self._launch_prompt_logprobs(hidden, inputs.prompt_logprobs)
         if st is None:
             if events:
                 events[1].record()
@@ -312,9 +333,15 @@ class ModelRunner:
             handle.ready.synchronize()  # the step's one host sync
         if handle.events is not None:
             self._finish_timing(handle.events, handle.launched, handle.inputs)
-        if handle.sampled is None:
-            return ModelRunnerOutput([], [])
         inputs = handle.inputs
+        prompt_logprobs = {}
+        if handle.prompt_logprobs is not None:
+            pieces, ready = handle.prompt_logprobs
+            if ready is not None:
+                ready.synchronize()
+            prompt_logprobs = self._prompt_logprobs(inputs.prompt_logprobs, pieces)
+        if handle.sampled is None:
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         token_ids = handle.sampled_host.tolist()
         # Rows by request id: a request dropped since this step was launched (finished,
         # preempted) has no row any more, and its row may already belong to another request.
@@ -323,7 +350,7 @@ class ModelRunner:
         self.batch.append_sampled(np.asarray([rows[i] for i in live], dtype=np.int64),
                                   np.asarray([token_ids[i] for i in live], dtype=np.int64))
         sampled_ids = inputs.sampled_request_ids
-        output = ModelRunnerOutput(sampled_ids, token_ids)
+        output = ModelRunnerOutput(sampled_ids, token_ids, prompt_logprobs=prompt_logprobs)
         if handle.logprobs is not None:
             output.logprobs = self._logprobs(handle.logprobs, token_ids, sampled_ids)
         return output
@@ -387,7 +414,10 @@ class ModelRunner:
         sample_mask = seq_lens >= b.num_tokens[rows]
         sampled = np.nonzero(sample_mask)[0]
 
-        graph_size = self._graph_size(num_reqs, num_decodes)
+        prompt_lp = None
+        if (b.num_prompt_logprobs[rows] >= 0).any():
+            prompt_lp = self._plan_prompt_logprobs(rows, token_req, token_rows, positions, req_ids, order)
+        graph_size = None if prompt_lp is not None else self._graph_size(num_reqs, num_decodes)
         padded = graph_size or num_reqs
         padded_tokens = graph_size or num_tokens
         buf.input_ids.np[:num_tokens] = b.token_ids[token_rows, positions]
@@ -429,6 +459,7 @@ class ModelRunner:
             sampled_rows=rows[sampled],
             graph_size=graph_size,
             samples_leading_rows=bool(graph_size is not None and len(sampled) and sampled[-1] == len(sampled) - 1),
+            prompt_logprobs=prompt_lp,
         )
         if self.device.type == "cuda":
             self._inputs_copied = torch.cuda.Event()
@@ -438,6 +469,54 @@ class ModelRunner:
             inputs.placeholder_tokens = unknown
             inputs.placeholder_request_ids = [req_ids[order[token_req[t]]] for t in unknown.tolist()]
         return inputs
+
+    def _plan_prompt_logprobs(self, rows, token_req, token_rows, positions, req_ids, order) -> PromptLogprobsPlan | None:
+        """Which of the step's tokens score a prompt token for a request that asked for prompt logprobs."""
+        b = self.batch
+        wanted = (b.num_prompt_logprobs[token_rows] >= 0) & (positions + 1 < b.num_prompt_tokens[token_rows])
+        idx = np.nonzero(wanted)[0]
+        if not len(idx):
+            return None
+        targets = b.token_ids[token_rows[idx], positions[idx] + 1]
+        batch_index, first, counts = np.unique(token_req[idx], return_index=True, return_counts=True)
+        requests = [(req_ids[order[i]], int(positions[idx[f]]) + 1, int(c), int(b.num_prompt_logprobs[rows[i]]))
+                    for i, f, c in zip(batch_index.tolist(), first.tolist(), counts.tolist())]
+        return PromptLogprobsPlan(token_indices=self._upload(idx), targets=self._upload(targets), target_ids=targets,
+                                  num_top=max(r[3] for r in requests), requests=requests)
+
+    def _launch_prompt_logprobs(self, hidden: torch.Tensor, plan: PromptLogprobsPlan) -> tuple:
+        """Score each planned prompt token from the hidden state before it, a chunk at a time (the logits of
+        a whole prompt would be [tokens, vocab]); the pieces are copied to host memory behind the step."""
+        pieces = []
+        for start in range(0, len(plan.targets), _PROMPT_LOGPROBS_CHUNK):
+            end = start + _PROMPT_LOGPROBS_CHUNK
+            logits = self.model.compute_logits(hidden[plan.token_indices[start:end]])
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            pieces.append(gather_logprobs(logprobs, plan.targets[start:end], plan.num_top))
+            del logits, logprobs
+        pin = self.device.type == "cuda"
+        host = []
+        for parts in zip(*pieces):
+            t = torch.cat(parts)
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            h.copy_(t, non_blocking=True)
+            host.append(h)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return tuple(host), ready
+
+    @staticmethod
+    def _prompt_logprobs(plan: PromptLogprobsPlan, pieces: tuple) -> dict:
+        chosen, ranks, top_ids, top_vals = (t.tolist() for t in pieces)
+        out, at = {}, 0
+        for rid, first, count, num_top in plan.requests:
+            end = at + count
+            out[rid] = (first, [Logprobs(t, c, r, ids[:num_top], vals[:num_top]) for t, c, r, ids, vals in zip(
+                plan.target_ids[at:end].tolist(), chosen[at:end], ranks[at:end], top_ids[at:end], top_vals[at:end])])
+            at = end
+        return out
 
     def _graph_size(self, num_reqs: int, num_decodes: int) -> int | None:
         """The captured batch size to replay for a decode-only step, or None to run eagerly."""

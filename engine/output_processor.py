@@ -36,9 +36,13 @@ class ChoiceDelta:
     logprobs: list[Logprobs]
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it
+    # On the choice's first delta with tokens, when asked for: one entry per prompt token after the first.
+    prompt_logprobs: list[Logprobs] | None = None
 
     def merge(self, later: ChoiceDelta) -> None:
         """Append a later delta of the same choice (for a reader that fell behind)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
         self.text += later.text
         self.token_ids.extend(later.token_ids)
         self.logprobs.extend(later.logprobs)
@@ -246,7 +250,7 @@ class OutputProcessor:
             text = detokenizer.next_delta(finished=finish_reason is not None)
         # The output's lists are this delta's from now on: the engine made them for this output alone.
         return ChoiceDelta(choice.index, choice.prompt_index, text, token_ids, out.new_logprobs, finish_reason,
-                           stop_reason)
+                           stop_reason, out.prompt_logprobs)
 
     def _finish(self, choice: _Choice, child_id: str, reason: FinishReason, now: float,
                 step: StepMetrics | None) -> None:

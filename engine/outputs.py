@@ -36,6 +36,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit: these tokens' KV is already in the pool
+    # Top-N logprobs to compute for each prompt token from here on (-1: all); None: none.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +81,9 @@ class ModelRunnerOutput:
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # Per request computing prompt tokens that asked for their logprobs: (the prompt position of the
+    # first entry, one entry per prompt token from there).
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
 
 
 class EngineOutput(msgspec.Struct, array_like=True, gc=False):
@@ -93,3 +98,5 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int = 0
     new_logprobs: list[Logprobs] = []
     queue_time_s: float | None = None  # arrival to first scheduling; None until the request is scheduled
+    # With the first token, when the request asked for them: one entry per prompt token after the first.
+    prompt_logprobs: list[Logprobs] | None = None

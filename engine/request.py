@@ -49,12 +49,21 @@ class Request:
         self.status = RequestStatus.WAITING
         self.first_scheduled_time: float | None = None
         self.stop_token_id: int | None = None  # the token that stopped it, when one did
+        # Entries for prompt positions 1.. (position 0 has no context), filled as the prefill computes
+        # them; handed out with the first token, then dropped.
+        self.prompt_logprobs: list | None = (
+            [None] * (len(prompt_token_ids) - 1) if sampling_params.prompt_logprobs is not None else None)
         self.grammar = None  # a RequestGrammar (engine/structured_output.py) when the output is constrained
 
     @property
     def ready(self) -> bool:
         """False while its grammar is still being compiled: it cannot be scheduled yet."""
         return self.grammar is None or self.grammar.ready
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are still to be computed: no prefix-cache hit may skip them."""
+        return self.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -70,7 +70,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs: int | None = None  # top-N logprobs per generated token (the sampled token's own comes too)
+    # Top-N logprobs per generated token (the sampled token's own comes too); -1: the whole vocabulary.
+    logprobs: int | None = None
+    # Top-N logprobs per prompt token, computed in the prefill (the prompt token's own comes too); -1: all.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
@@ -110,8 +112,10 @@ class SamplingParams:
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.repetition_penalty > 0.0, "repetition_penalty",
              f"repetition_penalty must be positive, got {self.repetition_penalty}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-             f"logprobs must be between 0 and 20, got {self.logprobs}"),
+            (self.logprobs is None or self.logprobs >= -1, "logprobs",
+             f"logprobs must be non-negative or -1 (the whole vocabulary), got {self.logprobs}"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= -1, "prompt_logprobs",
+             f"prompt_logprobs must be non-negative or -1 (the whole vocabulary), got {self.prompt_logprobs}"),
             (all(s for s in self.stop), "stop", "stop strings must not be empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative"),
             (self.logit_bias is None or all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias",
@@ -121,7 +125,6 @@ class SamplingParams:
             (self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0
                                                 and all(t >= 0 for t in self.allowed_token_ids)),
              "allowed_token_ids", "allowed_token_ids must be a non-empty list of non-negative token ids"),
-            (self.prompt_logprobs is None, "prompt_logprobs", "prompt_logprobs are not computed by this engine"),
         ]
         for ok, param, message in checks:
             if not ok:

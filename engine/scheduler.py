@@ -145,6 +145,10 @@ class Scheduler:
         token for it is dropped (the request is gone by then).
         """
         outputs: list[EngineOutput] = []
+        for rid, (start, entries) in runner_out.prompt_logprobs.items():
+            request = self.requests.get(rid)
+            if request is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs[start - 1 : start - 1 + len(entries)] = entries
         for rid, token_id in zip(runner_out.request_ids, runner_out.sampled_token_ids):
             request = self.requests.get(rid)
             if request is None:  # aborted or finished while the step ran
@@ -223,8 +227,11 @@ class Scheduler:
         if request.num_placeholders:
             return None  # preempted while its last token was being sampled: wait for that token
         # Counted only once the request is admitted: one that waits for blocks is looked up again next step.
-        cached_blocks, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids,
-                                                                record=False)
+        # Prompt logprobs come from computing every prompt token: a prefix hit would skip some.
+        cached_blocks, num_cached = [], 0
+        if not request.wants_prompt_logprobs:
+            cached_blocks, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids,
+                                                                    record=False)
         num_new = request.num_tokens - num_cached
         if num_new > budget and not self.enable_chunked_prefill:
             return None
@@ -234,7 +241,8 @@ class Scheduler:
         )
         if new_block_ids is None:
             return None
-        self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+        if not request.wants_prompt_logprobs:
+            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens < 0:
@@ -248,6 +256,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=self.kv.get_block_ids(request.request_id),
             num_computed_tokens=num_cached,
+            prompt_logprobs=request.sampling_params.prompt_logprobs if request.wants_prompt_logprobs else None,
         )
         return new_data, num_new
 
@@ -269,6 +278,9 @@ class Scheduler:
 
     @staticmethod
     def _output(request: Request, new_token_ids: list[int], finished: bool = False, new_logprobs=None) -> EngineOutput:
+        prompt_logprobs = None
+        if new_token_ids and request.prompt_logprobs is not None:
+            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
         return EngineOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -280,4 +292,5 @@ class Scheduler:
             new_logprobs=new_logprobs or [],
             queue_time_s=(None if request.first_scheduled_time is None
                           else request.first_scheduled_time - request.arrival_time),
+            prompt_logprobs=prompt_logprobs,
         )

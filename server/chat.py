@@ -34,15 +34,28 @@ from server.protocol import (
 from server.reasoning import ReasoningStream, split_reasoning, thinking_state
 from server.tool_parsers import get_parser
 from server.tools import ToolPlan
-from server.serving import ServingContext, clamp_logprob, collect, load_report, respond, usage_info
+from server.serving import (
+    ServingContext,
+    clamp_logprob,
+    collect,
+    load_report,
+    prompt_logprobs_view,
+    respond,
+    usage_info,
+)
 from server.tokenization import ChatTemplateOptions, TokenizedPrompt, render_chat, token_text, truncate_prompt
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, ctx: ServingContext):
     ctx.check_model(body.model)
     headers = load_report(raw_request)
-    if body.top_logprobs is not None and not body.logprobs:
+    if body.top_logprobs is not None and body.top_logprobs < -1:
+        raise bad_request("`top_logprobs` must be a positive value or -1 (the whole vocabulary)",
+                          param="top_logprobs")
+    if body.top_logprobs not in (None, 0) and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if body.logprobs:
+        ctx.model.info.check_num_logprobs(body.top_logprobs, "top_logprobs")
     given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     defaults = ctx.model.info.sampling_defaults
@@ -107,12 +120,16 @@ class _ChatView:
     def _prompt_ids(self) -> list[int] | None:
         return self.generation.prompts[0].token_ids if self.body.return_token_ids else None
 
-    def _chunk(self, choices: list[ChatStreamChoice], usage=None, first: bool = False) -> ChatCompletionChunk:
+    def _prompt_logprobs(self, entries: list[Logprobs] | None):
+        return prompt_logprobs_view(self.ctx.tokenizer, entries, bool(self.body.return_tokens_as_token_ids))
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage=None, first: bool = False,
+               prompt_logprobs: list[Logprobs] | None = None) -> ChatCompletionChunk:
         if usage is None and choices and self.body.continuous_usage:
             usage = usage_info(self.generation.usage())
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.ctx.model.name,
                                    choices=choices, usage=usage, prompt_token_ids=self._prompt_ids() if first
-                                   else None)
+                                   else None, prompt_logprobs=self._prompt_logprobs(prompt_logprobs))
 
     async def response(self) -> ChatCompletionResponse:
         results = await collect(self.generation)
@@ -131,7 +148,8 @@ class _ChatView:
                                       token_ids=result.token_ids if self.body.return_token_ids else None))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name,
                                       choices=choices, usage=usage_info(self.generation.usage()),
-                                      prompt_token_ids=self._prompt_ids())
+                                      prompt_token_ids=self._prompt_ids(),
+                                      prompt_logprobs=self._prompt_logprobs(results[0].prompt_logprobs))
 
     async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
         for index in range(self.generation.num_choices):
@@ -146,8 +164,11 @@ class _ChatView:
                 for delta in batch:
                     if not delta.text and not delta.token_ids and delta.finish_reason is None:
                         continue  # nothing new; a token without text yet still gets its chunk
+                    # The prompt's logprobs (prompt_logprobs=0) come once, with the first choice's first token.
+                    prompt_logprobs = delta.prompt_logprobs if delta.index == 0 else None
                     if plain:
-                        yield self._chunk([self._choice(delta, DeltaMessage(content=delta.text or None))])
+                        yield self._chunk([self._choice(delta, DeltaMessage(content=delta.text or None))],
+                                          prompt_logprobs=prompt_logprobs)
                         continue
                     if delta.index not in readers:
                         readers[delta.index] = (ReasoningStream(self.thinking) if self.thinking != "closed" else None,
@@ -155,9 +176,11 @@ class _ChatView:
                     thoughts, calls = readers[delta.index]
                     messages = self._deltas(thoughts, calls, delta) or [DeltaMessage()]
                     for message in messages[:-1]:
-                        yield self._chunk([self._choice(delta, message, final=False)])
+                        yield self._chunk([self._choice(delta, message, final=False)], prompt_logprobs=prompt_logprobs)
+                        prompt_logprobs = None
                     finish = "tool_calls" if calls and calls.num_calls and delta.finish_reason == "stop" else None
-                    yield self._chunk([self._choice(delta, messages[-1], finish=finish)])
+                    yield self._chunk([self._choice(delta, messages[-1], finish=finish)],
+                                      prompt_logprobs=prompt_logprobs)
         if self.body.include_usage or self.ctx.force_include_usage:
             yield self._chunk([], usage=usage_info(self.generation.usage()))
 

@@ -113,6 +113,9 @@ def _add_scheduler_args(group) -> None:
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=_DEFAULTS["enable_chunked_prefill"],
                        help="split long prompts across steps so they share steps with decodes")
+    group.add_argument("--max-logprobs", type=int, default=_DEFAULTS["max_logprobs"],
+                       help="the most logprobs a request may ask for per token (logprobs, top_logprobs, "
+                            "prompt_logprobs); -1: the whole vocabulary, which -1 in a request asks for")
     group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
                        choices=["auto", "torch", "triton"], help="auto: triton on CUDA, torch elsewhere")
     group.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
@@ -184,7 +187,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        overlap_steps=args.overlap_steps, async_scheduling=args.async_scheduling,
+        overlap_steps=args.overlap_steps, async_scheduling=args.async_scheduling, max_logprobs=args.max_logprobs,
     )
 
 

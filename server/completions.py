@@ -17,7 +17,15 @@ from engine.outputs import Logprobs
 from server.errors import bad_request
 from server.generation import Generation
 from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from server.serving import ServingContext, clamp_logprob, collect, load_report, respond, usage_info
+from server.serving import (
+    ServingContext,
+    clamp_logprob,
+    collect,
+    load_report,
+    prompt_logprobs_view,
+    respond,
+    usage_info,
+)
 from server.tokenization import decode, encode_completion_prompts, has_text, token_text, truncate_prompt
 
 
@@ -28,12 +36,14 @@ DEFAULT_MAX_TOKENS = 16
 async def create_completion(body: CompletionRequest, raw_request: Request, ctx: ServingContext):
     ctx.check_model(body.model)
     headers = load_report(raw_request)
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported: prompt logprobs are not computed",
-                          param="echo")
+    if body.logprobs is not None and body.logprobs < 0:
+        raise bad_request("`logprobs` must be a positive value", param="logprobs")
     defaults = ctx.model.info.sampling_defaults
     max_tokens = body.max_tokens if body.max_tokens is not None else defaults.get("max_tokens", DEFAULT_MAX_TOKENS)
-    params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, "max_tokens"), body.logprobs, defaults)
+    # echo with logprobs scores the prompt too (how evaluation harnesses compute log-likelihoods).
+    echo_logprobs = body.logprobs if body.echo else None
+    params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, "max_tokens"), body.logprobs, defaults,
+                                     prompt_logprobs=echo_logprobs)
     if has_text(body.prompt):
         prompts = await ctx.in_tokenizer_thread(encode_completion_prompts, ctx.tokenizer, body.prompt)
     else:
@@ -65,12 +75,28 @@ class _CompletionView:
             return prompt.text
         return decode(self.ctx.tokenizer, prompt.token_ids) if self.ctx.tokenizer is not None else ""
 
-    def _logprobs(self, entries: list[Logprobs], text_offset: int) -> CompletionLogprobs | None:
+    def _logprobs(self, entries: list[Logprobs], text_offset: int, prompt: tuple[list[int], list[Logprobs]] | None = None
+                  ) -> CompletionLogprobs | None:
+        """OpenAI's logprobs of the generated tokens from ``text_offset``; with ``prompt`` (echo: its token ids
+        and prompt logprobs) the prompt's tokens first, from offset 0, the first of them without a logprob."""
         if self.body.logprobs is None:
             return None
         tokenizer = self.ctx.tokenizer
         out = CompletionLogprobs()
         as_id = bool(self.body.return_tokens_as_token_ids)
+        if prompt is not None:
+            prompt_ids, prompt_entries = prompt
+            first = token_text(tokenizer, prompt_ids[0], as_id)
+            out.tokens.append(first)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(0)
+            self._append(out, prompt_entries, len(first), as_id)
+        self._append(out, entries, text_offset, as_id)
+        return out
+
+    def _append(self, out: CompletionLogprobs, entries: list[Logprobs], text_offset: int, as_id: bool) -> None:
+        tokenizer = self.ctx.tokenizer
         for entry in entries:
             token = token_text(tokenizer, entry.token_id, as_id)
             out.tokens.append(token)
@@ -81,7 +107,15 @@ class _CompletionView:
             })
             out.text_offset.append(text_offset)
             text_offset += len(token)
-        return out
+
+    def _echoed(self, index: int, prompt_entries: list[Logprobs] | None) -> tuple[list[int], list[Logprobs]] | None:
+        """The prompt part of an echoed choice's logprobs, once its prompt logprobs are there."""
+        if not self.body.echo or self.body.logprobs is None or prompt_entries is None:
+            return None
+        return self._prompt_ids(index), prompt_entries
+
+    def _prompt_logprobs(self, entries: list[Logprobs] | None):
+        return prompt_logprobs_view(self.ctx.tokenizer, entries, bool(self.body.return_tokens_as_token_ids))
 
     async def response(self) -> CompletionResponse:
         results = await collect(self.generation)
@@ -89,8 +123,10 @@ class _CompletionView:
         for index, result in enumerate(results):
             prefix = self._echo(index // self.generation.params.n)
             choice = CompletionChoice(index=index, text=prefix + result.text,
-                                      logprobs=self._logprobs(result.logprobs, len(prefix)),
-                                      finish_reason=result.finish_reason)
+                                      logprobs=self._logprobs(result.logprobs, len(prefix),
+                                                              self._echoed(index, result.prompt_logprobs)),
+                                      finish_reason=result.finish_reason,
+                                      prompt_logprobs=self._prompt_logprobs(result.prompt_logprobs))
             if self.body.return_token_ids:
                 choice.prompt_token_ids = self._prompt_ids(index)
                 choice.token_ids = result.token_ids
@@ -122,9 +158,11 @@ class _CompletionView:
             return None  # nothing new (a chunk of a prompt being prefilled)
         # A token that adds no text yet (inside a character, held back for a stop string, or not
         # in the tokenizer) still gets its chunk, as vLLM does: clients see progress and timing.
-        logprobs = self._logprobs(delta.logprobs, text_offsets[delta.index])
+        logprobs = self._logprobs(delta.logprobs, text_offsets[delta.index],
+                                  self._echoed(delta.index, delta.prompt_logprobs) if first else None)
         text_offsets[delta.index] += len(delta.text)
-        choice = CompletionChoice(index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason)
+        choice = CompletionChoice(index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
+                                  prompt_logprobs=self._prompt_logprobs(delta.prompt_logprobs))
         if self.body.return_token_ids:
             choice.token_ids = list(delta.token_ids)
             if first:

@@ -20,7 +20,6 @@ from engine.sampling_params import SamplingParams, SamplingParamsError, Structur
 from engine.structured_output import check_structured_outputs
 
 MAX_N = 128  # parallel samples per prompt
-MAX_TOP_LOGPROBS = 20  # as OpenAI
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -96,6 +95,8 @@ class SamplingRequest(RequestModel):
     # vLLM: keep only the prompt's last N tokens (-1: as many as the context holds with max_tokens)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprob entries name tokens as "token_id:N"
+    # vLLM: the top-N logprobs of every prompt token (scoring), -1 for the whole vocabulary
+    prompt_logprobs: int | None = None
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
@@ -126,12 +127,21 @@ class SamplingRequest(RequestModel):
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None,
                            tool_grammar: StructuredOutputsParams | None = None,
-                           skip_special_tokens: bool | None = None, reasoning: str | None = None) -> SamplingParams:
+                           skip_special_tokens: bool | None = None, reasoning: str | None = None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
         """Validated engine parameters: the request's values, else ``defaults`` (the model's generation
         config), else the engine's. ``max_tokens=None`` lets the engine fill the context.
 
         ``tool_grammar``: the constraint the tools put on the output; ``reasoning``: where the output's
-        thinking block is (StructuredOutputsParams.reasoning), so that constraints start after it."""
+        thinking block is (StructuredOutputsParams.reasoning), so that constraints start after it;
+        ``prompt_logprobs``: when the request's own field is unset (completions' ``echo`` with ``logprobs``)."""
+        if self.prompt_logprobs is not None:
+            # vLLM's rules: a stream has nowhere to put them (0 asks only for the prompt tokens' own).
+            if self.stream and (self.prompt_logprobs > 0 or self.prompt_logprobs == -1):
+                raise SamplingParamsError("`prompt_logprobs` are not available when `stream=True`", "prompt_logprobs")
+            if self.prompt_logprobs < -1:
+                raise SamplingParamsError("`prompt_logprobs` must be a positive value or -1", "prompt_logprobs")
+            prompt_logprobs = self.prompt_logprobs
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats and not self.include_usage:
@@ -158,7 +168,7 @@ class SamplingRequest(RequestModel):
         if structured is not None and reasoning is not None and structured.structural_tag is None:
             structured = dataclasses.replace(structured, reasoning=reasoning)
         return SamplingParams(**{**sampling, **given}, max_tokens=max_tokens, logprobs=logprobs,
-                              logit_bias=self._logit_bias(), structured_outputs=structured,
+                              prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(), structured_outputs=structured,
                               allowed_token_ids=self.allowed_token_ids)
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -274,7 +284,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageParam]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = None  # -1: the whole vocabulary (within --max-logprobs)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM: continue the last (assistant) message instead of a new one
     echo: bool = False  # vLLM: the reply starts with the last message when it is the assistant's (continued)
@@ -330,12 +340,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry for one token of a prompt: its logprob, its rank (1: the likeliest) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token, None for the first: the token's own entry and the top-N, by token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(_OmitNone):
-    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "token_ids")
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "token_ids", "prompt_logprobs")
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs, or echo with logprobs
     prompt_token_ids: list[int] | None = None  # with return_token_ids (a stream: in a choice's first chunk)
     token_ids: list[int] | None = None  # with return_token_ids (a stream: the chunk's tokens)
 
@@ -412,7 +435,7 @@ class ChatChoice(_OmitNone):
 
 
 class ChatCompletionResponse(_OmitNone):
-    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids",)
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "prompt_logprobs")
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
@@ -421,6 +444,7 @@ class ChatCompletionResponse(_OmitNone):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs
 
 
 class DeltaMessage(BaseModel):
@@ -446,7 +470,7 @@ class ChatStreamChoice(_OmitNone):
 
 
 class ChatCompletionChunk(_OmitNone):
-    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids",)
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "prompt_logprobs")
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=_now)
@@ -455,6 +479,7 @@ class ChatCompletionChunk(_OmitNone):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids: in the first chunks
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs=0: with the first token
 
 
 class ModelCard(BaseModel):

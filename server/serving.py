@@ -29,7 +29,7 @@ from server.errors import APIError, INVALID_REQUEST, as_api_error, bad_request
 from server.generation import Generation
 from server.limits import ServerLimits
 from server.metrics import ServerMetrics
-from server.protocol import PromptTokensDetails, UsageInfo
+from server.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, UsageInfo
 from server.streaming import (
     DONE,
     ClientDisconnected,
@@ -38,6 +38,7 @@ from server.streaming import (
     run_until_disconnected,
     sse_event,
 )
+from server.tokenization import token_text
 from server.tokenization import TokenizedPrompt
 
 logger = logging.getLogger("minivllm.server")
@@ -117,6 +118,7 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    prompt_logprobs: list[Logprobs] | None = None  # prompt positions 1.., when asked for
 
 
 async def collect(generation: Generation) -> list[ChoiceResult]:
@@ -128,6 +130,8 @@ async def collect(generation: Generation) -> list[ChoiceResult]:
                 result.text += delta.text
                 result.token_ids += delta.token_ids
                 result.logprobs += delta.logprobs
+                if delta.prompt_logprobs is not None:
+                    result.prompt_logprobs = delta.prompt_logprobs
                 result.finish_reason = delta.finish_reason
     return results
 
@@ -143,6 +147,23 @@ def usage_info(usage: Usage) -> UsageInfo:
 
 def clamp_logprob(value: float) -> float:
     return max(value, LOGPROB_FLOOR)
+
+
+def prompt_logprobs_view(tokenizer, entries: list[Logprobs] | None, as_id: bool) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token its own entry and the
+    top-N, keyed by token id."""
+    if entries is None:
+        return None
+    out: PromptLogprobs = [None]
+    for entry in entries:
+        ranked = {tid: PromptLogprob(logprob=clamp_logprob(lp), rank=rank, decoded_token=token_text(tokenizer, tid, as_id))
+                  for rank, (tid, lp) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), start=1)}
+        if entry.token_id not in ranked:
+            ranked = {entry.token_id: PromptLogprob(logprob=clamp_logprob(entry.logprob), rank=entry.rank,
+                                                    decoded_token=token_text(tokenizer, entry.token_id, as_id)),
+                      **ranked}
+        out.append({str(tid): value for tid, value in ranked.items()})
+    return out
 
 
 async def respond(

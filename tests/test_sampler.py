@@ -82,7 +82,7 @@ def test_penalties_match_their_definitions():
 @pytest.mark.parametrize("kwargs,param", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(top_k=2**40), "top_k"), (dict(seed=2**64), "seed"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
-    (dict(logprobs=21), "logprobs"), (dict(min_p=1.5), "min_p"), (dict(stop=[""]), "stop"),
+    (dict(logprobs=-2), "logprobs"), (dict(prompt_logprobs=-2), "prompt_logprobs"), (dict(min_p=1.5), "min_p"), (dict(stop=[""]), "stop"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(repetition_penalty=0), "repetition_penalty"),
 ])
 def test_invalid_params_name_the_field(kwargs, param):
