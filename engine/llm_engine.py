@@ -7,18 +7,20 @@ Both the offline ``LLM`` and the async server engine drive this class.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.beam_search import BeamGroup
 from engine.config import ConfigError, EngineConfig
 from engine.generation_defaults import load_sampling_defaults
 from engine.model_config import ModelConfig
 from engine.model_info import ModelInfo, RequestError
 from engine.model_runner import ModelRunner
-from engine.outputs import EngineOutput
+from engine.outputs import EngineOutput, FinishReason
 from engine.request import Request
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
@@ -87,7 +89,7 @@ class LLMEngine:
             vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(sorted(self.eos_token_ids)),
             num_kv_blocks=num_blocks, kv_block_size=config.kvcache_block_size, device=str(self.runner.device),
             sampling_defaults=load_sampling_defaults(config.generation_config, self.model_path),
-            max_logprobs=config.max_logprobs,
+            max_logprobs=config.max_logprobs, max_num_seqs=config.max_num_seqs,
         )
         if self.model_info.sampling_defaults:
             logger.info("sampling defaults from the generation config (requests override them; "
@@ -141,6 +143,8 @@ class LLMEngine:
         """
         if not checked:
             params = self.validate_request(prompt_token_ids, params)
+        if params.use_beam_search:
+            return self._add_beam_search(request_id, prompt_token_ids, params, arrival_time)
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         if params.structured_outputs is not None:
             request.grammar = self._grammar_manager().attach(params.structured_outputs)
@@ -148,6 +152,72 @@ class LLMEngine:
         if request.grammar is not None:
             self._grammar_requests.add(request_id)
         return request
+
+    def _add_beam_search(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                         arrival_time: float | None) -> Request:
+        """A beam search: one group (``request_id``) whose first beam prefills the prompt."""
+        if request_id in self.scheduler.beam_groups or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        group = BeamGroup(request_id, len(prompt_token_ids), params.n, params.length_penalty, frozenset(stop),
+                          params.max_tokens, self.max_model_len)
+        # Each beam reports its top candidates' raw logprobs; the group chooses the tokens.
+        beam_params = dataclasses.replace(params, n=1, use_beam_search=False, temperature=0.0,
+                                          logprobs=group.num_candidates)
+        first = Request(group.new_beam_id(), prompt_token_ids, beam_params, self.eos_token_ids, arrival_time)
+        first.beam = group
+        group.beams[first.request_id] = 0.0
+        self.scheduler.add_request(first)
+        self.scheduler.beam_groups[request_id] = group
+        return first
+
+    def _advance_beams(self) -> list[EngineOutput]:
+        """Hand this step's beam logprobs to their groups; every group whose beams have all reported
+        chooses its next beams (forking, continuing and dropping beam requests), or ends."""
+        scheduler = self.scheduler
+        reports, scheduler.beam_reports = scheduler.beam_reports, []
+        ready = {}
+        for request, logprobs in reports:
+            group = request.beam
+            if scheduler.beam_groups.get(group.request_id) is group and group.report(
+                    request.request_id, logprobs.top_token_ids, logprobs.top_logprobs):
+                ready[group.request_id] = group
+        outputs = []
+        for group in ready.values():
+            beams = {rid: scheduler.requests[rid] for rid in group.beams}
+            running, done = group.select({rid: r.output_token_ids for rid, r in beams.items()})
+            if done:
+                outputs.append(self._finish_beam_search(group, beams))
+                continue
+            chosen = {parent for parent, _, _ in running}
+            for rid, request in beams.items():
+                if rid not in chosen:
+                    scheduler.drop_beam(request)  # first: its blocks may serve the forks' copies
+            next_beams, continued = {}, {}
+            for parent, token, score in running:
+                if parent in continued:  # chosen again: a new beam branches off it
+                    child = scheduler.fork_beam(beams[parent], group.new_beam_id(), token)
+                    next_beams[child.request_id] = score
+                else:
+                    continued[parent] = (token, score)
+            for parent, (token, score) in continued.items():  # after the forks, which copy the parent's tokens
+                scheduler.append_beam_token(beams[parent], token)
+                next_beams[parent] = score
+            group.beams = next_beams
+        return outputs
+
+    def _finish_beam_search(self, group: BeamGroup, beams: dict[str, Request]) -> EngineOutput:
+        first = next(iter(beams.values()))
+        for request in beams.values():
+            self.scheduler.drop_beam(request)
+        del self.scheduler.beam_groups[group.request_id]
+        results = group.results()
+        return EngineOutput(
+            request_id=group.request_id, new_token_ids=[], finished=True, finish_reason=results[0].finish_reason,
+            num_prompt_tokens=first.num_prompt_tokens, num_cached_tokens=max(first.num_cached_tokens, 0),
+            queue_time_s=None if first.first_scheduled_time is None else first.first_scheduled_time - first.arrival_time,
+            beams=results,
+        )
 
     def _grammar_manager(self):
         if self.grammars is None:
@@ -166,7 +236,15 @@ class LLMEngine:
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         self._grammar_requests.difference_update(request_ids)
-        return self.scheduler.abort_requests(request_ids)
+        outputs = []
+        groups = self.scheduler.beam_groups
+        for rid in request_ids:
+            group = groups.pop(rid, None)
+            if group is not None:
+                for beam in group.beams:
+                    self.scheduler.drop_beam(self.scheduler.requests[beam])
+                outputs.append(EngineOutput(rid, [], finished=True, finish_reason=FinishReason.ABORT, beams=[]))
+        return outputs + self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -205,6 +283,8 @@ class LLMEngine:
             if self._inflight is not None:
                 self._complete_sampling(self._inflight, wait=False)
         outputs = self.scheduler.update_from_output(sched, runner_out)
+        if self.scheduler.beam_reports:
+            outputs += self._advance_beams()
         self.last_num_scheduled_tokens = sched.total_num_scheduled_tokens
         if self._grammar_requests:
             self._grammar_requests.difference_update(out.request_id for out in outputs if out.finished)

@@ -39,6 +39,7 @@ class ModelInfo:
     # Sampling defaults from the model's generation_config.json (SamplingParams names); requests override them.
     sampling_defaults: dict = field(default_factory=dict)
     max_logprobs: int = 20  # the most logprobs a token may ask for; -1: the whole vocabulary
+    max_num_seqs: int = 256
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check a prompt against the vocabulary and the context; return params with max_tokens resolved."""
@@ -73,13 +74,29 @@ class ModelInfo:
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} tokens "
                 f"and at least one token must be generated", param="prompt", code="context_length_exceeded")
         if params.max_tokens is None:
-            return dataclasses.replace(params, max_tokens=room)
-        if params.max_tokens > room:
+            params = dataclasses.replace(params, max_tokens=room)
+        elif params.max_tokens > room:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but {n} prompt tokens plus "
                 f"max_tokens={params.max_tokens} ask for {n + params.max_tokens}", param="max_tokens",
                 code="context_length_exceeded")
+        if params.use_beam_search:
+            self._check_beam_search(n, params)
         return params
+
+    def _check_beam_search(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """All beams of a search must fit at once: in the batch, and in the KV pool (the prompt's full blocks
+        shared, each beam's own blocks from there to max_tokens)."""
+        if params.n > self.max_num_seqs:
+            raise RequestError(f"beam search of width n={params.n} needs as many sequences in the batch, more than "
+                               f"max_num_seqs={self.max_num_seqs}", param="n")
+        bs = self.kv_block_size
+        shared, rest = divmod(num_prompt_tokens, bs)
+        needed = shared + params.n * -(-(rest + params.max_tokens) // bs)
+        if needed > self.num_kv_blocks - 1:
+            raise RequestError(f"beam search of width n={params.n} over {num_prompt_tokens} prompt tokens and "
+                               f"max_tokens={params.max_tokens} needs up to {needed} KV blocks at once; the pool "
+                               f"has {self.num_kv_blocks - 1}", param="n")
 
     def check_num_logprobs(self, value: int | None, param: str) -> None:
         """-1 asks for the whole vocabulary; no more than ``max_logprobs`` (as vLLM's ``--max-logprobs``)."""

@@ -263,6 +263,8 @@ class ModelRunner:
         the forward pass: ``launch_sampling`` queues the rest once grammar masks are known.
         """
         self._update_states(sched)
+        if sched.block_copies:  # forked beams' partial blocks, before anything writes to them
+            self.kv_cache.copy_blocks(sched.block_copies)
         if sched.is_empty:
             return StepHandle()
         inputs = self._prepare_inputs(sched)

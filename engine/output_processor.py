@@ -166,11 +166,15 @@ class OutputProcessor:
                 child_params = dataclasses.replace(params, n=1, seed=seed)
                 choice = _Choice(state, index, prompt_index, child_params, self._detokenizer(prompt, child_params))
                 state.choices.append(choice)
+                if params.use_beam_search:  # one engine request per prompt; its n best beams are the choices
+                    if sample_index == 0:
+                        children.append(ChildRequest(child_request_id(request_id, index), prompt, params))
+                        self._choices[children[-1].request_id] = choice
+                    continue
                 children.append(ChildRequest(child_request_id(request_id, index), prompt, child_params))
+                self._choices[children[-1].request_id] = choice
         state.num_unfinished = len(state.choices)
         self.requests[request_id] = state
-        for choice, child in zip(state.choices, children):
-            self._choices[child.request_id] = choice
         return state, children
 
     def process(self, outputs: Sequence[EngineOutput]) -> list[str]:
@@ -183,6 +187,9 @@ class OutputProcessor:
             choice = choices.get(out.request_id)
             if choice is None:
                 continue  # aborted, or ended by a stop string while this step ran
+            if out.beams is not None:
+                self._beam_choices(choice, out, now, step)
+                continue
             if step is not None:
                 _record_tokens(step, choice, out, now)
             choice.num_output_tokens += len(out.new_token_ids)
@@ -196,6 +203,26 @@ class OutputProcessor:
         if step is not None:
             self.metrics.record(step)
         return to_abort
+
+    def _beam_choices(self, first: _Choice, out: EngineOutput, now: float, step: StepMetrics | None) -> None:
+        """A finished beam search: its beams, best first, are the choices of its prompt."""
+        state = first.request
+        for i, beam in enumerate(out.beams):
+            choice = state.choices[first.index + i]
+            beam_out = EngineOutput(out.request_id, beam.token_ids, finished=True, finish_reason=beam.finish_reason,
+                                    stop_token_id=beam.stop_token_id, num_prompt_tokens=out.num_prompt_tokens,
+                                    num_cached_tokens=out.num_cached_tokens, queue_time_s=out.queue_time_s)
+            if step is not None:
+                _record_tokens(step, choice, beam_out, now)
+            choice.num_output_tokens += len(beam.token_ids)
+            choice.num_cached_tokens = out.num_cached_tokens
+            delta = self._delta(choice, beam_out)
+            self._finish(choice, child_request_id(state.request_id, choice.index), delta.finish_reason, now, step)
+            state.sink.put(delta)
+        for choice in state.choices[first.index + len(out.beams):first.index + state.params.n]:
+            if not choice.finished:  # fewer beams than asked for (a vocabulary smaller than the width)
+                self._finish(choice, child_request_id(state.request_id, choice.index), out.finish_reason, now, step)
+                state.sink.put(ChoiceDelta(choice.index, choice.prompt_index, "", [], [], out.finish_reason))
 
     def abort(self, request_id: str) -> list[str]:
         """End a request's unfinished choices with "abort"; returns their engine request ids to abort."""
@@ -255,7 +282,7 @@ class OutputProcessor:
     def _finish(self, choice: _Choice, child_id: str, reason: FinishReason, now: float,
                 step: StepMetrics | None) -> None:
         choice.finished = True
-        del self._choices[child_id]
+        self._choices.pop(child_id, None)  # a beam search's later choices have no engine request of their own
         state = choice.request
         state.num_unfinished -= 1
         if state.num_unfinished == 0:

@@ -35,7 +35,7 @@ class NewRequestData:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     block_ids: list[int]
-    num_computed_tokens: int  # prefix-cache hit: these tokens' KV is already in the pool
+    num_computed_tokens: int  # prefix-cache hit (or a beam's fork/resend: what is computed): these tokens' KV is already in the pool
     # Top-N logprobs to compute for each prompt token from here on (-1: all); None: none.
     prompt_logprobs: int | None = None
 
@@ -58,6 +58,8 @@ class SchedulerOutput:
     # Requests that finished or were preempted since the last step: the runner drops their state.
     freed_request_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
+    # (source, destination) block pairs to copy before the step: a forked beam's last partial block.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -86,6 +88,15 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
 
 
+class BeamResult(msgspec.Struct, array_like=True, gc=False):
+    """One returned beam: its generated tokens (the stop token included), why it ended, and its score."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason
+    stop_token_id: int | None
+    score: float  # cumulative logprob / generated_len ** length_penalty
+
+
 class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     """What one step produced for one request: its new tokens and whether it is done."""
 
@@ -100,3 +111,5 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     queue_time_s: float | None = None  # arrival to first scheduling; None until the request is scheduled
     # With the first token, when the request asked for them: one entry per prompt token after the first.
     prompt_logprobs: list[Logprobs] | None = None
+    # A finished beam search (engine/beam_search.py): its best beams, best first.
+    beams: list[BeamResult] | None = None

@@ -53,6 +53,8 @@ class Request:
         # them; handed out with the first token, then dropped.
         self.prompt_logprobs: list | None = (
             [None] * (len(prompt_token_ids) - 1) if sampling_params.prompt_logprobs is not None else None)
+        self.beam = None  # its BeamGroup (engine/beam_search.py) when it is one beam of a beam search
+        self.resend = False  # its tokens changed other than by a sampled token: the runner gets it anew
         self.grammar = None  # a RequestGrammar (engine/structured_output.py) when the output is constrained
 
     @property

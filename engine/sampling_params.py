@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -79,6 +80,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (OpenAI: -100..100)
     allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
+    # Beam search of width n (engine/beam_search.py), scored as transformers' generate(num_beams=n):
+    # the n best beams come back, ranked by cumulative logprob / generated_len ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +91,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        if self.use_beam_search:
+            self.temperature = 0.0  # beams are ranked by the model's own logprobs; nothing is sampled
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters are meaningless, so normalise them away.
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
@@ -129,6 +136,24 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise SamplingParamsError(message, param)
+        if self.use_beam_search:
+            self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        """What beam search cannot combine with: sampling filters, penalties, constraints, stop strings."""
+        if not math.isfinite(self.length_penalty):
+            raise SamplingParamsError("length_penalty must be a finite number", "length_penalty")
+        unsupported = {
+            "top_p": self.top_p != 1.0, "top_k": self.top_k not in (0, -1), "min_p": self.min_p != 0.0,
+            "presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0, "min_tokens": self.min_tokens != 0,
+            "stop": bool(self.stop), "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None, "structured_outputs": self.structured_outputs is not None,
+            "logit_bias": bool(self.logit_bias), "allowed_token_ids": self.allowed_token_ids is not None,
+        }
+        for param, given in unsupported.items():
+            if given:
+                raise SamplingParamsError(f"{param} cannot be combined with use_beam_search", param)
 
     @property
     def greedy(self) -> bool:

@@ -48,6 +48,10 @@ class Scheduler:
         self.running: list[Request] = []
         self._freed_ids: set[str] = set()  # reported to the runner with the next step
         self.num_preemptions_total = 0
+        self.beam_groups: dict = {}  # request id -> BeamGroup of the beam searches running
+        # Beams whose step gave their next-token logprobs: (request, Logprobs), for the engine to pick from.
+        self.beam_reports: list = []
+        self._block_copies: list[tuple[int, int]] = []  # forked beams' partial blocks, copied before the next step
 
     # ----------------------------------------------------------------- public API
 
@@ -101,11 +105,18 @@ class Scheduler:
                 i += 1  # its last token is already being sampled; it finishes when that arrives
                 continue
             num_new = min(request.num_tokens_ahead - request.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1  # a beam that waits for its group to choose its next token
+                continue
             new_block_ids, preempted = self._allocate_or_preempt(request, num_new)
             num_preempted += preempted
             if new_block_ids is None:  # the request itself was preempted
                 break
-            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+            if request.resend:  # a beam whose tokens the engine chose or that was forked
+                new_reqs.append(self._new_request_data(request, request.num_computed_tokens))
+                request.resend = False
+            else:
+                cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
             num_scheduled[request.request_id] = num_new
             self._advance(request, num_new)
             budget -= num_new
@@ -113,22 +124,15 @@ class Scheduler:
 
         # 2. Waiting requests, first come first served; none while memory is short this step. A request
         # whose grammar is still compiling is passed over (it keeps its place) rather than holding up the queue.
-        while self.waiting and budget > 0 and num_preempted == 0 and len(self.running) < self.max_num_seqs:
-            request = self._first_ready_waiting()
-            if request is None:
-                break
-            scheduled = self._schedule_waiting(request, budget)
-            if scheduled is None:
-                break
-            self.waiting.remove(request) if request is not self.waiting[0] else self.waiting.popleft()
-            self.running.append(request)
-            new_data, num_new = scheduled
-            new_reqs.append(new_data)
-            num_scheduled[request.request_id] = num_new
-            self._advance(request, num_new)
-            budget -= num_new
+        if num_preempted == 0:
+            budget = self._admit_waiting(budget, new_reqs, num_scheduled)
+            if not num_scheduled and self.waiting and self.beam_groups:
+                # Everything running is a beam waiting for siblings that wait for memory: make room.
+                while not num_scheduled and self._preempt_parked_beam_group():
+                    budget = self._admit_waiting(budget, new_reqs, num_scheduled)
 
         freed, self._freed_ids = self._freed_ids, set()
+        copies, self._block_copies = self._block_copies, []
         return SchedulerOutput(
             new_requests=new_reqs,
             cached_requests=cached_reqs,
@@ -136,6 +140,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             freed_request_ids=freed,
             num_preempted=num_preempted,
+            block_copies=copies,
         )
 
     def update_from_output(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineOutput]:
@@ -154,6 +159,9 @@ class Scheduler:
             if request is None:  # aborted or finished while the step ran
                 continue
             request.num_placeholders -= 1
+            if request.beam is not None:  # the engine picks its token, with the rest of its group
+                self.beam_reports.append((request, runner_out.logprobs[rid]))
+                continue
             request.append_token(token_id)
             status = request.check_stop(self.max_model_len)
             if request.grammar is not None and status is None:
@@ -170,6 +178,28 @@ class Scheduler:
         return outputs
 
     # ------------------------------------------------------------------ helpers
+
+    def _admit_waiting(self, budget: int, new_reqs: list[NewRequestData], num_scheduled: dict[str, int]) -> int:
+        """Admit waiting requests in order while they fit; returns the budget left."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self._first_ready_waiting()
+            if request is None:
+                break
+            if self.beam_groups and not self._has_seat(request):
+                break
+            scheduled = self._schedule_waiting(request, budget)
+            if scheduled is None:
+                break
+            if request.beam is not None:
+                request.beam.started = True
+            self.waiting.remove(request) if request is not self.waiting[0] else self.waiting.popleft()
+            self.running.append(request)
+            new_data, num_new = scheduled
+            new_reqs.append(new_data)
+            num_scheduled[request.request_id] = num_new
+            self._advance(request, num_new)
+            budget -= num_new
+        return budget
 
     def _first_ready_waiting(self) -> Request | None:
         if self.waiting[0].ready:  # the usual case, in O(1)
@@ -199,9 +229,11 @@ class Scheduler:
         """Whether the next step may be planned before this step's tokens are known.
 
         Not while a running request needs its exact output so far to sample: penalties count
-        generated tokens, and min_tokens counts them to mask EOS.
+        generated tokens, and min_tokens counts them to mask EOS. Nor while a beam search runs: its
+        next tokens are chosen from all its beams' logprobs.
         """
-        return not any(r.sampling_params.has_penalties or r.sampling_params.min_tokens for r in self.running)
+        return not any(r.sampling_params.has_penalties or r.sampling_params.min_tokens or r.beam is not None
+                       for r in self.running)
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int] | None, int]:
         """Blocks for ``num_new`` more tokens, preempting newer requests until they fit.
@@ -249,25 +281,95 @@ class Scheduler:
             request.num_cached_tokens = num_cached
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
-        new_data = NewRequestData(
+        request.resend = False
+        return self._new_request_data(request, num_cached), num_new
+
+    def _new_request_data(self, request: Request, num_computed: int) -> NewRequestData:
+        return NewRequestData(
             request_id=request.request_id,
             token_ids=list(request.all_token_ids),
             num_prompt_tokens=request.num_prompt_tokens,
             sampling_params=request.sampling_params,
             block_ids=self.kv.get_block_ids(request.request_id),
-            num_computed_tokens=num_cached,
+            num_computed_tokens=num_computed,
             prompt_logprobs=request.sampling_params.prompt_logprobs if request.wants_prompt_logprobs else None,
         )
-        return new_data, num_new
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the KV, keep the tokens, requeue at the front."""
+    # ------------------------------------------------------------------ beams
+
+    def _has_seat(self, request: Request) -> bool:
+        """Room in the running batch: a beam search holds seats for all its beams once it has started."""
+        reserved = sum(g.width - sum(1 for b in g.beams if self.requests[b].status == RequestStatus.RUNNING)
+                       for g in self.beam_groups.values() if g.started)
+        if request.beam is None:
+            return len(self.running) + reserved < self.max_num_seqs
+        if not request.beam.started:
+            return len(self.running) + reserved + request.beam.width <= self.max_num_seqs
+        return len(self.running) + reserved <= self.max_num_seqs  # its own seat is among the reserved
+
+    def _preempt_parked_beam_group(self) -> bool:
+        """Make room for the head of the queue when every running request is a beam waiting for siblings
+        that wait for blocks: preempt the newest other beam search whose running beams are all waiting so.
+
+        Its beams queue behind its own waiting beams, so that the head's search (whose parked beams stay)
+        gets its beams in and moves on. False if there is none to preempt.
+        """
+        head = self.waiting[0].beam
+        for request in reversed(self.running):
+            group = request.beam
+            if group is None or group is head:
+                continue
+            beams = [r for r in self.running if r.beam is group]
+            if any(r.num_tokens_ahead != r.num_computed_tokens for r in beams):
+                continue
+            after = max((i for i, r in enumerate(self.waiting) if r.beam is group), default=len(self.waiting) - 1)
+            for r in beams:
+                self.running.remove(r)
+                self._preempt(r, queue_at=after + 1)
+            return True
+        return False
+
+    def append_beam_token(self, request: Request, token_id: int) -> None:
+        """A beam continues with the token its group chose (the runner gets its row anew)."""
+        request.append_token(token_id)
+        request.resend = True
+
+    def fork_beam(self, parent: Request, child_id: str, token_id: int) -> Request:
+        """A new beam: the parent's tokens plus ``token_id``. With the parent's KV in the pool, it shares the
+        full blocks and copies the partial one; otherwise (the parent was preempted) it is recomputed."""
+        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_ids,
+                        parent.arrival_time)
+        child.all_token_ids = parent.all_token_ids + [token_id]
+        child.beam = parent.beam
+        child.first_scheduled_time, child.num_cached_tokens = parent.first_scheduled_time, parent.num_cached_tokens
+        self.requests[child_id] = child
+        if parent.status == RequestStatus.RUNNING and parent.num_computed_tokens > 0:
+            copies = self.kv.fork(parent.request_id, child_id, parent.num_computed_tokens)
+            if copies is not None:
+                self._block_copies += copies
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status, child.resend = RequestStatus.RUNNING, True
+                self.running.append(child)
+                return child
+        self.waiting.appendleft(child)
+        return child
+
+    def drop_beam(self, request: Request) -> None:
+        """A beam its group did not continue: gone without an output."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def _preempt(self, request: Request, queue_at: int = 0) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, requeue (at the front)."""
         self.kv.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self.waiting.insert(queue_at, request)
         self._freed_ids.add(request.request_id)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

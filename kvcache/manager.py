@@ -165,6 +165,38 @@ class KVCacheManager:
             self._cache_full_blocks(request_id, table, token_ids)
         return [block.block_id for block in new_blocks]
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give ``child_id`` the parent's KV of its first ``num_tokens`` tokens (a beam that branches).
+
+        The full blocks are shared (one more reference each; tokens only append, so they are never
+        written again). The partly filled last block would be written by both, so the child gets a
+        block of its own and the caller copies the parent's into it before the next write
+        (copy-on-write): returns the (source, destination) block copies to make (none or that one), or
+        None, with nothing changed, when no block is free for the copy.
+        """
+        parent = self._tables[parent_id]
+        if child_id in self._tables:
+            raise ValueError(f"request {child_id!r} already has a block table")
+        if num_tokens > parent.num_tokens:
+            raise ValueError(f"request {parent_id}: {parent.num_tokens} tokens in its table, not {num_tokens}")
+        num_full, partial = divmod(num_tokens, self.block_size)
+        if partial and self.pool.num_free_blocks < 1:
+            return None
+        table = self._tables[child_id] = _BlockTable()
+        shared = parent.blocks[:num_full]
+        self.pool.touch(shared)
+        self._append_blocks(table, shared)
+        copies = []
+        if partial:
+            block = self.pool.get_new_blocks(1)
+            self._append_blocks(table, block)
+            copies.append((parent.block_ids[num_full], block[0].block_id))
+        table.num_tokens = num_tokens
+        table.num_cached_blocks = min(parent.num_cached_blocks, num_full)
+        if parent_id in self._block_hashes:
+            self._block_hashes[child_id] = self._block_hashes[parent_id][:num_full]
+        return copies
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks and forget it. Unknown ids are ignored.
 

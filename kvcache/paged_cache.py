@@ -54,6 +54,12 @@ class PagedKVCache:
             raise IndexError(f"layer {layer_idx} out of range for {self.num_layers} layers")
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks, every layer's K and V: ``(source, destination)`` block ids (copy-on-write)."""
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long).to(self.kv.device, non_blocking=True)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long).to(self.kv.device, non_blocking=True)
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
     @property
     def device(self) -> torch.device:
         return self.kv.device

@@ -97,6 +97,9 @@ class SamplingRequest(RequestModel):
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprob entries name tokens as "token_id:N"
     # vLLM: the top-N logprobs of every prompt token (scoring), -1 for the whole vocabulary
     prompt_logprobs: int | None = None
+    # vLLM: beam search of width n (the n best beams are the choices), scored with length_penalty
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
@@ -156,6 +159,17 @@ class SamplingRequest(RequestModel):
         }
         given = {name: value for name, value in fields.items() if value is not None}
         sampling = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
+        if self.use_beam_search:
+            # Beams are ranked by the model's own logprobs: the generation config's sampling knobs do not apply,
+            # and a temperature asked for could not be honoured.
+            if self.temperature not in (None, 0):
+                raise SamplingParamsError("temperature cannot be combined with use_beam_search (beams are ranked "
+                                          "by the model's logprobs)", "temperature")
+            sampling = {}
+            given.update(use_beam_search=True, length_penalty=1.0 if self.length_penalty is None
+                         else self.length_penalty)
+        elif self.length_penalty is not None:
+            raise SamplingParamsError("length_penalty applies to beam search: set use_beam_search", "length_penalty")
         if skip_special_tokens is not None and self.skip_special_tokens is None:
             given["skip_special_tokens"] = skip_special_tokens  # the tool-call parser needs its markers
         structured = self.structured_outputs_params()

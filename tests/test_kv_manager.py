@@ -393,3 +393,52 @@ KVManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_kv_manager_state_machine = KVManagerMachine.TestCase
+
+
+# ---------------------------------------------------------------------------- beams (copy-on-write)
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
+    """A beam's child holds the parent's full blocks (one more reference each) and a block of its own for
+    the partial last one, whose KV the cache copies; both grow apart, and freeing both frees everything."""
+    import torch
+
+    from kvcache import PagedKVCache
+
+    mgr = KVCacheManager(num_blocks=16, block_size=8)
+    cache = PagedKVCache(num_layers=2, num_blocks=16, block_size=8, num_kv_heads=2, head_dim=4, dtype=torch.float32,
+                         device="cpu")
+    tokens = list(range(20))  # two full blocks and 4 tokens in a third
+    assert mgr.allocate_slots("parent", tokens, 0, 20) is not None
+    parent_ids = mgr.get_block_ids("parent")
+    cache.kv[:, :, parent_ids[2]] = torch.randn(2, 2, 8, 2, 4)
+    copies = mgr.fork("parent", "child", 20)
+    child_ids = mgr.get_block_ids("child")
+    assert child_ids[:2] == parent_ids[:2] and child_ids[2] != parent_ids[2]
+    assert copies == [(parent_ids[2], child_ids[2])]
+    cache.copy_blocks(copies)
+    assert torch.equal(cache.kv[:, :, child_ids[2]], cache.kv[:, :, parent_ids[2]])
+    assert [mgr.pool.blocks[b].ref_cnt for b in child_ids] == [2, 2, 1]
+    mgr.check_invariants()
+    # Each writes its own next tokens: the parent into its partial block, the child into its copy.
+    assert mgr.allocate_slots("parent", tokens + [100], 20, 1) == []
+    assert mgr.allocate_slots("child", tokens + [200], 20, 1) == []
+    mgr.check_invariants()
+    # A fork at a block boundary copies nothing.
+    assert mgr.fork("parent", "grandchild", 16) == []
+    assert mgr.get_block_ids("grandchild") == parent_ids[:2]
+    mgr.check_invariants()
+    for rid in ("parent", "child", "grandchild"):
+        mgr.free(rid)
+    assert mgr.num_free_blocks == mgr.pool.num_total_blocks
+    mgr.check_invariants()
+
+
+def test_fork_without_a_free_block_changes_nothing() -> None:
+    mgr = KVCacheManager(num_blocks=4, block_size=8)  # 3 usable blocks
+    assert mgr.allocate_slots("parent", list(range(20)), 0, 20) is not None
+    before = snapshot(mgr, ["parent"])
+    assert mgr.fork("parent", "child", 20) is None
+    assert snapshot(mgr, ["parent"]) == before
+    assert mgr.fork("parent", "child", 16) == []  # full blocks only: no block needed
+    mgr.check_invariants()

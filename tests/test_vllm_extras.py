@@ -308,3 +308,47 @@ def test_a_bad_metrics_prefix_is_refused(tiny_model_path):
     proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_path),
                            "--metrics-prefix", "9lives"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "cannot start a Prometheus metric name" in proc.stderr
+
+
+def test_beam_search_through_the_server_equals_transformers(client, tiny_server, tiny_model_path):
+    import torch
+    import transformers
+
+    ids = tokenize(tiny_server.url, prompt=PROMPT)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    prompt = torch.tensor([ids])
+    hf = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, num_beams=3,
+                        num_return_sequences=3, max_new_tokens=8, eos_token_id=None, pad_token_id=0,
+                        length_penalty=0.7)
+    expected = [seq[len(ids):].tolist() for seq in hf]
+    extra = {"use_beam_search": True, "length_penalty": 0.7, "ignore_eos": True, "return_token_ids": True}
+    reply = client.completions.create(model=TINY_MODEL_NAME, prompt=PROMPT, n=3, max_tokens=8,
+                                      extra_body=extra).model_dump()
+    assert [c["token_ids"] for c in reply["choices"]] == expected
+    assert [c["text"] for c in reply["choices"]] == [detokenize(tiny_server.url, e) for e in expected]
+    assert reply["usage"]["completion_tokens"] == 24
+    chunks = [c.model_dump() for c in client.completions.create(model=TINY_MODEL_NAME, prompt=PROMPT, n=3,
+                                                                max_tokens=8, stream=True, extra_body=extra)]
+    streamed = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            streamed.setdefault(choice["index"], []).extend(choice["token_ids"])
+    assert [streamed[i] for i in range(3)] == expected
+    chat = client.chat.completions.create(model=TINY_MODEL_NAME, messages=CHAT, n=2, max_tokens=6,
+                                          extra_body=extra).model_dump()
+    assert len(chat["choices"]) == 2 and chat["choices"][0]["token_ids"] != chat["choices"][1]["token_ids"]
+    wait_until_idle(tiny_server.url)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"use_beam_search": True, "n": 2, "temperature": 0.8}, "temperature"),
+    ({"use_beam_search": True, "n": 2, "top_p": 0.5}, "top_p"),
+    ({"use_beam_search": True, "n": 2, "logprobs": 1}, "logprobs"),
+    ({"use_beam_search": True, "n": 2, "stop": ["x"]}, "stop"),
+    ({"length_penalty": 0.5}, "length_penalty"),
+    ({"use_beam_search": True, "n": 16, "max_tokens": 4000}, "n"),  # 16 beams of 4000 tokens do not fit the pool
+])
+def test_beam_search_requests_that_cannot_be_honoured_are_400s(tiny_server, body, param):
+    response = httpx.post(f"{tiny_server.url}/v1/completions",
+                          json={"model": TINY_MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, **body})
+    assert assert_error_shape(response, 400)["param"] == param
