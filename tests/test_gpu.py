@@ -57,6 +57,33 @@ def _compiled_variants(kernel) -> set[str]:
     return {str(key) for c in kernel.cache.values() for key in c}
 
 
+def test_prompt_logprobs_and_beam_search_on_cuda_match_transformers(tmp_path):
+    """Scoring and beam search on the CUDA path (Triton attention, CUDA graphs, steps planned ahead), in
+    float32, against transformers on the same GPU."""
+    model_dir = save_tiny_model("qwen3", tmp_path)
+    prompts = _prompts(VOCAB, lens=[30, 45, 21])
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=256, num_kvcache_blocks=128,
+              max_num_batched_tokens=32)
+    assert llm.engine.runner.graphs is not None and llm.engine.async_scheduling
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    scored = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                          SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2),
+                          use_tqdm=False)
+    for prompt, out in zip(prompts, scored):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt]).cuda()).logits[0].float(), dim=-1).cpu()
+        got = [e.logprob for e in out.prompt_logprobs[1:]]
+        expected = [ref[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+        assert got == pytest.approx(expected, abs=1e-3)
+    beams = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(n=3, use_beam_search=True, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, beams):
+        ids = torch.tensor([prompt]).cuda()
+        seqs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=3,
+                           num_return_sequences=3, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+        assert [c.token_ids for c in out.outputs] == [s[len(prompt):].tolist() for s in seqs]
+
+
 def test_no_attention_kernel_compiles_after_start_up(tmp_path):
     """Start-up compiles every variant a step can pick: a mixed workload compiles nothing new."""
     from engine.attention import triton_kernels as tk
