@@ -97,10 +97,11 @@ class InputBatch:
             self.generators[row] = generator
 
     def _num_logprobs(self, asked: int | None) -> int:
-        """How many top logprobs a row computes: -1 for none; a request's -1 is the whole vocabulary."""
+        """How many top logprobs a row computes: -1 for none; a request's -1 (or more than there are) is the
+        whole vocabulary."""
         if asked is None:
             return -1
-        return self.vocab_size if asked == -1 else asked
+        return self.vocab_size if asked == -1 else min(asked, self.vocab_size)
 
     def update(self, data: CachedRequestData) -> None:
         row = self.row_of[data.request_id]

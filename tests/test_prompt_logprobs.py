@@ -62,13 +62,16 @@ def test_prompt_logprobs_equal_transformers_through_chunks_cache_hits_and_preemp
 
 
 def test_prompt_logprobs_of_a_one_token_prompt_and_the_whole_vocabulary(llama_dir):
-    llm = LLM(str(llama_dir), max_model_len=128, num_kvcache_blocks=32, max_logprobs=-1)
+    """-1 is every token; a limit above the vocabulary lets a request ask for more than there are, and it
+    gets them all."""
+    llm = LLM(str(llama_dir), max_model_len=128, num_kvcache_blocks=32, max_logprobs=10**6)
     one = llm.generate({"prompt_token_ids": [5]}, SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
     assert one.prompt_logprobs == [None]
     prompt = make_prompts(VOCAB, lens=[20], seed=4)[0]
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=-1),
-                       use_tqdm=False)[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, prompt_logprobs=-1,
+                                                                    logprobs=10**6), use_tqdm=False)[0]
     assert_matches(out.prompt_logprobs, prompt, hf_prompt_logprobs(llama_dir, prompt), VOCAB)
+    assert [len(e.top_token_ids) for e in out.outputs[0].logprobs] == [VOCAB, VOCAB]
 
 
 def test_logprob_counts_above_the_limit_are_refused(llama_dir):
