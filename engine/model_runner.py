@@ -23,7 +23,7 @@ from engine.input_batch import InputBatch
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
-from engine.sampler import Sampler, SamplingTensors, build_logprobs, gather_logprobs
+from engine.sampler import Sampler, SamplingTensors, build_logprobs, gather_logprobs, score_tokens
 from engine.step_buffers import StepBuffers
 from kvcache.paged_cache import PagedKVCache
 
@@ -32,7 +32,7 @@ logger = logging.getLogger("minivllm")
 # Prompts in the profiling pass are cut into requests of at most this many tokens.
 _PROFILE_REQUEST_LEN = 512
 # Prompt logprobs are computed this many tokens at a time: [rows, vocab] float32 logits each.
-_PROMPT_LOGPROBS_CHUNK = 512
+_PROMPT_LOGPROBS_CHUNK = 1024
 
 
 @dataclass
@@ -492,10 +492,9 @@ class ModelRunner:
         pieces = []
         for start in range(0, len(plan.targets), _PROMPT_LOGPROBS_CHUNK):
             end = start + _PROMPT_LOGPROBS_CHUNK
-            logits = self.model.compute_logits(hidden[plan.token_indices[start:end]])
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            pieces.append(gather_logprobs(logprobs, plan.targets[start:end], plan.num_top))
-            del logits, logprobs
+            logits = self.model.compute_logits(hidden[plan.token_indices[start:end]]).float()
+            pieces.append(score_tokens(logits, plan.targets[start:end], plan.num_top))
+            del logits
         pin = self.device.type == "cuda"
         host = []
         for parts in zip(*pieces):

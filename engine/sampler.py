@@ -134,6 +134,20 @@ def gather_logprobs(
     return chosen[:, 0], ranks, top_ids, top_vals
 
 
+def score_tokens(
+    logits: torch.Tensor,  # [N, vocab] float32
+    targets: torch.Tensor,  # [N]
+    num_top: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gather_logprobs`` of ``targets`` from raw logits, without the [N, vocab] log-softmax: a logprob is
+    the logit less the row's log-sum-exp, and ranks and the top-N are the same on logits."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [N, 1]
+    chosen = logits.gather(-1, targets[:, None])  # [N, 1]
+    ranks = (logits > chosen).sum(dim=-1) + 1
+    top_vals, top_ids = logits.topk(max(num_top, 1), dim=-1)
+    return (chosen - lse)[:, 0], ranks, top_ids, top_vals - lse
+
+
 def build_logprobs(
     token_ids: list[int], chosen: list[float], ranks: list[int], top_ids: list[list[int]], top_vals: list[list[float]],
     num_top: list[int],
