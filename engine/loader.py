@@ -93,7 +93,7 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor) for every tensor of every shard, with a progress bar.
+    """Yield (name, LazyTensor) for every tensor of every shard, with a progress bar.
 
     Tensors keep their stored dtype; the copy into the model's parameters casts them.
     """
@@ -109,8 +109,24 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         for path in files:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, LazyTensor(f, name)
                     progress.update(1)
+
+
+class LazyTensor:
+    """A checkpoint tensor read when its consumer says how much of it: ``load()`` all of it, or ``narrow``
+    to one tensor-parallel rank's slice (only those bytes are read from the file)."""
+
+    def __init__(self, handle, name: str):
+        self._handle, self._name = handle, name
+
+    def load(self) -> torch.Tensor:
+        return self._handle.get_tensor(self._name)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        part = self._handle.get_slice(self._name)
+        index = tuple([slice(None)] * dim + [slice(start, start + length)])
+        return part[index]
 
 
 @torch.no_grad()

@@ -19,6 +19,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.distributed import kv_head_range
 from engine.input_batch import InputBatch
 from engine.loader import load_model
 from engine.model_config import ModelConfig
@@ -106,6 +107,7 @@ class ModelRunner:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.block_size = config.kvcache_block_size
+        self.num_kv_heads = kv_head_range(model_config.num_key_value_heads)[1]  # this rank's share
         self.model = load_model(model_config, self.dtype, self.device, config.load_format, config.seed)
         self.backend = make_attention_backend(config.resolve_attention_backend(self.device))
         for layer in self.model.attention_layers():
@@ -129,7 +131,7 @@ class ModelRunner:
 
     def bytes_per_block(self) -> int:
         mc = self.model_config
-        return PagedKVCache.bytes_per_block(mc.num_hidden_layers, self.block_size, mc.num_key_value_heads,
+        return PagedKVCache.bytes_per_block(mc.num_hidden_layers, self.block_size, self.num_kv_heads,
                                             mc.head_dim, self.dtype)
 
     def determine_num_blocks(self) -> int:
@@ -145,7 +147,7 @@ class ModelRunner:
         else:
             budget = int(self.config.cpu_kvcache_space_gib * 2**30)
         return PagedKVCache.num_blocks_for_budget(
-            budget, self.model_config.num_hidden_layers, self.block_size, self.model_config.num_key_value_heads,
+            budget, self.model_config.num_hidden_layers, self.block_size, self.num_kv_heads,
             self.model_config.head_dim, self.dtype,
         )
 
@@ -157,7 +159,7 @@ class ModelRunner:
                 f"the KV cache holds {usable_tokens} tokens ({num_blocks} blocks of {self.block_size}), fewer than "
                 f"max_model_len={self.max_model_len}: lower max_model_len or give the cache more memory"
             )
-        self.kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, self.block_size, mc.num_key_value_heads,
+        self.kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads,
                                      mc.head_dim, self.dtype, self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.bind_kv_cache(*self.kv_cache.layer(i))
@@ -185,7 +187,7 @@ class ModelRunner:
         """Run the largest step with a scratch cache; return the bytes left for the KV pool."""
         scratch_blocks = -(-_PROFILE_REQUEST_LEN // self.block_size) + 1
         mc = self.model_config
-        scratch = PagedKVCache(mc.num_hidden_layers, scratch_blocks, self.block_size, mc.num_key_value_heads,
+        scratch = PagedKVCache(mc.num_hidden_layers, scratch_blocks, self.block_size, self.num_kv_heads,
                                mc.head_dim, self.dtype, self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.bind_kv_cache(*scratch.layer(i))

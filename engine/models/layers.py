@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import all_gather_last_dim, all_reduce, shard_range, tp_size
+
 
 @functools.cache
 def _triton_installed() -> bool:
@@ -183,18 +185,79 @@ class FusedLinear(nn.Linear):
 
     The output rows are the shards in order. Checkpoints store each shard as its own
     tensor (``q_proj``, ``k_proj``, ...); ``load_shard`` copies one into its row range.
+    With tensor parallelism each rank holds some rows of every shard (a column-parallel
+    linear): ``source_rows`` gives, per shard, the (first row, count) of the checkpoint
+    tensor this rank loads.
     """
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool,
+                 source_rows: dict[str, tuple[int, int]] | None = None):
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
         self.shard_slices: dict[str, slice] = {}
+        self.source_rows = source_rows or {}
         offset = 0
         for name, size in shard_sizes.items():
             self.shard_slices[name] = slice(offset, offset + size)
             offset += size
 
-    def load_shard(self, param: nn.Parameter, shard: str, loaded: torch.Tensor) -> None:
-        copy_weight(param.data[self.shard_slices[shard]], loaded, f"{shard} shard")
+    def load_shard(self, param: nn.Parameter, shard: str, loaded) -> None:
+        rows = self.source_rows.get(shard)
+        copy_weight(param.data[self.shard_slices[shard]], take(loaded, 0, rows), f"{shard} shard")
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear whose input features are split over the tensor-parallel ranks (o_proj, down_proj): each
+    rank multiplies its slice, one all-reduce sums them, the bias is added once after it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        start, local = shard_range(in_features)
+        super().__init__(local, out_features, bias=bias)
+        self.weight.source_range = (1, start, local)  # checkpoint columns this rank loads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Embedding rows split over the ranks by token id; a token's row comes from the rank holding it, the
+    others contribute zeros, and an all-reduce puts it together."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        self.vocab_start, local = shard_range(num_embeddings)
+        super().__init__(local, embedding_dim)
+        self.weight.source_range = (0, self.vocab_start, local)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill(outside[:, None], 0))
+
+
+class ParallelLMHead(nn.Linear):
+    """The output projection with its vocabulary rows split over the ranks (the same split as the
+    embedding, so tied weights are the same tensor); the logit slices are gathered in rank order."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        start, local = shard_range(vocab_size)
+        super().__init__(hidden_size, local, bias=False)
+        self.weight.source_range = (0, start, local)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return all_gather_last_dim(F.linear(hidden, self.weight))
+
+
+def take(tensor, dim: int, span: tuple[int, int] | None) -> torch.Tensor:
+    """``tensor`` (a torch tensor or a lazily read checkpoint tensor) narrowed to ``span`` = (start, length)
+    along ``dim``; only that part is read from the checkpoint."""
+    if span is None:
+        return tensor if isinstance(tensor, torch.Tensor) else tensor.load()
+    return tensor.narrow(dim, *span)
 
 
 @torch.no_grad()
@@ -213,11 +276,13 @@ class WeightTarget:
     fused: FusedLinear | None = None
     shard: str | None = None
 
-    def load(self, name: str, tensor: torch.Tensor) -> None:
-        if self.fused is None:
-            copy_weight(self.param.data, tensor, name)
-        else:
+    def load(self, name: str, tensor) -> None:
+        if self.fused is not None:
             self.fused.load_shard(self.param, self.shard, tensor)
+            return
+        sharded = getattr(self.param, "source_range", None)  # (dim, start, length) under tensor parallelism
+        dim, span = (sharded[0], sharded[1:]) if sharded is not None and tp_size() > 1 else (0, None)
+        copy_weight(self.param.data, take(tensor, dim, span), name)
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, WeightTarget]:

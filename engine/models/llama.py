@@ -19,7 +19,18 @@ from torch import nn
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.model_config import ModelConfig
-from engine.models.layers import FusedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, get_rope, load_checkpoint_weights
+from engine.distributed import kv_head_range, shard_range
+from engine.models.layers import (
+    FusedLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    get_rope,
+    load_checkpoint_weights,
+)
 
 
 @dataclass(frozen=True)
@@ -36,17 +47,20 @@ class LlamaAttention(nn.Module):
         self, config: ModelConfig, spec: AttentionSpec, rotary_emb: RotaryEmbedding, layer_idx: int
     ):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        # With tensor parallelism this rank computes some of the heads (shard_range, kv_head_range).
+        hd = self.head_dim = config.head_dim
+        q_start, self.num_heads = shard_range(config.num_attention_heads)
+        kv_start, self.num_kv_heads = kv_head_range(config.num_key_value_heads)
+        self.q_size = self.num_heads * hd
+        self.kv_size = self.num_kv_heads * hd
+        kv_rows = (kv_start * hd, self.kv_size)
         self.qkv_proj = FusedLinear(
             config.hidden_size,
             {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
             bias=spec.qkv_bias,
+            source_rows={"q_proj": (q_start * hd, self.q_size), "k_proj": kv_rows, "v_proj": kv_rows},
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=spec.o_proj_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, bias=spec.o_proj_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -75,9 +89,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=False)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        start, size = shard_range(config.intermediate_size)  # this rank's columns (column-parallel)
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=False,
+                                        source_rows={"gate_proj": (start, size), "up_proj": (start, size)})
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
@@ -113,7 +128,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, spec: AttentionSpec):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = get_rope(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -138,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.attention_spec(config))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

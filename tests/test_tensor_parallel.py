@@ -1,0 +1,102 @@
+"""Tensor-parallel layers on the CPU (gloo): two ranks give the logits of one, for every sharded piece.
+
+Each rank loads only its slice of the checkpoint (column-parallel q|k|v and gate|up, row-parallel o_proj
+and down_proj, vocab-parallel embedding and LM head, replicated KV heads when there are fewer than
+ranks) and runs the same paged steps; the gathered logits must equal the single-rank model's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from engine.loader import load_model
+from engine.model_config import ModelConfig
+from tests.helpers import SMALL_CONFIG, TINY_CONFIGS, VOCAB, PagedRunner, spread_weights
+
+CONFIGS = {
+    "llama-untied": TINY_CONFIGS["llama-llama3-rope"],
+    "llama-tied": TINY_CONFIGS["llama-tied-linear-rope"],
+    "qwen2-bias": TINY_CONFIGS["qwen2"],
+    "qwen3-gqa": TINY_CONFIGS["qwen3"],
+    "llama-one-kv-head": lambda: transformers.LlamaConfig(**{**SMALL_CONFIG, "num_key_value_heads": 1}),
+}
+
+
+def steps(vocab: int) -> list[list[tuple[int, list[int]]]]:
+    """A prefill of three prompts, a chunked prefill beside decodes, then decodes."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (9, 30, 21)]
+    token = lambda: torch.randint(0, vocab, (1,), generator=gen).tolist()  # noqa: E731
+    return [
+        [(0, prompts[0]), (1, prompts[1][:16])],
+        [(0, token()), (1, prompts[1][16:]), (2, prompts[2])],
+        [(0, token()), (1, token()), (2, token())],
+        [(0, token()), (1, token()), (2, token())],
+    ]
+
+
+def run_steps(path: Path) -> list[torch.Tensor]:
+    model = load_model(ModelConfig.from_pretrained(path), dtype=torch.float32, device="cpu")
+    runner = PagedRunner(model)
+    return [torch.cat(runner.step(step)) for step in steps(VOCAB)]
+
+
+def rank_main(rank: int, port: int, paths: dict[str, str], out: str) -> None:
+    from engine.distributed import destroy_tensor_parallel, init_tensor_parallel
+
+    torch.set_num_threads(1)
+    init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", backend="gloo", timeout_s=60)
+    results = {}
+    for name, path in paths.items():
+        logits = run_steps(Path(path))
+        model = load_model(ModelConfig.from_pretrained(path), dtype=torch.float32, device="cpu")
+        attn = model.attention_layers()[0]
+        results[name] = (logits, model.model.embed_tokens.weight.shape[0], attn.num_heads, attn.num_kv_heads)
+    if rank == 0:
+        torch.save(results, out)
+    destroy_tensor_parallel()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    paths = {}
+    for name, make in CONFIGS.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(make()).eval()
+        spread_weights(model)
+        paths[name] = tmp_path_factory.mktemp(name)
+        model.save_pretrained(paths[name])
+    return paths
+
+
+def test_two_ranks_give_the_logits_of_one(checkpoints, tmp_path):
+    out = tmp_path / "tp2.pt"
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    ranks = [ctx.Process(target=rank_main, args=(r, port, {k: str(v) for k, v in checkpoints.items()}, str(out)))
+             for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=300)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    sharded = torch.load(out)
+    for name, path in checkpoints.items():
+        logits, local_vocab, local_heads, local_kv_heads = sharded[name]
+        config = transformers.AutoConfig.from_pretrained(path)
+        assert local_vocab == VOCAB // 2 and local_heads == config.num_attention_heads // 2
+        assert local_kv_heads == max(1, config.num_key_value_heads // 2)
+        for got, expected in zip(logits, run_steps(path)):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=name)
