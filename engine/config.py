@@ -50,6 +50,15 @@ class EngineConfig:
     # steps they run in.
     async_scheduling: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # empty: 1, 2, 4, 8, 16, 24, ... max_num_seqs
+    # Tensor parallelism (engine/distributed.py, engine/worker.py): one process per rank, this one rank 0.
+    tensor_parallel_size: int = 1
+    # Several machines: each runs tensor_parallel_size / nnodes ranks; node 0 runs the engine (rank 0), the
+    # others `minivllm worker` (torch.distributed's rendezvous at master_addr:master_port).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port (one machine only)
+    distributed_timeout_s: float = 60.0  # a collective that waits longer fails (a rank died or hangs)
     # Check the KV manager's invariants when idle: after LLM.generate, and in the server once no request
     # has run for a second (the check takes ~1 us per block, so never while requests wait).
     check_invariants_when_idle: bool = True
@@ -85,6 +94,27 @@ class EngineConfig:
                  f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                  f"max_model_len ({self.max_model_len}) so that every prompt fits in one step")
         need(all(b >= 1 for b in self.cuda_graph_batch_sizes), "cuda_graph_batch_sizes must be positive")
+        need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        need(self.nnodes >= 1 and self.tensor_parallel_size % self.nnodes == 0,
+             f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes ({self.nnodes})")
+        need(0 <= self.node_rank < self.nnodes, f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        need(self.nnodes == 1 or self.master_port > 0, "several nodes need a master_port to meet at")
+        need(self.distributed_timeout_s > 0, "distributed_timeout_s must be positive")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def rank_device(self, rank: int) -> torch.device:
+        """The device of a tensor-parallel rank: its local index's GPU, or the CPU."""
+        device = self.resolve_device()
+        if device.type != "cuda" or self.tensor_parallel_size == 1:
+            return device
+        local = rank % self.ranks_per_node
+        if local >= torch.cuda.device_count():
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} needs {self.ranks_per_node} GPUs per "
+                              f"node; this node has {torch.cuda.device_count()}")
+        return torch.device("cuda", local)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -29,7 +29,8 @@ DEFAULT_TIMEOUT_S = 60.0
 class ParallelState:
     rank: int = 0
     world_size: int = 1
-    group: object | None = None  # the torch.distributed process group; None with one rank
+    group: object | None = None  # the model's collectives (NCCL on CUDA); None with one rank
+    control: object | None = None  # gloo, for rank 0's step messages: waits as long as the engine idles
 
 
 _state = ParallelState()
@@ -55,7 +56,10 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    _state = ParallelState(rank, world_size, dist.group.WORLD)
+    # A rank that died breaks its connections, and the others' collectives fail at once; the control group
+    # only waits for the next step, however long the engine is idle.
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+    _state = ParallelState(rank, world_size, dist.group.WORLD, control)
     logger.info("tensor parallel: rank %d of %d (%s)", rank, world_size, backend)
 
 
@@ -64,6 +68,26 @@ def destroy_tensor_parallel() -> None:
     if _state.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
     _state = ParallelState()
+
+
+def control_group():
+    return _state.control
+
+
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``x`` on every rank, in place (a device tensor, over the model's group)."""
+    if _state.world_size > 1:
+        dist.broadcast(x, src=0, group=_state.group)
+    return x
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's ``value`` (the KV pool is sized by the rank with the least memory)."""
+    if _state.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_state.control)
+    return int(t.item())
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,10 @@ Both the offline ``LLM`` and the async server engine drive this class.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -57,6 +59,38 @@ class EngineStats:
     num_waiting_for_grammar: int = 0  # of num_waiting: held back while their grammar compiles
 
 
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    wanted = config.max_model_len or limit
+    if wanted > limit:
+        raise ConfigError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < wanted:
+        raise ConfigError(
+            f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be at "
+            f"least max_model_len ({wanted})"
+        )
+    return wanted
+
+
+def check_tensor_parallel(model_config: ModelConfig, tp: int) -> None:
+    """A tensor-parallel size the model's shapes split evenly by, or a ConfigError saying which does not."""
+    splits = {"attention heads": model_config.num_attention_heads, "vocabulary": model_config.vocab_size,
+              "intermediate size": model_config.intermediate_size}
+    for what, size in splits.items():
+        if size % tp:
+            raise ConfigError(f"tensor_parallel_size={tp} does not divide the model's {what} ({size})")
+    kv = model_config.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(f"tensor_parallel_size={tp} neither divides nor is a multiple of the model's "
+                          f"{kv} KV heads")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def resolve_model_path(config: EngineConfig) -> str:
     if config.model is not None:
         return config.model
@@ -71,7 +105,9 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model_path(config)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        self._tp_closed = False
+        self._workers = self._start_tensor_parallel() if config.tensor_parallel_size > 1 else []
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -120,17 +156,44 @@ class LLMEngine:
             config.max_num_seqs, config.max_num_batched_tokens, self.overlap_steps, self.async_scheduling,
         )
 
-    def _max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        wanted = self.config.max_model_len or limit
-        if wanted > limit:
-            raise ConfigError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
-        if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < wanted:
-            raise ConfigError(
-                f"without chunked prefill, max_num_batched_tokens ({self.config.max_num_batched_tokens}) must be at "
-                f"least max_model_len ({wanted})"
-            )
-        return wanted
+    def _start_tensor_parallel(self) -> list:
+        """Rank 0 of several: start this machine's other ranks and join the group (engine/worker.py)."""
+        from engine import distributed
+        from engine.worker import init_method, spawn_local_workers, stop_workers
+
+        check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
+        if self.config.node_rank != 0:
+            raise ConfigError("the engine is rank 0, on node 0; other nodes run `minivllm worker`")
+        if self.config.master_port == 0:
+            self.config = dataclasses.replace(self.config, master_port=free_port())
+        workers = spawn_local_workers(self.config, 1, self.config.ranks_per_node - 1)
+        try:
+            distributed.init_tensor_parallel(0, self.config.tensor_parallel_size, init_method(self.config),
+                                             timeout_s=self.config.distributed_timeout_s)
+        except BaseException:
+            for proc in workers:
+                proc.kill()
+            stop_workers(workers)
+            raise
+        atexit.register(self.close)
+        return workers
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one)."""
+        if self.config.tensor_parallel_size == 1 or self._tp_closed:
+            return
+        self._tp_closed = True
+        workers, self._workers = self._workers, []
+        from engine import distributed
+        from engine.worker import stop_workers
+
+        if self.runner.followers is not None:
+            try:
+                self.runner.followers.stop()
+            except Exception:  # noqa: BLE001 - a rank already gone: the others end on their broken connection
+                logger.warning("tensor parallel: a rank had already stopped")
+        stop_workers(workers)
+        distributed.destroy_tensor_parallel()
 
     # ----------------------------------------------------------------- requests
 

@@ -19,7 +19,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.distributed import kv_head_range
+from engine.distributed import broadcast_from_rank0, kv_head_range, min_over_ranks, tp_rank, tp_size
 from engine.input_batch import InputBatch
 from engine.loader import load_model
 from engine.model_config import ModelConfig
@@ -74,12 +74,30 @@ class StepInputs:
     prompt_logprobs: "PromptLogprobsPlan | None" = None
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """The sizes of one step's inputs: all a tensor-parallel follower needs, with the buffers' contents, to
+    run the same forward pass (engine/worker.py sends it as integers)."""
+
+    num_reqs: int
+    num_decodes: int
+    padded: int  # rows, with a graph's padding
+    padded_tokens: int
+    width: int  # block-table columns read
+    num_decode_rows: int
+    graph_size: int  # 0: eager
+    max_query_len: int
+    max_seq_len: int
+    num_logits: int  # rows whose logits the step computes (the sampled ones)
+
+
 @dataclass
 class PromptLogprobsPlan:
     """The prompt tokens of a step whose logprobs were asked for: each computed token's logits score
     the prompt token after it."""
 
     token_indices: torch.Tensor  # [K] positions in the step's flat tokens, on the device
+    token_ids_host: np.ndarray  # the same, in host memory (for the other tensor-parallel ranks)
     targets: torch.Tensor  # [K] the prompt token each of them predicts, on the device
     target_ids: np.ndarray  # the same, in host memory
     num_top: int  # top-N computed for all K (the largest any of the requests asked for)
@@ -104,7 +122,9 @@ class ModelRunner:
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.device = config.resolve_device()
+        self.device = config.rank_device(tp_rank())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.dtype = config.resolve_dtype(self.device)
         self.block_size = config.kvcache_block_size
         self.num_kv_heads = kv_head_range(model_config.num_key_value_heads)[1]  # this rank's share
@@ -123,6 +143,12 @@ class ModelRunner:
         self._sampled_host = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._sampled_turn = 0
         self._inputs_copied: torch.cuda.Event | None = None  # the last step's input copies
+        # Rank 0 of several: the channel its steps go out on to the other ranks (engine/worker.py).
+        self.followers = None
+        if tp_size() > 1 and tp_rank() == 0:
+            from engine.worker import StepChannel
+
+            self.followers = StepChannel()
         self.measure_steps = False  # record host/device time per step (benchmarks)
         self.last_timing: tuple | None = None
         logger.info("model runner: %s on %s, %s attention backend", self.dtype, self.device, self.backend.name)
@@ -146,10 +172,10 @@ class ModelRunner:
             budget = self._profile_cuda_budget()
         else:
             budget = int(self.config.cpu_kvcache_space_gib * 2**30)
-        return PagedKVCache.num_blocks_for_budget(
+        return min_over_ranks(PagedKVCache.num_blocks_for_budget(
             budget, self.model_config.num_hidden_layers, self.block_size, self.num_kv_heads,
             self.model_config.head_dim, self.dtype,
-        )
+        ))
 
     def init_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
@@ -163,7 +189,8 @@ class ModelRunner:
                                      mc.head_dim, self.dtype, self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.bind_kv_cache(*self.kv_cache.layer(i))
-        logger.info("KV cache: %s", self.kv_cache.describe())
+        logger.info("KV cache%s: %s", f" of rank {tp_rank()} (its share of the heads)" if tp_size() > 1 else "",
+                    self.kv_cache.describe())
 
     def warm_up_kernels(self) -> None:
         """Compile the attention kernels' variants before the first request rather than during it."""
@@ -272,6 +299,8 @@ class ModelRunner:
         inputs = self._prepare_inputs(sched)
         if len(inputs.placeholder_tokens):
             self._feed_in_flight_tokens(inputs, in_flight)
+        if self.followers is not None:
+            broadcast_from_rank0(inputs.input_ids)  # with the tokens of the step in flight
         # Built before the forward pass is queued, so their small host-to-device copies never
         # wait behind it.
         st = self._sampling_tensors(inputs.sampled_rows) if len(inputs.sampled_rows) else None
@@ -440,39 +469,56 @@ class ModelRunner:
 
         num_decode_rows = padded if graph_size is not None else num_decodes  # padding rows: length 0, last
         buf.decode_order.np[:num_decode_rows] = np.argsort(-buf.seq_lens.np[:num_decode_rows], kind="stable")
-        seq_lens_cpu = buf.seq_lens.host[:padded].clone()
-        qsl_cpu = buf.query_start_loc.host[: padded + 1].clone()
-        meta = AttentionMetadata(
-            slot_mapping=buf.slot_mapping.copy_to_device(padded_tokens),
-            query_start_loc=buf.query_start_loc.copy_to_device(padded + 1),
-            seq_lens=buf.seq_lens.copy_to_device(padded),
-            block_tables=buf.block_tables.copy_to_device(padded, width)[:, :width] if graph_size is None
-            else buf.block_tables.copy_to_device(padded, width),
-            num_reqs=padded, num_decodes=num_decodes if graph_size is None else padded,
-            num_decode_tokens=num_decodes if graph_size is None else padded,
-            max_query_len=int(counts.max()), max_seq_len=max_seq_len, block_size=bs,
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu,
-            decode_order=buf.decode_order.copy_to_device(num_decode_rows) if num_decode_rows else None,
-        )
+        shape = StepShape(num_reqs=num_reqs, num_decodes=num_decodes, padded=padded, padded_tokens=padded_tokens,
+                          width=width, num_decode_rows=num_decode_rows, graph_size=graph_size or 0,
+                          max_query_len=int(counts.max()), max_seq_len=max_seq_len, num_logits=len(sampled))
+        if self.followers is not None:  # the other tensor-parallel ranks run the same step
+            self.followers.send(shape, buf, prompt_lp.token_ids_host if prompt_lp is not None else None,
+                                sched.block_copies)
+        input_ids, device_positions, meta, logits_indices = self._device_inputs(shape)
         inputs = StepInputs(
-            input_ids=buf.input_ids.copy_to_device(padded_tokens),
-            positions=buf.positions.copy_to_device(padded_tokens),
+            input_ids=input_ids,
+            positions=device_positions,
             meta=meta,
-            logits_indices=buf.logits_indices.copy_to_device(len(sampled)),
+            logits_indices=logits_indices,
             sampled_request_ids=[req_ids[order[i]] for i in sampled.tolist()],
             sampled_rows=rows[sampled],
             graph_size=graph_size,
             samples_leading_rows=bool(graph_size is not None and len(sampled) and sampled[-1] == len(sampled) - 1),
             prompt_logprobs=prompt_lp,
         )
-        if self.device.type == "cuda":
-            self._inputs_copied = torch.cuda.Event()
-            self._inputs_copied.record()
         unknown = np.nonzero(positions >= b.num_tokens[token_rows])[0]  # ids a step in flight is sampling
         if len(unknown):
             inputs.placeholder_tokens = unknown
             inputs.placeholder_request_ids = [req_ids[order[token_req[t]]] for t in unknown.tolist()]
         return inputs
+
+    def _device_inputs(self, shape: "StepShape"):
+        """The step's inputs on the device from the host buffers: (input ids, positions, attention metadata,
+        logits indices). Rank 0 fills the buffers from its batch; the other ranks from rank 0's message."""
+        buf, padded, padded_tokens, width = self.buffers, shape.padded, shape.padded_tokens, shape.width
+        graph = shape.graph_size > 0
+        seq_lens_cpu = buf.seq_lens.host[:padded].clone()
+        qsl_cpu = buf.query_start_loc.host[: padded + 1].clone()
+        meta = AttentionMetadata(
+            slot_mapping=buf.slot_mapping.copy_to_device(padded_tokens),
+            query_start_loc=buf.query_start_loc.copy_to_device(padded + 1),
+            seq_lens=buf.seq_lens.copy_to_device(padded),
+            block_tables=buf.block_tables.copy_to_device(padded, width) if graph
+            else buf.block_tables.copy_to_device(padded, width)[:, :width],
+            num_reqs=padded, num_decodes=padded if graph else shape.num_decodes,
+            num_decode_tokens=padded if graph else shape.num_decodes,
+            max_query_len=shape.max_query_len, max_seq_len=shape.max_seq_len, block_size=self.block_size,
+            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu,
+            decode_order=buf.decode_order.copy_to_device(shape.num_decode_rows) if shape.num_decode_rows else None,
+        )
+        input_ids = buf.input_ids.copy_to_device(padded_tokens)
+        positions = buf.positions.copy_to_device(padded_tokens)
+        logits_indices = buf.logits_indices.copy_to_device(shape.num_logits)
+        if self.device.type == "cuda":
+            self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
+        return input_ids, positions, meta, logits_indices
 
     def _plan_prompt_logprobs(self, rows, token_req, token_rows, positions, req_ids, order) -> PromptLogprobsPlan | None:
         """Which of the step's tokens score a prompt token for a request that asked for prompt logprobs."""
@@ -485,7 +531,7 @@ class ModelRunner:
         batch_index, first, counts = np.unique(token_req[idx], return_index=True, return_counts=True)
         requests = [(req_ids[order[i]], int(positions[idx[f]]) + 1, int(c), int(b.num_prompt_logprobs[rows[i]]))
                     for i, f, c in zip(batch_index.tolist(), first.tolist(), counts.tolist())]
-        return PromptLogprobsPlan(token_indices=self._upload(idx), targets=self._upload(targets), target_ids=targets,
+        return PromptLogprobsPlan(token_indices=self._upload(idx), token_ids_host=idx, targets=self._upload(targets), target_ids=targets,
                                   num_top=max(r[3] for r in requests), requests=requests)
 
     def _launch_prompt_logprobs(self, hidden: torch.Tensor, plan: PromptLogprobsPlan) -> tuple:
@@ -509,6 +555,11 @@ class ModelRunner:
             ready = torch.cuda.Event()
             ready.record()
         return tuple(host), ready
+
+    def follow_prompt_logprobs(self, hidden: torch.Tensor, token_indices: torch.Tensor) -> None:
+        """A follower rank's part in rank 0's prompt logprobs: the same chunks of logits (gathered)."""
+        for start in range(0, len(token_indices), _PROMPT_LOGPROBS_CHUNK):
+            self.model.compute_logits(hidden[token_indices[start:start + _PROMPT_LOGPROBS_CHUNK]])
 
     @staticmethod
     def _prompt_logprobs(plan: PromptLogprobsPlan, pieces: tuple) -> dict:

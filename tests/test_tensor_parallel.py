@@ -15,6 +15,8 @@ import pytest
 import torch
 import transformers
 
+from engine import LLM, SamplingParams
+from engine.config import ConfigError
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from tests.helpers import SMALL_CONFIG, TINY_CONFIGS, VOCAB, PagedRunner, spread_weights
@@ -100,3 +102,32 @@ def test_two_ranks_give_the_logits_of_one(checkpoints, tmp_path):
         assert local_kv_heads == max(1, config.num_key_value_heads // 2)
         for got, expected in zip(logits, run_steps(path)):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def greedy(llm, prompts, max_tokens=10):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_engine_at_tp2_generates_what_it_does_at_tp1(checkpoints, name):
+    """Rank 0 schedules and samples, rank 1 (its own process) follows every step: 8 prompts with chunked
+    prefill, shared prefixes for the prefix cache and a pool small enough to preempt give TP=1's tokens."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (40, 70, 25, 90, 55, 33, 61, 48)]
+    prompts += [prompts[1][:48] + prompts[2][:10], prompts[3][:64] + [7]]  # full blocks in the prefix cache
+    common = dict(max_model_len=256, num_kvcache_blocks=24, max_num_batched_tokens=32)
+    tp2 = LLM(str(checkpoints[name]), tensor_parallel_size=2, **common)
+    try:
+        got = greedy(tp2, prompts)
+        assert tp2.engine.scheduler.num_preemptions_total > 0
+        assert tp2.engine.kv_manager.prefix_cache_hits > 0
+    finally:
+        tp2.engine.close()
+    assert got == greedy(LLM(str(checkpoints[name]), **common), prompts)
+
+
+def test_a_tp_size_the_model_cannot_split_by_is_refused(checkpoints):
+    with pytest.raises(ConfigError, match="does not divide the model's attention heads"):
+        LLM(str(checkpoints["llama-untied"]), tensor_parallel_size=3, max_model_len=256, num_kvcache_blocks=24)

@@ -1,0 +1,203 @@
+"""Tensor-parallel ranks other than 0: processes that run every step's forward pass on their shard.
+
+Rank 0 (the engine) schedules, samples and returns tokens; every other rank only follows::
+
+    rank 0: schedule -> build the step's inputs -> send(header, payload) -> input ids -> forward -> sample
+    rank r:                      recv(header, payload) -> input ids -> forward (its heads, its vocab slice)
+
+A step is one fixed-size header of integers (``StepShape`` and two counts) and one integer payload with
+the host buffers' rows in use, both broadcast over a gloo group, then the device input ids (rank 0 fills
+the tokens that a step in flight samples on the device, so they cross on the device). No Python object
+is pickled per step. The forward passes meet in the model's own collectives (engine/distributed.py), CUDA
+graphs included: each rank captured the same sizes and replays the one rank 0 names.
+
+On one machine rank 0 starts the others (``spawn_local_workers``); on several, each other machine runs
+``minivllm worker`` with the same model and parallel options (``python -m engine.worker``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine import distributed
+from engine.config import EngineConfig
+
+logger = logging.getLogger("minivllm")
+
+_STEP, _STOP = 1, 2
+_HEADER_LEN = 16
+
+
+class StepChannel:
+    """The per-step messages from rank 0 to the others."""
+
+    def __init__(self):
+        self.group = distributed.control_group()
+        self._header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+
+    # rank 0 ------------------------------------------------------------------------------------------
+
+    def send(self, shape, buf, prompt_lp_indices: np.ndarray | None, block_copies: list[tuple[int, int]]) -> None:
+        from engine.model_runner import StepShape
+
+        header = np.zeros(_HEADER_LEN, dtype=np.int64)
+        fields = [getattr(shape, f.name) for f in dataclasses.fields(StepShape)]
+        num_lp = 0 if prompt_lp_indices is None else len(prompt_lp_indices)
+        header[: 3 + len(fields)] = [_STEP, num_lp, len(block_copies), *fields]
+        parts = [buf.positions.np[: shape.padded_tokens], buf.slot_mapping.np[: shape.padded_tokens],
+                 buf.seq_lens.np[: shape.padded], buf.query_start_loc.np[: shape.padded + 1],
+                 buf.block_tables.np[: shape.padded, : shape.width].reshape(-1),
+                 buf.decode_order.np[: shape.num_decode_rows], buf.logits_indices.np[: shape.num_logits]]
+        if num_lp:
+            parts.append(prompt_lp_indices)
+        if block_copies:
+            parts.append(np.asarray(block_copies, dtype=np.int64).reshape(-1))
+        payload = torch.from_numpy(np.concatenate([p.astype(np.int64, copy=False) for p in parts]))
+        dist.broadcast(torch.from_numpy(header), src=0, group=self.group)
+        dist.broadcast(payload, src=0, group=self.group)
+
+    def stop(self) -> None:
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        header[0] = _STOP
+        dist.broadcast(header, src=0, group=self.group)
+
+    # the other ranks ---------------------------------------------------------------------------------
+
+    def recv(self, buf):
+        """The next step into ``buf``'s host side: (StepShape, prompt-logprob token indices, block copies),
+        or None when rank 0 stops."""
+        from engine.model_runner import StepShape
+
+        dist.broadcast(self._header, src=0, group=self.group)
+        header = self._header.tolist()
+        if header[0] == _STOP:
+            return None
+        num_lp, num_copies = header[1], header[2]
+        n = len(dataclasses.fields(StepShape))
+        shape = StepShape(*header[3 : 3 + n])
+        sizes = [shape.padded_tokens, shape.padded_tokens, shape.padded, shape.padded + 1,
+                 shape.padded * shape.width, shape.num_decode_rows, shape.num_logits, num_lp, 2 * num_copies]
+        payload = torch.empty(sum(sizes), dtype=torch.int64)
+        dist.broadcast(payload, src=0, group=self.group)
+        values = np.split(payload.numpy(), np.cumsum(sizes)[:-1])
+        buf.positions.np[: shape.padded_tokens] = values[0]
+        buf.slot_mapping.np[: shape.padded_tokens] = values[1]
+        buf.seq_lens.np[: shape.padded] = values[2]
+        buf.query_start_loc.np[: shape.padded + 1] = values[3]
+        buf.block_tables.np[: shape.padded, : shape.width] = values[4].reshape(shape.padded, shape.width)
+        buf.decode_order.np[: shape.num_decode_rows] = values[5]
+        buf.logits_indices.np[: shape.num_logits] = values[6]
+        copies = [tuple(pair) for pair in values[8].reshape(-1, 2).tolist()]
+        return shape, values[7], copies
+
+
+def follow(runner) -> None:
+    """Run rank 0's steps on this rank's shard until it stops."""
+    channel = StepChannel()
+    buf = runner.buffers
+    with torch.inference_mode():
+        while True:
+            step = channel.recv(buf)
+            if step is None:
+                return
+            shape, prompt_lp_indices, copies = step
+            if copies:
+                runner.kv_cache.copy_blocks(copies)
+            input_ids, positions, meta, logits_indices = runner._device_inputs(shape)
+            distributed.broadcast_from_rank0(input_ids)
+            if shape.graph_size:
+                runner.graphs.replay(shape.graph_size)
+                continue
+            hidden = runner.model(input_ids, positions, meta)
+            if shape.num_logits:
+                runner.model.compute_logits(hidden[logits_indices])
+            if len(prompt_lp_indices):
+                runner.follow_prompt_logprobs(hidden, torch.from_numpy(prompt_lp_indices).to(runner.device))
+
+
+# ------------------------------------------------------------------------------------------ processes
+
+
+def init_method(config: EngineConfig) -> str:
+    return f"tcp://{config.master_addr}:{config.master_port}"
+
+
+def spawn_local_workers(config: EngineConfig, first_rank: int, count: int) -> list[subprocess.Popen]:
+    """Start ``count`` ranks from ``first_rank`` as processes of this machine (``python -m engine.worker``)."""
+    payload = json.dumps(dataclasses.asdict(config))
+    procs = []
+    for rank in range(first_rank, first_rank + count):
+        env = dict(os.environ, MINIVLLM_WORKER_CONFIG=payload)
+        procs.append(subprocess.Popen([sys.executable, "-m", "engine.worker", "--rank", str(rank)], env=env))
+    logger.info("tensor parallel: started ranks %d-%d (pids %s)", first_rank, first_rank + count - 1,
+                ", ".join(str(p.pid) for p in procs))
+    return procs
+
+
+def stop_workers(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _exit_with_parent() -> None:
+    """A rank started by rank 0's process ends when that process does, however it ended."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="minivllm-parent-watch", daemon=True).start()
+
+
+def run_worker(config: EngineConfig, rank: int) -> None:
+    """One follower rank: join the group, load this rank's shard, size the KV pool with rank 0, follow."""
+    from engine.llm_engine import resolve_max_model_len, resolve_model_path
+    from engine.model_config import ModelConfig
+    from engine.model_runner import ModelRunner
+
+    distributed.init_tensor_parallel(rank, config.tensor_parallel_size, init_method(config),
+                                     timeout_s=config.distributed_timeout_s)
+    try:
+        model_config = ModelConfig.from_pretrained(resolve_model_path(config))
+        runner = ModelRunner(config, model_config, resolve_max_model_len(config, model_config))
+        runner.init_kv_cache(runner.determine_num_blocks())
+        runner.warm_up_kernels()
+        runner.capture_cuda_graphs()
+        logger.info("rank %d ready", rank)
+        follow(runner)
+    finally:
+        distributed.destroy_tensor_parallel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one tensor-parallel rank of a minivllm engine")
+    parser.add_argument("--rank", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [rank {args.rank}]: "
+                        "%(message)s")
+    config = EngineConfig(**json.loads(os.environ["MINIVLLM_WORKER_CONFIG"]))
+    _exit_with_parent()
+    run_worker(config, args.rank)
+
+
+if __name__ == "__main__":
+    main()
