@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import logging
 import multiprocessing
+import os
 import signal
 import time
 import traceback
@@ -220,6 +221,13 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     gc.collect()
     gc.freeze()  # what start-up made lives for good: keep it out of every later collection
     control.send(("ready", engine.model_info, engine.stats()))
+    def rank_died(message: str) -> None:
+        # A collective with a dead rank may never return: say so and end this process (the other ranks
+        # follow it), rather than hang.
+        control.send(("dead", message, ""))
+        os._exit(1)
+
+    engine.on_rank_death = rank_died
     try:
         EngineCore(engine, inputs, outputs, parent.sentinel if parent is not None else None).run()
     except BaseException as exc:  # noqa: BLE001 - a failed step kills the engine; say why first
@@ -227,6 +235,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         control.send(("dead", _describe(exc), traceback.format_exc()))
         raise SystemExit(1) from None
     finally:
+        engine.close()
         outputs.close(linger=0)
         inputs.close(linger=0)
         context.term()

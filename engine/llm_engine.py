@@ -11,6 +11,7 @@ import atexit
 import dataclasses
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -107,6 +108,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         self._tp_closed = False
+        self.on_rank_death = None  # called from a watcher thread when another rank's process exits
         self._workers = self._start_tensor_parallel() if config.tensor_parallel_size > 1 else []
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         eos = set(self.model_config.eos_token_ids)
@@ -176,7 +178,21 @@ class LLMEngine:
             stop_workers(workers)
             raise
         atexit.register(self.close)
+        threading.Thread(target=self._watch_ranks, args=(workers,), name="minivllm-rank-watch", daemon=True).start()
         return workers
+
+    def _watch_ranks(self, workers: list) -> None:
+        """A rank that exits while the engine runs is fatal: the next collective would fail or hang."""
+        while not self._tp_closed:
+            for proc in workers:
+                code = proc.poll()
+                if code is not None and not self._tp_closed:
+                    message = f"tensor-parallel rank process {proc.pid} exited with status {code}"
+                    logger.error("%s: the engine stops", message)
+                    if self.on_rank_death is not None:
+                        self.on_rank_death(message)
+                    return
+            time.sleep(0.2)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one)."""

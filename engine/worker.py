@@ -109,6 +109,8 @@ def follow(runner) -> None:
     buf = runner.buffers
     with torch.inference_mode():
         while True:
+            if runner._inputs_copied is not None:
+                runner._inputs_copied.synchronize()  # the last step's copies read the host buffers recv rewrites
             step = channel.recv(buf)
             if step is None:
                 return
@@ -154,6 +156,26 @@ def stop_workers(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def run_node(config: EngineConfig) -> int:
+    """Run this node's ranks (``minivllm worker``) until they end; a signal ends them. Returns the exit status."""
+    import signal
+
+    first = config.node_rank * config.ranks_per_node
+    if config.master_port == 0:
+        raise ValueError("a worker node needs --master-port: the port node 0's server listens on for the ranks")
+    procs = spawn_local_workers(config, first, config.ranks_per_node)
+
+    def end(signum, frame) -> None:
+        for proc in procs:
+            proc.terminate()
+
+    signal.signal(signal.SIGTERM, end)
+    signal.signal(signal.SIGINT, end)
+    codes = [proc.wait() for proc in procs]
+    logger.info("ranks %d-%d ended: exit codes %s", first, first + len(procs) - 1, codes)
+    return 0 if all(c == 0 for c in codes) else 1
 
 
 def _exit_with_parent() -> None:

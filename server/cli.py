@@ -60,8 +60,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(serve.add_argument_group("model"))
     _add_kvcache_args(serve.add_argument_group("KV cache"))
     _add_scheduler_args(serve.add_argument_group("scheduling and execution"))
+    _add_parallel_args(serve.add_argument_group("tensor parallelism"))
     _add_server_args(serve.add_argument_group("HTTP server"))
+    worker = commands.add_parser(
+        "worker", help="run this machine's tensor-parallel ranks of an engine served from another machine",
+        description="Run the tensor-parallel ranks of this node (--node-rank N > 0) for a `minivllm serve` on node "
+                    "0. Give the same model, KV cache, scheduling and parallel options as the server.",
+        formatter_class=_HelpFormatter,
+    )
+    _add_model_args(worker.add_argument_group("model"))
+    _add_kvcache_args(worker.add_argument_group("KV cache"))
+    _add_scheduler_args(worker.add_argument_group("scheduling and execution"))
+    _add_parallel_args(worker.add_argument_group("tensor parallelism"))
+    worker.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
+
+
+def _add_parallel_args(group) -> None:
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=_DEFAULTS["tensor_parallel_size"],
+                       help="split every layer over this many ranks (GPUs, or CPU processes), one process each")
+    group.add_argument("--nnodes", type=int, default=_DEFAULTS["nnodes"],
+                       help="machines the ranks are spread over (tensor-parallel-size / nnodes on each)")
+    group.add_argument("--node-rank", type=int, default=_DEFAULTS["node_rank"],
+                       help="this machine's index: 0 runs the server and rank 0, the others `minivllm worker`")
+    group.add_argument("--master-addr", default=_DEFAULTS["master_addr"],
+                       help="address of node 0, where the ranks meet (torch.distributed's rendezvous)")
+    group.add_argument("--master-port", type=int, default=_DEFAULTS["master_port"],
+                       help="port on node 0 where the ranks meet; 0: a free one (one machine only)")
+    group.add_argument("--distributed-timeout", type=float, default=_DEFAULTS["distributed_timeout_s"],
+                       help="seconds a collective may wait before the engine fails (a rank died or hangs)")
 
 
 def _add_model_args(group) -> None:
@@ -188,6 +215,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         overlap_steps=args.overlap_steps, async_scheduling=args.async_scheduling, max_logprobs=args.max_logprobs,
+        tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+        master_addr=args.master_addr, master_port=args.master_port, distributed_timeout_s=args.distributed_timeout,
     )
 
 
@@ -310,10 +339,27 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def worker(args: argparse.Namespace) -> int:
+    """This node's ranks (``--node-rank`` > 0) of an engine whose rank 0 is a `minivllm serve` elsewhere."""
+    from engine.worker import run_node
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config_from_args(args)
+        if config.node_rank == 0:
+            raise ConfigError("node 0 runs `minivllm serve`; `minivllm worker` is for --node-rank 1 and up")
+    except (ConfigError, ValueError) as exc:
+        print(f"minivllm worker: error: {exc}", file=sys.stderr)
+        return 2
+    return run_node(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "worker":
+        return worker(args)
     return 2
 
 
