@@ -2,6 +2,7 @@
 
     python bench/gpu_throughput.py --shape qwen3-0.6b --workload W1 --peer-requests 64
     python bench/gpu_throughput.py --shape llama-3.1-8b --workload W1 --peer-requests 0
+    python bench/gpu_throughput.py --shape llama-3.1-8b --tensor-parallel-size 2 --peer-requests 0
 
 Measures copy bandwidth and matmul rate in the same run, computes the workload's
 roofline from them, runs minivllm (bf16, Triton attention, CUDA graphs), reports the
@@ -27,16 +28,65 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from offline_throughput import git_commit  # noqa: E402
 from peers import run_transformers_cb  # noqa: E402
-from roofline import measure_ceilings, model_costs, roofline  # noqa: E402
+from roofline import full_model_costs, measure_ceilings, model_costs, roofline  # noqa: E402
 from workloads import WORKLOADS, shape_dir  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 
 
+ALL_REDUCE_BATCHES = (1, 8, 32, 64, 128, 192, 256)
+
+
+def _all_reduce_rank(rank: int, world: int, port: int, hidden: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    times = {}
+    for batch in ALL_REDUCE_BATCHES:
+        x = torch.randn(batch, hidden, dtype=torch.bfloat16, device="cuda")
+        for _ in range(10):
+            dist.all_reduce(x)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(100):
+            dist.all_reduce(x)
+        end.record()
+        end.synchronize()
+        times[batch] = start.elapsed_time(end) / 1e3 / 100
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def measure_all_reduce(world: int, hidden: int) -> dict[int, float]:
+    """Seconds per NCCL all-reduce of [batch, hidden] bf16 over ``world`` GPUs, by batch (before the engine
+    takes the GPUs; a decode step does two per layer)."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "all_reduce.json")
+        mp.spawn(_all_reduce_rank, args=(world, port, hidden, out), nprocs=world, join=True)
+        return {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+
+
+def all_reduce_time(table: dict[int, float]):
+    """Interpolate a measured all-reduce table over batch sizes."""
+    sizes = sorted(table)
+    return lambda batch: float(np.interp(batch, sizes, [table[b] for b in sizes]))
+
+
 def run_minivllm(model_dir: Path, prompts, output_lens, args) -> tuple[dict, LLM]:
     llm = LLM(str(model_dir), load_format="dummy", max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+              tensor_parallel_size=args.tensor_parallel_size)
     warm = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 4
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], warm, use_tqdm=False)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
@@ -92,7 +142,12 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="plan each step before the last one's tokens (default: the engine's, on with CUDA)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs the model is split over; the roofline is then per GPU, plus the all-reduces "
+                             "measured in the same run")
     args = parser.parse_args()
+    if args.tensor_parallel_size > 1:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, as the device notes ask
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     model_dir = shape_dir(args.shape)
@@ -105,9 +160,26 @@ def main() -> None:
         prompts, output_lens = prompts[: args.num_requests], output_lens[: args.num_requests]
 
     ceil = measure_ceilings(torch.device("cuda"))
+    tp = args.tensor_parallel_size
+    all_reduce = measure_all_reduce(tp, config.hidden_size) if tp > 1 else None
     result, llm = run_minivllm(model_dir, prompts, output_lens, args)
-    costs = model_costs(llm.engine.runner.model, config)
-    roof = roofline([len(p) for p in prompts], output_lens, costs, ceil, config.vocab_size, config.hidden_size)
+    if tp > 1:  # rank 0 holds a share of the model: count the whole from the config
+        from engine.distributed import kv_head_range
+
+        costs = full_model_costs(config)
+        kv_share = kv_head_range(config.num_key_value_heads, 0, tp)[1] / config.num_key_value_heads
+        # Per decode step: two all-reduces per layer, one for the embedding (the logits' gather is smaller).
+        num_all_reduces = 2 * config.num_hidden_layers + 1
+        roof = roofline([len(p) for p in prompts], output_lens, costs, ceil, config.vocab_size, config.hidden_size,
+                        num_gpus=tp, kv_share=kv_share, all_reduce_s=all_reduce_time(all_reduce),
+                        num_all_reduces=num_all_reduces)
+        batch = result["steps"].get("decode_graph", {}).get("mean_batch", 1)
+        result["all_reduce_ms_per_decode_step"] = num_all_reduces * all_reduce_time(all_reduce)(batch) * 1e3
+        result["all_reduce_s_by_batch"] = all_reduce
+    else:
+        costs = model_costs(llm.engine.runner.model, config)
+        roof = roofline([len(p) for p in prompts], output_lens, costs, ceil, config.vocab_size, config.hidden_size)
+    llm.engine.close()
     del llm
     torch.cuda.empty_cache()
     results = [result]
@@ -120,7 +192,7 @@ def main() -> None:
               "num_requests": len(prompts), "ceilings": ceil.__dict__, "roofline": roof, "results": results}
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = "_sync" if args.async_scheduling is False else ""
+    suffix = ("_sync" if args.async_scheduling is False else "") + (f"_tp{tp}" if tp > 1 else "")
     (out_dir / f"gpu_{args.shape}_{workload.name}{suffix}.json").write_text(json.dumps(record, indent=2))
     print(f"\n{args.shape} {workload.name} ({len(prompts)} requests, {sum(output_lens)} output tokens) on "
           f"{record['gpu']}, commit {record['commit']}")
@@ -130,6 +202,9 @@ def main() -> None:
     print(f"  minivllm: {result['tok_s']:.0f} tok/s in {result['elapsed_s']:.1f} s = "
           f"{result['tok_s'] / roof['tok_s']:.1%} of the roofline; preemptions {result['preemptions']}, "
           f"steps planned ahead {result['steps_planned_ahead']}")
+    if tp > 1:
+        print(f"  {tp} GPUs: roofline per GPU with {roof['all_reduce_s']:.2f} s of all-reduces measured in this run; "
+              f"{result['all_reduce_ms_per_decode_step']:.2f} ms of all-reduce per decode step at the mean batch")
     for kind, s in result["steps"].items():
         print(f"    {kind}: {s['steps']} steps, median host {s['host_ms_median']:.2f} ms, device "
               f"{s['device_ms_median']:.2f} ms, wall {s['wall_ms_median']:.2f} ms (max {s['wall_ms_max']:.1f}, "

@@ -65,20 +65,42 @@ def model_costs(model: torch.nn.Module, config) -> ModelCosts:
     return ModelCosts(weight_bytes, matmul_params - config.vocab_size * config.hidden_size, kv, attn)
 
 
+def full_model_costs(config, elem: int = 2) -> ModelCosts:
+    """``model_costs`` from the config alone: the whole model, whatever share of it one rank holds."""
+    h, layers, hd = config.hidden_size, config.num_hidden_layers, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size + 2 * h
+    body = layers * per_layer + h  # what multiplies every prompt token (the LM head is counted per prompt)
+    params = body + config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    return ModelCosts(params * elem, body, 2 * layers * kv * elem, 4 * layers * config.num_attention_heads * hd)
+
+
 def roofline(prompt_lens: list[int], output_lens: list[int], costs: ModelCosts, ceil: Ceilings,
-             vocab: int, hidden: int) -> dict:
-    """Lower bound on the time of the workload, and the output tokens/s it allows."""
+             vocab: int, hidden: int, num_gpus: int = 1, kv_share: float | None = None,
+             all_reduce_s=None, num_all_reduces: int = 0) -> dict:
+    """Lower bound on the time of the workload, and the output tokens/s it allows.
+
+    On ``num_gpus`` (tensor parallelism) each GPU reads its share of the weights and of the KV
+    (``kv_share``: the fraction of KV heads one GPU holds, more than 1/num_gpus when they are
+    replicated) and does its share of the FLOPs, at the ceilings measured on one; each decode step also
+    pays ``num_all_reduces`` all-reduces of [batch, hidden] (``all_reduce_s(batch)``, measured).
+    """
     p = np.asarray(prompt_lens, dtype=np.float64)
     o = np.asarray(output_lens, dtype=np.float64)
+    kv_share = 1.0 / num_gpus if kv_share is None else kv_share
     # Prefill: every prompt token through the matmuls, causal attention, logits of the last token.
     prefill_flops = (2 * costs.matmul_params * p.sum() + costs.attn_flops_per_pair * (p * (p + 1) / 2).sum()
                      + 2 * vocab * hidden * len(p))
-    prefill_s = prefill_flops / ceil.matmul_flops_per_s
+    prefill_s = prefill_flops / num_gpus / ceil.matmul_flops_per_s
     # Decode step s (1-based) serves the requests with more than s output tokens; each reads its whole KV.
-    decode_s = 0.0
+    decode_s = comm_s = 0.0
     for step in range(1, int(o.max())):
         active = o > step
         kv_tokens = (p[active] + step).sum()
-        decode_s += (costs.weight_bytes + kv_tokens * costs.kv_bytes_per_token) / ceil.copy_bytes_per_s
-    total_s = prefill_s + decode_s
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": total_s, "tok_s": o.sum() / total_s}
+        decode_s += (costs.weight_bytes / num_gpus + kv_tokens * costs.kv_bytes_per_token * kv_share) \
+            / ceil.copy_bytes_per_s
+        if all_reduce_s is not None:
+            comm_s += num_all_reduces * all_reduce_s(int(active.sum()))
+    total_s = prefill_s + decode_s + comm_s
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "all_reduce_s": comm_s, "total_s": total_s,
+            "tok_s": o.sum() / total_s, "num_gpus": num_gpus}

@@ -36,3 +36,32 @@ def test_w1_on_qwen3_shape_matches_the_quoted_roofline():
     assert sum(outputs) == 148756
     assert 34_000 < r["tok_s"] < 37_000
     assert r["decode_s"] > 10 * r["prefill_s"]  # decode-bound, as the issue says
+
+
+def test_tensor_parallel_roofline_by_hand():
+    """Two GPUs: each reads half the weights and, with the KV heads split, half the KV, does half the FLOPs,
+    and each decode step pays its all-reduces (here 2 of 0.01 s per active request)."""
+    r = roofline([2, 3], [3, 1], COSTS, CEIL, vocab=5, hidden=2, num_gpus=2, all_reduce_s=lambda b: 0.01 * b,
+                 num_all_reduces=2)
+    assert r["prefill_s"] == pytest.approx(69 / 2 / 100)
+    assert r["decode_s"] == pytest.approx(((50 + 10 * 3 / 2) + (50 + 10 * 4 / 2)) / 1000)
+    assert r["all_reduce_s"] == pytest.approx(2 * 2 * 0.01)
+    assert r["tok_s"] == pytest.approx(4 / (0.345 + 0.135 + 0.04))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_costs_from_the_config_equal_the_ones_counted_on_the_model(tmp_path, tied):
+    import torch
+    import transformers
+
+    from engine.loader import load_model
+    from engine.model_config import ModelConfig
+    from roofline import full_model_costs, model_costs
+
+    hf = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+                                  architectures=["LlamaForCausalLM"])
+    hf.save_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path)
+    model = load_model(config, torch.float32, "cpu", load_format="dummy")
+    assert full_model_costs(config, elem=4) == model_costs(model, config)
