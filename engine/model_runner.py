@@ -123,8 +123,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.device = config.rank_device(tp_rank())
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # a tensor-parallel rank's own GPU
         self.dtype = config.resolve_dtype(self.device)
         self.block_size = config.kvcache_block_size
         self.num_kv_heads = kv_head_range(model_config.num_key_value_heads)[1]  # this rank's share
