@@ -166,6 +166,7 @@ class LLMEngine:
         check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
         if self.config.node_rank != 0:
             raise ConfigError("the engine is rank 0, on node 0; other nodes run `minivllm worker`")
+        self.config.rank_device(self.config.ranks_per_node - 1)  # this node has a GPU for each of its ranks
         if self.config.master_port == 0:
             self.config = dataclasses.replace(self.config, master_port=free_port())
         workers = spawn_local_workers(self.config, 1, self.config.ranks_per_node - 1)
