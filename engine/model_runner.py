@@ -425,9 +425,8 @@ class ModelRunner:
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         """Flat step inputs, built with vector ops into the persistent buffers and copied asynchronously."""
         b, buf, bs = self.batch, self.buffers, self.block_size
-        if self._inputs_copied is not None:
-            # With a step planned ahead, the previous step's copies may still be reading the pinned buffers.
-            self._inputs_copied.synchronize()
+        # With a step planned ahead, the previous step's copies may still be reading the pinned buffers.
+        self.wait_for_input_copies()
         req_ids = list(sched.num_scheduled_tokens)
         rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         counts = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
@@ -475,7 +474,7 @@ class ModelRunner:
         if self.followers is not None:  # the other tensor-parallel ranks run the same step
             self.followers.send(shape, buf, prompt_lp.token_ids_host if prompt_lp is not None else None,
                                 sched.block_copies)
-        input_ids, device_positions, meta, logits_indices = self._device_inputs(shape)
+        input_ids, device_positions, meta, logits_indices = self.device_inputs(shape)
         inputs = StepInputs(
             input_ids=input_ids,
             positions=device_positions,
@@ -493,7 +492,12 @@ class ModelRunner:
             inputs.placeholder_request_ids = [req_ids[order[token_req[t]]] for t in unknown.tolist()]
         return inputs
 
-    def _device_inputs(self, shape: "StepShape"):
+    def wait_for_input_copies(self) -> None:
+        """Wait until the last step's host-to-device input copies have read the pinned host buffers."""
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()
+
+    def device_inputs(self, shape: "StepShape"):
         """The step's inputs on the device from the host buffers: (input ids, positions, attention metadata,
         logits indices). Rank 0 fills the buffers from its batch; the other ranks from rank 0's message."""
         buf, padded, padded_tokens, width = self.buffers, shape.padded, shape.padded_tokens, shape.width

@@ -109,15 +109,14 @@ def follow(runner) -> None:
     buf = runner.buffers
     with torch.inference_mode():
         while True:
-            if runner._inputs_copied is not None:
-                runner._inputs_copied.synchronize()  # the last step's copies read the host buffers recv rewrites
+            runner.wait_for_input_copies()  # the last step's copies read the host buffers recv rewrites
             step = channel.recv(buf)
             if step is None:
                 return
             shape, prompt_lp_indices, copies = step
             if copies:
                 runner.kv_cache.copy_blocks(copies)
-            input_ids, positions, meta, logits_indices = runner._device_inputs(shape)
+            input_ids, positions, meta, logits_indices = runner.device_inputs(shape)
             distributed.broadcast_from_rank0(input_ids)
             if shape.graph_size:
                 runner.graphs.replay(shape.graph_size)
