@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,20 +83,13 @@ def _fetch_gguf(work_dir: Path) -> Path:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantise the GGUF with transformers and save model (safetensors) and tokenizer to ``out_dir``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The generic GGUF conversion (engine/gguf.py), with the default model's tokenizer made the published
+    one and its model card's sampling in the generation config."""
+    from engine.gguf import convert
 
-    logger.info("loading tokenizer from %s", gguf_path.name)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    logger.info("dequantising %s to float32", gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, **{_dtype_keyword(): torch.float32}
-    )
-    _normalize_tokenizer(tokenizer, model.config.eos_token_id)
-    logger.info("saving safetensors and tokenizer")
-    _save_plain_checkpoint(model, out_dir)
-    tokenizer.save_pretrained(str(out_dir))
+    convert(gguf_path, out_dir, fix_tokenizer=lambda tokenizer, model: _normalize_tokenizer(
+        tokenizer, model.config.eos_token_id))
+    _add_recommended_sampling(out_dir / "generation_config.json")
 
 
 def _normalize_tokenizer(tokenizer, eos_token_id: int) -> None:
@@ -116,63 +108,16 @@ def _normalize_tokenizer(tokenizer, eos_token_id: int) -> None:
                            f"encode('') = {tokenizer.encode('')}, eos = {tokenizer.eos_token!r}")
 
 
-def _dtype_keyword() -> str:
-    """``from_pretrained``'s dtype argument: ``dtype`` since transformers 4.56, ``torch_dtype`` before."""
-    import transformers
-
-    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-
-
-def _save_plain_checkpoint(model, out_dir: Path) -> None:
-    """Write config, generation config and float32 safetensors as an ordinary checkpoint.
-
-    ``model.save_pretrained`` refuses GGUF-loaded models in recent transformers, so the
-    pieces are written directly.
-    """
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # shares storage with the embeddings; stored once
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    model.config.save_pretrained(str(out_dir))
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(str(out_dir))
-    _add_recommended_sampling(out_dir / "generation_config.json")
-    _make_plain_config(out_dir / "config.json")
-
-
 def _add_recommended_sampling(path: Path) -> None:
     config = json.loads(path.read_text()) if path.exists() else {}
     config.update(_RECOMMENDED_SAMPLING)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _make_plain_config(config_path: Path) -> None:
-    """Make config.json describe an ordinary float32 Llama checkpoint, not a GGUF-derived one."""
-    config = json.loads(config_path.read_text())
-    config["architectures"] = ["LlamaForCausalLM"]
-    config.pop("quantization_config", None)
-    # transformers 5 writes rope_theta inside rope_parameters; 4.x only reads the top-level key.
-    rope_parameters = config.get("rope_parameters") or {}
-    if "rope_theta" in rope_parameters:
-        config.setdefault("rope_theta", rope_parameters["rope_theta"])
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
 def _publish(staging: Path, target: Path) -> None:
-    """Move the finished conversion into place; a leftover incomplete or outdated directory is replaced."""
-    if target.exists() and not _is_current(target):
-        logger.info("removing incomplete or outdated %s", target)
-        shutil.rmtree(target)
-    try:
-        staging.rename(target)
-    except OSError:
-        # Another process finished the same conversion first: keep theirs.
-        if not _is_current(target):
-            raise
+    from engine.gguf import publish
+
+    publish(staging, target, lambda: _is_current(target))
 
 
 def main() -> None:

@@ -93,7 +93,15 @@ def free_port() -> int:
 
 
 def resolve_model_path(config: EngineConfig) -> str:
+    """The Hugging Face directory to load: the model given, a GGUF file's conversion, or the default model."""
     if config.model is not None:
+        from engine.gguf import ensure_converted, gguf_file
+
+        path = gguf_file(config.model)
+        if path is not None:
+            from engine.default_model import default_cache_dir
+
+            return str(ensure_converted(path, default_cache_dir()))
         return config.model
     from engine.default_model import ensure_default_model
 
