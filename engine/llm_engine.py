@@ -77,6 +77,8 @@ def check_tensor_parallel(model_config: ModelConfig, tp: int) -> None:
     """A tensor-parallel size the model's shapes split evenly by, or a ConfigError saying which does not."""
     splits = {"attention heads": model_config.num_attention_heads, "vocabulary": model_config.vocab_size,
               "intermediate size": model_config.intermediate_size}
+    if model_config.moe is not None:
+        splits["experts' intermediate size"] = model_config.moe.expert_intermediate_size
     for what, size in splits.items():
         if size % tp:
             raise ConfigError(f"tensor_parallel_size={tp} does not divide the model's {what} ({size})")

@@ -19,6 +19,18 @@ SUPPORTED_ROPE_TYPES = ("linear", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP of a mixture-of-experts model: each token goes to its router's top-k experts."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
+    sparse_layers: tuple[int, ...]  # the layers with experts; the others keep a dense MLP
+    weights_in_hidden_dtype: bool  # routing weights cast back to the activations' dtype (Qwen3-MoE)
+
+
 @dataclass
 class ModelConfig:
     model_path: str
@@ -42,6 +54,7 @@ class ModelConfig:
     bos_token_id: int | None
     dtype: torch.dtype | None  # the checkpoint's dtype, if the config names one
     sliding_window: int | None  # None when every layer attends to the full context
+    moe: MoEConfig | None = None  # mixture-of-experts layers (Qwen3-MoE, Mixtral); None for a dense model
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
@@ -80,11 +93,12 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             # Qwen2's config has no attention_bias field: its q/k/v projections always carry a bias.
             attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             eos_token_ids=_read_eos_token_ids(hf_config, model_path),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             dtype=_read_dtype(hf_config),
             sliding_window=_read_sliding_window(hf_config),
+            moe=_read_moe(hf_config, model_type),
         )
         _check_unsupported_features(hf_config)
         config.validate()
@@ -190,6 +204,24 @@ def _read_dtype(hf_config: Any) -> torch.dtype | None:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {value!r} in model config")
     return dtype
+
+
+def _read_moe(hf_config: Any, model_type: str) -> MoEConfig | None:
+    """Mixtral: every layer sparse, top-k always renormalised; Qwen3-MoE: every ``decoder_sparse_step``-th
+    layer outside ``mlp_only_layers``, renormalised when ``norm_topk_prob``."""
+    layers = _require(hf_config, "num_hidden_layers")
+    if model_type == "mixtral":
+        return MoEConfig(_require(hf_config, "num_local_experts"), _require(hf_config, "num_experts_per_tok"),
+                         _require(hf_config, "intermediate_size"), True, tuple(range(layers)), False)
+    if model_type == "qwen3_moe":
+        step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+        num_experts = _require(hf_config, "num_experts")
+        sparse = tuple(i for i in range(layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+        return MoEConfig(num_experts, _require(hf_config, "num_experts_per_tok"),
+                         _require(hf_config, "moe_intermediate_size"), bool(getattr(hf_config, "norm_topk_prob", False)),
+                         sparse, True)
+    return None
 
 
 def _read_sliding_window(hf_config: Any) -> int | None:

@@ -206,6 +206,9 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
             logger.info("CUDA graphs off: every step runs eagerly")
             return
+        if not getattr(self.model, "supports_cuda_graphs", True):
+            logger.info("CUDA graphs off: %s's experts run eagerly (the torch reference)", self.model_config.architecture)
+            return
         self.graphs = DecodeGraphs(self.model, self.buffers, self.config.graph_batch_sizes(), self.block_size,
                                    self.max_model_len)
         self.graphs.capture()

@@ -27,6 +27,10 @@ CONFIGS = {
     "qwen2-bias": TINY_CONFIGS["qwen2"],
     "qwen3-gqa": TINY_CONFIGS["qwen3"],
     "llama-one-kv-head": lambda: transformers.LlamaConfig(**{**SMALL_CONFIG, "num_key_value_heads": 1}),
+    # Every expert's intermediate size split over the ranks, the router replicated.
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**{**SMALL_CONFIG, "tie_word_embeddings": False}, head_dim=16,
+                                                     moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                                     norm_topk_prob=True),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 
@@ -14,6 +15,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -272,11 +272,15 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 class WeightTarget:
     """Where one checkpoint tensor goes: a parameter, or one shard of a fused parameter."""
 
-    param: nn.Parameter
+    param: nn.Parameter | None
     fused: FusedLinear | None = None
     shard: str | None = None
+    loader: Any = None  # a module's own loader for the tensor (``weight_targets``): loader(name, tensor)
 
     def load(self, name: str, tensor) -> None:
+        if self.loader is not None:
+            self.loader(name, tensor)
+            return
         if self.fused is not None:
             self.fused.load_shard(self.param, self.shard, tensor)
             return
@@ -295,6 +299,11 @@ def checkpoint_targets(model: nn.Module) -> dict[str, WeightTarget]:
     targets: dict[str, WeightTarget] = {}
     seen: set[int] = set()
     for module_name, module in model.named_modules():
+        if hasattr(module, "weight_targets"):  # a module that lays several checkpoint tensors out its own way
+            for name, loader in module.weight_targets(module_name).items():
+                targets[name] = WeightTarget(None, loader=loader)
+            seen.update(id(p) for p in module.parameters(recurse=False))
+            continue
         for param_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue

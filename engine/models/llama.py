@@ -100,10 +100,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, spec: AttentionSpec, rotary_emb: RotaryEmbedding, layer_idx: int):
+    def __init__(self, config: ModelConfig, spec: AttentionSpec, rotary_emb: RotaryEmbedding, layer_idx: int,
+                 mlp: nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, spec, rotary_emb, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -126,14 +127,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, spec: AttentionSpec):
+    def __init__(self, config: ModelConfig, spec: AttentionSpec, make_mlp=None):
         super().__init__()
+        make_mlp = make_mlp or (lambda config, layer_idx: LlamaMLP(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = get_rope(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, spec, rotary_emb, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, spec, rotary_emb, i, make_mlp(config, i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -152,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_spec(config))
+        self.model = LlamaModel(config, self.attention_spec(config), self.make_mlp)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -160,6 +162,11 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def attention_spec(cls, config: ModelConfig) -> AttentionSpec:
         return AttentionSpec(qkv_bias=config.attention_bias, o_proj_bias=config.attention_bias, qk_norm=False)
+
+    @classmethod
+    def make_mlp(cls, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx`` (mixture-of-experts models override it)."""
+        return LlamaMLP(config)
 
     def forward(
         self,
