@@ -54,6 +54,8 @@ class ModelConfig:
     bos_token_id: int | None
     dtype: torch.dtype | None  # the checkpoint's dtype, if the config names one
     sliding_window: int | None  # None when every layer attends to the full context
+    # Per layer: the sliding window its attention sees (the last this-many positions), 0 for the full context.
+    layer_windows: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # mixture-of-experts layers (Qwen3-MoE, Mixtral); None for a dense model
 
     @classmethod
@@ -100,6 +102,7 @@ class ModelConfig:
             sliding_window=_read_sliding_window(hf_config),
             moe=_read_moe(hf_config, model_type),
         )
+        config.layer_windows = _layer_windows(hf_config, config)
         _check_unsupported_features(hf_config)
         config.validate()
         return config
@@ -113,12 +116,8 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.sliding_window is not None and self.sliding_window < self.max_position_embeddings:
-            raise ValueError(
-                f"sliding-window attention is not supported (sliding_window={self.sliding_window} < "
-                f"max_position_embeddings={self.max_position_embeddings}); use a checkpoint that attends "
-                "to the full context (e.g. Mistral v0.2 or later)"
-            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
 
 
 def _check_unsupported_features(hf_config: Any) -> None:
@@ -222,6 +221,20 @@ def _read_moe(hf_config: Any, model_type: str) -> MoEConfig | None:
                          _require(hf_config, "moe_intermediate_size"), bool(getattr(hf_config, "norm_topk_prob", False)),
                          sparse, True)
     return None
+
+
+def _layer_windows(hf_config: Any, config: ModelConfig) -> tuple[int, ...]:
+    """Each layer's window: Mistral's applies to every layer; ``layer_types`` (transformers 5: Qwen2 with
+    ``use_sliding_window``, past ``max_window_layers``) names the sliding ones. A window as long as the
+    context is no window."""
+    window = config.sliding_window
+    layers = config.num_hidden_layers
+    if window is None or window >= config.max_position_embeddings:
+        return (0,) * layers
+    types = getattr(hf_config, "layer_types", None)
+    if types:
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    return (window,) * layers
 
 
 def _read_sliding_window(hf_config: Any) -> int | None:

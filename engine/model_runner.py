@@ -191,13 +191,20 @@ class ModelRunner:
             layer.bind_kv_cache(*self.kv_cache.layer(i))
         logger.info("KV cache%s: %s", f" of rank {tp_rank()} (its share of the heads)" if tp_size() > 1 else "",
                     self.kv_cache.describe())
+        windows = [w for w in mc.layer_windows if w]
+        if windows:
+            logger.info("sliding windows on %d of %d layers (%s tokens): one block table serves every layer, so a "
+                        "request keeps the KV of all its tokens in every layer until it ends, where the windowed "
+                        "layers read only their window's blocks", len(windows), mc.num_hidden_layers,
+                        ", ".join(str(w) for w in sorted(set(windows))))
 
     def warm_up_kernels(self) -> None:
         """Compile the attention kernels' variants before the first request rather than during it."""
         start = time.perf_counter()
         layer = self.model.attention_layers()[0]
+        windows = tuple(sorted({a.sliding_window for a in self.model.attention_layers()}))
         n = self.backend.warm_up(layer.num_heads, layer.k_cache, layer.v_cache, self.buffers.block_tables.device,
-                                 max(self.config.max_num_batched_tokens, 1))
+                                 max(self.config.max_num_batched_tokens, 1), windows)
         if n:
             logger.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - start)
 

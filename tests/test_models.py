@@ -116,11 +116,16 @@ def test_unknown_architecture_lists_supported():
         assert name in str(info.value)
 
 
-def test_mistral_sliding_window_is_refused():
-    hf_config = transformers.MistralConfig(**SMALL_CONFIG, sliding_window=16)
-    hf_config.architectures = ["MistralForCausalLM"]
-    with pytest.raises(ValueError, match="sliding-window attention is not supported"):
-        ModelConfig.from_hf_config(hf_config, "unused")
+def test_sliding_windows_per_layer():
+    """Mistral's window holds on every layer; Qwen2's only past max_window_layers; one as long as the context
+    is no window."""
+    mistral = transformers.MistralConfig(**SMALL_CONFIG, sliding_window=16, architectures=["MistralForCausalLM"])
+    assert ModelConfig.from_hf_config(mistral, "unused").layer_windows == (16, 16)
+    qwen2 = transformers.Qwen2Config(**SMALL_CONFIG, use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                                     architectures=["Qwen2ForCausalLM"])
+    assert ModelConfig.from_hf_config(qwen2, "unused").layer_windows == (0, 16)
+    long = transformers.MistralConfig(**SMALL_CONFIG, sliding_window=4096, architectures=["MistralForCausalLM"])
+    assert ModelConfig.from_hf_config(long, "unused").layer_windows == (0, 0)
 
 
 def test_transformers4_style_config():

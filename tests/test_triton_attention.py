@@ -347,3 +347,23 @@ def test_prefill_rejects_bad_inputs():
     for change in bad:
         with pytest.raises(ValueError):
             paged_prefill_attention(**{**good, **change})
+
+
+@pytest.mark.parametrize("window", [1, 16, 37])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sliding_window_matches_reference(window, num_splits):
+    """A window shorter than most contexts: decode rows start from the window's first block (split over
+    what remains), prefill tiles from the earliest key their first query still sees; rows of a tile that
+    see nothing in its first key tiles stay finite."""
+    case = make_case(21 + window, MIXED, 2, 4, 64, 16)
+    ref = TorchAttentionBackend().forward(case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
+                                          case.meta, case.scale, window)
+    d, m = case.meta.num_decodes, case.meta
+    out = torch.full_like(case.q[:d], float("nan"))
+    paged_decode_attention(case.q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d], case.scale,
+                           out, num_splits, window=window)
+    assert_matches(out, ref[:d], [])
+    prefill = torch.full_like(case.q, float("nan"))
+    paged_prefill_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.query_start_loc, m.seq_lens,
+                            m.max_query_len, case.scale, prefill, window=window)
+    assert_matches(prefill, ref, [])

@@ -16,8 +16,10 @@ class Attention(nn.Module):
     attributes set once, never looked up by duck typing.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int,
+                 sliding_window: int = 0):
         super().__init__()
+        self.sliding_window = sliding_window  # a query sees only the last this-many positions; 0: all
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads = num_heads
@@ -53,5 +55,6 @@ class Attention(nn.Module):
             self.v_cache,
             meta,
             self.scale,
+            self.sliding_window,
         )
         return out.view(n, self.num_heads * self.head_dim)

@@ -41,7 +41,7 @@ class TorchAttentionBackend:
     name = "torch"
 
     def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                block_tables: torch.Tensor, max_query_len: int) -> int:
+                block_tables: torch.Tensor, max_query_len: int, windows: tuple[int, ...] = (0,)) -> int:
         """Nothing to compile: plain torch ops."""
         return 0
 
@@ -54,22 +54,23 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,  # a sliding window: a query sees only the last ``window`` positions; 0: all
     ) -> torch.Tensor:
         num_tokens = meta.slot_mapping.shape[0]
         write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.num_decodes > 0:
             d = meta.num_decodes
-            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, window)
         starts = meta.query_start_loc_cpu.tolist()
         seq_lens = meta.seq_lens_cpu.tolist()
         for i in range(meta.num_decodes, meta.num_reqs):
             lo, hi = starts[i], starts[i + 1]
-            out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, meta.block_tables[i], seq_lens[i], scale)
+            out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, meta.block_tables[i], seq_lens[i], scale, window)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
         d = q.shape[0]
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -81,6 +82,8 @@ class TorchAttentionBackend:
         values = _gather_context(v_cache, tables)
         positions = torch.arange(nb * block_size, device=q.device)
         beyond = positions[None, :] >= meta.seq_lens[:d, None]  # [d, L]: padding past each context
+        if window:  # and keys that slid out of the window of the query (at seq_len - 1)
+            beyond |= positions[None, :] < meta.seq_lens[:d, None] - window
         # An additive mask: SDPA's CPU kernel takes it without converting a boolean one per call.
         mask = torch.zeros(beyond.shape, dtype=q.dtype, device=q.device).masked_fill_(beyond, float("-inf"))
         # Fold the query heads of one KV head into the query axis: GQA without repeating K/V.
@@ -89,14 +92,14 @@ class TorchAttentionBackend:
         return o.reshape(d, num_heads, head_dim)
 
     @staticmethod
-    def _prefill(q, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
+    def _prefill(q, k_cache, v_cache, block_table, seq_len: int, scale: float, window: int = 0) -> torch.Tensor:
         n, num_heads, head_dim = q.shape
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // num_kv_heads
         nb = (seq_len + block_size - 1) // block_size
         keys = _gather_context(k_cache, block_table[None, :nb])[0, :, :seq_len]  # [kvh, L, hd]
         values = _gather_context(v_cache, block_table[None, :nb])[0, :, :seq_len]
-        if seq_len == n:
+        if seq_len == n and not window:
             # No cached context: plain causal attention, with no mask to build.
             qh = q.transpose(0, 1)  # [H, n, hd]
             keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
@@ -106,6 +109,8 @@ class TorchAttentionBackend:
         q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [n, L]
+        if window:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
         qg = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask.repeat(group, 1), scale=scale)
         return o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)

@@ -74,16 +74,16 @@ def _jit_without_specializing(*names: str):
     return triton.jit(**kwargs)
 
 
-@_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len")
+@_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window")
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, max_context_len,
+    qk_scale, max_context_len, window,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ORDER: tl.constexpr,
+    HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     if HAS_ORDER:
@@ -98,9 +98,12 @@ def _decode_split_kernel(
 
     # The clamp keeps a bad length from reading past the block table's row.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_context_len)
+    kv_start = 0
+    if SLIDING:  # only the last ``window`` keys: the blocks before them are never read
+        kv_start = tl.maximum(seq_len - window, 0)
     # Each split owns a whole number of key tiles; trailing splits may be empty (seq_len 0: all are).
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - kv_start, BLOCK_N), NUM_SPLITS)
+    start = kv_start + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -194,14 +197,16 @@ def _find_request(query_start_loc_ptr, q_base, tile, num_reqs, BLOCK_Q: tl.const
     return lo
 
 
-@_jit_without_specializing("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr", "num_reqs", "max_context_len")
+@_jit_without_specializing("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr", "num_reqs", "max_context_len",
+                           "window")
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    qk_scale, num_reqs, max_context_len,
+    qk_scale, num_reqs, max_context_len, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -231,15 +236,24 @@ def _prefill_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        # Key 0 is visible to every row, so the first tile makes every m_i finite.
-        for tile_start in range(0, kv_end, BLOCK_N):
+        kv_lo = 0
+        if SLIDING:  # from the first key the tile's earliest query still sees; earlier blocks are never read
+            kv_lo = tl.maximum(ctx_len + first_tok - window + 1, 0)
+        # Without a window key 0 is visible to every row, so the first tile makes every m_i finite; with
+        # one a row may see nothing in a tile, which the guard below keeps from turning into NaN.
+        for tile_start in range(kv_lo, kv_end, BLOCK_N):
             pos = tile_start + offs_n
             valid = pos < kv_end
             k = _load_kv_tile(k_cache_ptr, table_ptr, pos, valid, kv_head, stride_kb, stride_ks, stride_kh,
                               offs_d, PAGE_SIZE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            if SLIDING:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
+            if SLIDING:
+                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -379,6 +393,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     order: torch.Tensor | None = None,  # [num_seqs] int32: a permutation of the rows, longest context first
     tiles: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages), for tuning sweeps
+    window: int = 0,  # a sliding window: only the last ``window`` keys; 0: the whole context
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole cached context (flash-decoding).
 
@@ -413,14 +428,14 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused: the kernel writes out directly
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, part_out, part_lse,
-        scale * LOG2_E, max_context_len,
+        scale * LOG2_E, max_context_len, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION=_dot_precision(q.dtype), HAS_ORDER=order is not None, num_warps=num_warps,
-        num_stages=num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), HAS_ORDER=order is not None, SLIDING=window > 0,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -454,6 +469,7 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    window: int = 0,  # a sliding window: a query sees the last ``window`` positions; 0: all
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their cached context and themselves.
 
@@ -482,13 +498,13 @@ def paged_prefill_attention(
     num_tiles = num_tokens // block_q + num_reqs  # an upper bound; spare tiles return at once
     _prefill_kernel[(num_tiles, num_kv_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2_E, num_reqs, block_tables.shape[1] * block_size,
+        scale * LOG2_E, num_reqs, block_tables.shape[1] * block_size, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), SLIDING=window > 0, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -529,7 +545,7 @@ def write_paged_kv(
 
 
 def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     max_query_len: int) -> int:
+                     max_query_len: int, window: int = 0) -> int:
     """Compile every kernel variant a step can pick (each split count, each prefill tile height) now,
     so that no step waits for a compile mid-run. ``block_tables`` should be the caller's own table
     buffer, so that its row stride matches the steps' tables. Returns how many variants ran; once
@@ -545,7 +561,7 @@ def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tenso
     query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
     num_splits, variants = 1, 0
     while num_splits <= MAX_NUM_SPLITS:
-        paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits, order)
+        paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits, order, window=window)
         num_splits, variants = num_splits * 2, variants + 1
     tiles, query_len = set(), 1
     while query_len < 2 * max(max_query_len, 1):
@@ -553,6 +569,6 @@ def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tenso
         tile = _prefill_tiles(n, group, head_dim)
         if tile not in tiles:
             tiles.add(tile)
-            paged_prefill_attention(q, k_cache, v_cache, table, query_start_loc, seq_lens, n, 1.0, out)
+            paged_prefill_attention(q, k_cache, v_cache, table, query_start_loc, seq_lens, n, 1.0, out, window=window)
         query_len *= 2
     return variants + len(tiles)

@@ -11,7 +11,7 @@ from engine.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    # Mistral is Llama's architecture; sliding-window checkpoints are refused by ModelConfig.
+    # Mistral is Llama's architecture, with its sliding window (ModelConfig.layer_windows).
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

@@ -66,7 +66,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = spec.qk_norm
         self.rotary_emb = rotary_emb  # shared by every layer; its table is a non-persistent buffer
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_idx)
+        window = config.layer_windows[layer_idx] if config.layer_windows else 0
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_idx,
+                              sliding_window=window)
 
     def forward(
         self,
