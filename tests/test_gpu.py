@@ -84,6 +84,35 @@ def test_prompt_logprobs_and_beam_search_on_cuda_match_transformers(tmp_path):
         assert [c.token_ids for c in out.outputs] == [s[len(prompt):].tolist() for s in seqs]
 
 
+def test_sliding_window_and_experts_on_cuda_match_transformers(tmp_path):
+    """Mistral's sliding window through the Triton kernels and CUDA graphs, and Qwen3-MoE's experts (eager),
+    in float32 against transformers on the same GPU."""
+    configs = {
+        "mistral": transformers.MistralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=512, sliding_window=24),
+        "qwen3-moe": transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                                 moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                 num_key_value_heads=2, head_dim=32, num_experts=4,
+                                                 num_experts_per_tok=2, max_position_embeddings=512),
+    }
+    prompts = _prompts(VOCAB, lens=[60, 17, 100, 33])
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+        path = tmp_path / name
+        hf.save_pretrained(path)
+        hf = hf.cuda()
+        llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=128)
+        assert (llm.engine.runner.graphs is not None) == (name == "mistral")
+        got = _greedy(llm, prompts, 20)
+        for prompt, tokens in zip(prompts, got):
+            ids = torch.tensor([prompt]).cuda()
+            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
+                                   min_new_tokens=20, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            assert tokens == expected, name
+
+
 def test_no_attention_kernel_compiles_after_start_up(tmp_path):
     """Start-up compiles every variant a step can pick: a mixed workload compiles nothing new."""
     from engine.attention import triton_kernels as tk
