@@ -4,6 +4,7 @@ file) and served like a Hugging Face directory. The default model's own GGUF is 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +31,13 @@ def test_a_gguf_file_is_served_as_its_model(gguf_path, default_model_path, tmp_p
     reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                      SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
     assert reply.outputs[0].text == "The capital of France is Paris."
-    # Converted once: the next load finds it in the cache.
-    assert LLM(str(gguf_path), max_model_len=512, num_kvcache_blocks=64).engine.model_path == converted
+    # Converted once: the next load finds it in the cache (the marker is there, nothing is written again).
+    from engine.default_model import default_cache_dir
+    from engine.gguf import ensure_converted
+
+    before = (Path(converted) / "model.safetensors").stat().st_mtime_ns
+    assert str(ensure_converted(gguf_path, default_cache_dir())) == converted
+    assert (Path(converted) / "model.safetensors").stat().st_mtime_ns == before
 
 
 def test_a_directory_names_its_one_gguf(gguf_path, tmp_path):

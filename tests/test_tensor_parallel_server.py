@@ -45,17 +45,6 @@ def rank_pids(server) -> list[int]:
     return [int(p) for p in match.group(1).split(", ")]
 
 
-def test_serve_at_tp2_answers_as_tp1(tmp_path, tiny_server, tiny_model_path):
-    server = start_server(tmp_path, "tp2", tiny_server_args(tiny_model_path) + ["--tensor-parallel-size", "2"])
-    try:
-        assert answers(server.url) == answers(tiny_server.url)
-        workers = rank_pids(server)
-        core = engine_core_pid(server)
-    finally:
-        assert server.stop() == 0
-    assert not process_alive(core) and not any(process_alive(p) for p in workers)
-
-
 def test_two_nodes_on_one_machine(tmp_path, tiny_server, tiny_model_path):
     """Node 1 runs `minivllm worker`, node 0 the server; they meet at --master-port over loopback."""
     port = str(free_port())
@@ -77,9 +66,12 @@ def test_two_nodes_on_one_machine(tmp_path, tiny_server, tiny_model_path):
             node1.wait()
 
 
-def test_a_rank_killed_mid_generation_ends_the_engine_cleanly(tmp_path, tiny_model_path):
-    server = start_server(tmp_path, "tp2-kill", tiny_server_args(tiny_model_path) + ["--tensor-parallel-size", "2"])
+def test_serve_at_tp2_answers_as_tp1_and_a_rank_killed_mid_generation_ends_it(tmp_path, tiny_server, tiny_model_path):
+    """The SDK gets TP=1's text; then rank 1 is killed while a stream runs: the stream fails, /health says
+    503 within seconds, and neither the engine core nor any rank is left running."""
+    server = start_server(tmp_path, "tp2", tiny_server_args(tiny_model_path) + ["--tensor-parallel-size", "2"])
     try:
+        assert answers(server.url) == answers(tiny_server.url)
         [worker] = rank_pids(server)
         core = engine_core_pid(server)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
