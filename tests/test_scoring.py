@@ -129,10 +129,13 @@ def test_the_whole_vocabulary_with_max_logprobs_unlimited(tmp_path, tiny_model_p
     server = start_server(tmp_path, "all-logprobs", tiny_server_args(tiny_model_path) + ["--max-logprobs", "-1"])
     try:
         vocab = httpx.get(f"{server.url}/tokenizer_info").json()["vocab_size"]
-        reply = httpx.post(f"{server.url}/v1/chat/completions", json={
-            "model": TINY_MODEL_NAME, "messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": -1,
-            "prompt_logprobs": -1}, timeout=60).json()
-        assert all(len(e["top_logprobs"]) >= vocab - 8 for e in reply["choices"][0]["logprobs"]["content"])
-        assert all(len(e) >= vocab - 8 for e in reply["prompt_logprobs"][1:])
+        ids = tokenize(server.url, prompt="The capital")
+        reply = httpx.post(f"{server.url}/v1/completions", json={
+            "model": TINY_MODEL_NAME, "prompt": ids, "max_tokens": 1, "prompt_logprobs": -1}, timeout=60).json()
+        assert [len(e) for e in reply["choices"][0]["prompt_logprobs"][1:]] == [vocab] * (len(ids) - 1)
+        chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+            "model": TINY_MODEL_NAME, "messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": -1},
+            timeout=60).json()
+        assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == vocab
     finally:
         server.stop()

@@ -140,22 +140,6 @@ def test_return_tokens_as_token_ids_in_logprobs(client):
     assert [e["token"] for e in chat["logprobs"]["content"]] == [f"token_id:{t}" for t in chat["token_ids"]]
 
 
-def test_force_include_usage_ends_every_stream_with_usage(tmp_path, tiny_model_path):
-    from tests.server_helpers import start_server, tiny_server_args
-
-    server = start_server(tmp_path, "usage", tiny_server_args(tiny_model_path) + ["--enable-force-include-usage"])
-    try:
-        forced = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        chunks = list(forced.completions.create(model=TINY_MODEL_NAME, prompt=PROMPT, max_tokens=3, stream=True,
-                                                extra_body={"ignore_eos": True}))
-        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
-        chunks = list(forced.chat.completions.create(model=TINY_MODEL_NAME, messages=CHAT, max_tokens=3,
-                                                     stream=True, extra_body={"ignore_eos": True}))
-        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
-    finally:
-        server.stop()
-
-
 def test_continue_final_message_and_chat_echo(client, tiny_server):
     partial = CHAT + [{"role": "assistant", "content": "The capital of France is"}]
     ids = tokenize(tiny_server.url, messages=partial, add_generation_prompt=False, continue_final_message=True)
@@ -279,10 +263,12 @@ VLLM_DASHBOARD_SERIES = [  # what vLLM's Grafana dashboard and alerts query
 ]
 
 
-def test_metrics_under_vllms_prefix(tmp_path, tiny_model_path):
+def test_metrics_under_vllms_prefix_and_forced_usage(tmp_path, tiny_model_path):
+    """One server with vLLM's metric names and --enable-force-include-usage (each costs a server start)."""
     from tests.server_helpers import start_server, tiny_server_args
 
-    server = start_server(tmp_path, "vllm-names", tiny_server_args(tiny_model_path) + ["--metrics-prefix", "vllm:"])
+    server = start_server(tmp_path, "vllm-names", tiny_server_args(tiny_model_path)
+                          + ["--metrics-prefix", "vllm:", "--enable-force-include-usage"])
     try:
         reply = httpx.post(f"{server.url}/v1/completions", json={"model": TINY_MODEL_NAME, "prompt": PROMPT,
                                                                  "max_tokens": 5, "ignore_eos": True})
@@ -297,6 +283,14 @@ def test_metrics_under_vllms_prefix(tmp_path, tiny_model_path):
         assert 'vllm:cache_config_info{block_size="16",num_gpu_blocks="2047"} 1.0' in text
         # The step that prefilled the 5-token prompt and the four decode steps after it.
         assert "vllm:iteration_tokens_total_count 5.0" in text
+        # Every stream ends with its usage, asked for or not.
+        forced = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        chunks = list(forced.completions.create(model=TINY_MODEL_NAME, prompt=PROMPT, max_tokens=3, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+        chunks = list(forced.chat.completions.create(model=TINY_MODEL_NAME, messages=CHAT, max_tokens=3,
+                                                     stream=True, extra_body={"ignore_eos": True}))
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
     finally:
         server.stop()
 
