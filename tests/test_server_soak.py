@@ -23,7 +23,7 @@ from tests.server_helpers import (  # noqa: E402
 pytest_plugins = ["tests.server_helpers"]
 pytestmark = pytest.mark.usefixtures("server_logs_on_failure")
 
-NUM_REQUESTS = 300
+NUM_REQUESTS = 200
 CONCURRENCY = 48
 RSS_GROWTH_BOUND_MB = 128  # both processes together, after a warm-up round like it (seen: 6-95 MB)
 
@@ -100,7 +100,7 @@ def test_soak_with_random_disconnects_leaves_nothing_behind(tmp_path, tiny_model
         wait_until_idle(server.url)
         before_mb = sum(rss_mb(pid) for pid in pids)
         outcomes = asyncio.run(soak(server.url, NUM_REQUESTS, seed=2))
-        assert outcomes.count("dropped") > 50 and outcomes.count("done") > 100
+        assert outcomes.count("dropped") > 33 and outcomes.count("done") > 66
         metrics = wait_until_idle(server.url, timeout_s=30)
         assert metrics["minivllm:num_requests_running"] == 0 and metrics["minivllm:num_requests_waiting"] == 0
         assert metrics["minivllm:kv_cache_blocks_used"] == 0
