@@ -37,7 +37,7 @@ def test_every_operation_answers_as_documented(described):
     assert len(operations) >= 9
     for operation in operations:
         @given(case=operation.as_strategy())
-        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def check(case):
             case.call_and_validate(base_url=described.url, headers=AUTH,
                                    excluded_checks=[checks.positive_data_acceptance])
