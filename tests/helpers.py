@@ -148,7 +148,11 @@ def spread_weights(model: torch.nn.Module) -> None:
 def save_tiny_model(name: str, path: Path) -> Path:
     """Save a tiny HF checkpoint (safetensors, no tokenizer) for ``name`` in TINY_CONFIGS or an alias."""
     aliases = {"llama": "llama-llama3-rope"}
-    config = TINY_CONFIGS[aliases.get(name, name)]()
+    return save_checkpoint(TINY_CONFIGS[aliases.get(name, name)](), path)
+
+
+def save_checkpoint(config: transformers.PretrainedConfig, path: Path) -> Path:
+    """Save a random-weight HF checkpoint of ``config`` (seeded, weights spread) to ``path``."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     spread_weights(model)

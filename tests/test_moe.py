@@ -10,7 +10,8 @@ import transformers
 from engine import LLM, SamplingParams
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from tests.helpers import VOCAB, PagedRunner, spread_weights
+from tests.helpers import VOCAB, PagedRunner, save_checkpoint
+from tests.test_engine import make_prompts
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -30,17 +31,11 @@ MOE_CONFIGS = {
 
 @pytest.fixture(scope="module", params=sorted(MOE_CONFIGS))
 def moe_dir(request, tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(MOE_CONFIGS[request.param]()).eval()
-    spread_weights(model)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return path
+    return save_checkpoint(MOE_CONFIGS[request.param](), tmp_path_factory.mktemp(request.param))
 
 
 def prompts(lens, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
+    return make_prompts(VOCAB, lens, seed)
 
 
 def test_prefill_chunks_and_decodes_match_transformers(moe_dir):

@@ -10,7 +10,8 @@ import transformers
 from engine import LLM, SamplingParams
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from tests.helpers import SMALL_CONFIG, VOCAB, PagedRunner, spread_weights
+from tests.helpers import SMALL_CONFIG, VOCAB, PagedRunner, save_checkpoint
+from tests.test_engine import make_prompts
 
 WINDOW_CONFIGS = {
     "mistral-window-16": lambda: transformers.MistralConfig(**SMALL_CONFIG, sliding_window=16),
@@ -22,17 +23,11 @@ WINDOW_CONFIGS = {
 
 @pytest.fixture(scope="module", params=sorted(WINDOW_CONFIGS))
 def window_dir(request, tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(WINDOW_CONFIGS[request.param]()).eval()
-    spread_weights(model)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return path
+    return save_checkpoint(WINDOW_CONFIGS[request.param](), tmp_path_factory.mktemp(request.param))
 
 
 def prompts(lens, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
+    return make_prompts(VOCAB, lens, seed)
 
 
 def test_windowed_logits_match_transformers(window_dir):

@@ -19,7 +19,7 @@ from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from tests.helpers import SMALL_CONFIG, TINY_CONFIGS, VOCAB, PagedRunner, spread_weights
+from tests.helpers import SMALL_CONFIG, TINY_CONFIGS, VOCAB, PagedRunner, save_checkpoint
 
 CONFIGS = {
     "llama-untied": TINY_CONFIGS["llama-llama3-rope"],
@@ -77,14 +77,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    paths = {}
-    for name, make in CONFIGS.items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(make()).eval()
-        spread_weights(model)
-        paths[name] = tmp_path_factory.mktemp(name)
-        model.save_pretrained(paths[name])
-    return paths
+    return {name: save_checkpoint(make(), tmp_path_factory.mktemp(name)) for name, make in CONFIGS.items()}
 
 
 def test_two_ranks_give_the_logits_of_one(checkpoints, tmp_path):
