@@ -24,7 +24,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from workloads import WORKLOADS, Workload, shape_dir  # noqa: E402
+from workloads import model_and_workload  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 
@@ -70,21 +70,11 @@ def main() -> None:
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.config import EngineConfig
-    from engine.llm_engine import resolve_model_path
     from engine.sampling_params import StructuredOutputsParams
     from offline_throughput import git_commit
 
     on_cuda = torch.cuda.is_available()
-    kwargs = {}
-    if args.shape:
-        model = str(shape_dir(args.shape))
-        kwargs = dict(load_format="dummy", tokenizer=args.tokenizer or resolve_model_path(EngineConfig()))
-    else:
-        model = resolve_model_path(EngineConfig())
-    workload = WORKLOADS["W1" if on_cuda else "C1"]
-    if args.num_requests:
-        workload = Workload(workload.name, args.num_requests, workload.prompt_len, workload.output_len, workload.seed)
+    model, kwargs, workload = model_and_workload(args.shape, args.tokenizer, args.num_requests, on_cuda)
     llm = LLM(model, max_model_len=4096, **kwargs)
     prompts, output_lens = workload.sample(min(llm.engine.model_config.vocab_size, len(llm.tokenizer)))
     free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]

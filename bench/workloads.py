@@ -70,3 +70,21 @@ def shape_dir(name: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=f"minivllm-{name}-"))
     (path / "config.json").write_text(json.dumps(MODEL_SHAPES[name], indent=2))
     return path
+
+
+def model_and_workload(shape: str | None, tokenizer: str | None, num_requests: int | None,
+                       on_cuda: bool) -> tuple[str, dict, Workload]:
+    """What an offline benchmark runs: a real shape with dummy weights (and a tokenizer for its text) or the
+    default model; W1 on CUDA, C1 on the CPU, cut to ``num_requests``. Returns (model, LLM kwargs, workload)."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import resolve_model_path
+
+    if shape:
+        kwargs = dict(load_format="dummy", tokenizer=tokenizer or resolve_model_path(EngineConfig()))
+        model = str(shape_dir(shape))
+    else:
+        kwargs, model = {}, resolve_model_path(EngineConfig())
+    workload = WORKLOADS["W1" if on_cuda else "C1"]
+    if num_requests:
+        workload = Workload(workload.name, num_requests, workload.prompt_len, workload.output_len, workload.seed)
+    return model, kwargs, workload
