@@ -3,6 +3,12 @@
     python bench/gpu_throughput.py --shape qwen3-0.6b --workload W1 --peer-requests 64
     python bench/gpu_throughput.py --shape llama-3.1-8b --workload W1 --peer-requests 0
     python bench/gpu_throughput.py --shape llama-3.1-8b --tensor-parallel-size 2 --peer-requests 0
+    python bench/gpu_throughput.py --shape qwen3-0.6b --kv-cache-dtype fp8 --peer-requests 0
+    python bench/gpu_throughput.py --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 --peer-requests 0
+
+With ``--kv-cache-dtype fp8`` or ``--quantization fp8`` the bf16 engine runs first on the same requests
+in the same invocation, and each run is given the roofline of its own bytes (FP8 weights and K/V are
+half of bf16's; their scales count too) and, for FP8 weights, the FP8 matmul rate measured here.
 
 Measures copy bandwidth and matmul rate in the same run, computes the workload's
 roofline from them, runs minivllm (bf16, Triton attention, CUDA graphs), reports the
@@ -82,11 +88,13 @@ def all_reduce_time(table: dict[int, float]):
     return lambda batch: float(np.interp(batch, sizes, [table[b] for b in sizes]))
 
 
-def run_minivllm(model_dir: Path, prompts, output_lens, args) -> tuple[dict, LLM]:
+def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: str = "auto",
+                 quantization: str | None = None) -> tuple[dict, LLM]:
     llm = LLM(str(model_dir), load_format="dummy", max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
+              quantization=quantization)
     warm = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 4
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], warm, use_tqdm=False)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
@@ -97,7 +105,12 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args) -> tuple[dict, LLM
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == sum(output_lens)
-    return {"name": "minivllm", "elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed,
+    name = "minivllm" + (f" {quantization} weights" if quantization else "") + \
+        (f" {kv_cache_dtype} KV" if kv_cache_dtype != "auto" else "")
+    runner = llm.engine.runner
+    return {"name": name, "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
+            "kv_bytes_per_token": runner.bytes_per_block() // runner.block_size,
+            "kv_cache_tokens": runner.kv_cache.num_slots, "elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed,
             "preemptions": llm.engine.stats().num_preemptions, "async_scheduling": llm.engine.async_scheduling,
             "steps_planned_ahead": llm.engine.num_steps_planned_ahead,
             "steps": step_summary(llm)}, llm
@@ -121,6 +134,23 @@ def step_summary(llm: LLM) -> dict:
     return out
 
 
+def measure_fp8_matmul(device: torch.device, n: int = 8192) -> float:
+    """FLOP/s of a large FP8 x FP8 matmul (torch._scaled_mm, per-row and per-column scales, bf16 out)."""
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+    sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+    run = lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # noqa: E731
+    for _ in range(3):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        run()
+    end.record()
+    end.synchronize()
+    return 2 * n**3 / (start.elapsed_time(end) / 1e3 / 10)
+
+
 def run_peer(model_dir: Path, prompts, output_lens) -> dict:
     """The peer on random bf16 weights in the same shape (sdpa attention)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -142,6 +172,10 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="plan each step before the last one's tokens (default: the engine's, on with CUDA)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="fp8: also run with an FP8 KV cache, after the bf16 run")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="fp8: also run with FP8 weights, after the bf16 run")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="GPUs the model is split over; the roofline is then per GPU, plus the all-reduces "
                              "measured in the same run")
@@ -162,27 +196,40 @@ def main() -> None:
     ceil = measure_ceilings(torch.device("cuda"))
     tp = args.tensor_parallel_size
     all_reduce = measure_all_reduce(tp, config.hidden_size) if tp > 1 else None
-    result, llm = run_minivllm(model_dir, prompts, output_lens, args)
-    if tp > 1:  # rank 0 holds a share of the model: count the whole from the config
-        from engine.distributed import kv_head_range
+    variants = [("auto", None)]
+    if args.kv_cache_dtype != "auto" or args.quantization:
+        variants.append((args.kv_cache_dtype, args.quantization))
+        if args.quantization:
+            ceil.fp8_matmul_flops_per_s = measure_fp8_matmul(torch.device("cuda"))
+    runs = []
+    for kv_cache_dtype, quantization in variants:
+        result, llm = run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype, quantization)
+        if tp > 1:  # rank 0 holds a share of the model: count the whole from the config
+            from engine.distributed import kv_head_range
 
-        costs = full_model_costs(config)
-        kv_share = kv_head_range(config.num_key_value_heads, 0, tp)[1] / config.num_key_value_heads
-        # Per decode step: two all-reduces per layer, one for the embedding (the logits' gather is smaller).
-        num_all_reduces = 2 * config.num_hidden_layers + 1
-        roof = roofline([len(p) for p in prompts], output_lens, costs, ceil, config.vocab_size, config.hidden_size,
-                        num_gpus=tp, kv_share=kv_share, all_reduce_s=all_reduce_time(all_reduce),
-                        num_all_reduces=num_all_reduces)
-        batch = result["steps"].get("decode_graph", {}).get("mean_batch", 1)
-        result["all_reduce_ms_per_decode_step"] = num_all_reduces * all_reduce_time(all_reduce)(batch) * 1e3
-        result["all_reduce_s_by_batch"] = all_reduce
-    else:
-        costs = model_costs(llm.engine.runner.model, config)
-        roof = roofline([len(p) for p in prompts], output_lens, costs, ceil, config.vocab_size, config.hidden_size)
-    llm.engine.close()
-    del llm
-    torch.cuda.empty_cache()
-    results = [result]
+            costs = full_model_costs(config)
+            kv_share = kv_head_range(config.num_key_value_heads, 0, tp)[1] / config.num_key_value_heads
+            # Per decode step: two all-reduces per layer, one for the embedding (the logits' gather is smaller).
+            num_all_reduces = 2 * config.num_hidden_layers + 1
+            roof = roofline([len(p) for p in prompts], output_lens, costs, ceil, config.vocab_size,
+                            config.hidden_size, num_gpus=tp, kv_share=kv_share,
+                            all_reduce_s=all_reduce_time(all_reduce), num_all_reduces=num_all_reduces)
+            batch = result["steps"].get("decode_graph", {}).get("mean_batch", 1)
+            result["all_reduce_ms_per_decode_step"] = num_all_reduces * all_reduce_time(all_reduce)(batch) * 1e3
+            result["all_reduce_s_by_batch"] = all_reduce
+        else:
+            costs = model_costs(llm.engine.runner.model, config, result["kv_bytes_per_token"])
+            roof = roofline([len(p) for p in prompts], output_lens, costs, ceil, config.vocab_size,
+                            config.hidden_size, matmul_flops_per_s=ceil.fp8_matmul_flops_per_s if quantization
+                            else None)
+        result["roofline"] = roof
+        result["fraction_of_roofline"] = result["tok_s"] / roof["tok_s"]
+        runs.append(result)
+        llm.engine.close()
+        del llm
+        torch.cuda.empty_cache()
+    result, roof = runs[0], runs[0]["roofline"]
+    results = list(runs)
     if args.peer_requests:
         n = args.peer_requests
         results.append(run_peer(model_dir, prompts[:n], output_lens[:n]))
@@ -192,25 +239,30 @@ def main() -> None:
               "num_requests": len(prompts), "ceilings": ceil.__dict__, "roofline": roof, "results": results}
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = ("_sync" if args.async_scheduling is False else "") + (f"_tp{tp}" if tp > 1 else "")
+    suffix = ("_sync" if args.async_scheduling is False else "") + (f"_tp{tp}" if tp > 1 else "") + \
+        (f"_kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "") + \
+        (f"_w{args.quantization}" if args.quantization else "")
     (out_dir / f"gpu_{args.shape}_{workload.name}{suffix}.json").write_text(json.dumps(record, indent=2))
     print(f"\n{args.shape} {workload.name} ({len(prompts)} requests, {sum(output_lens)} output tokens) on "
           f"{record['gpu']}, commit {record['commit']}")
     print(f"  ceilings: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
           f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s; roofline {roof['tok_s']:.0f} tok/s "
           f"(prefill {roof['prefill_s']:.2f} s + decode {roof['decode_s']:.2f} s)")
-    print(f"  minivllm: {result['tok_s']:.0f} tok/s in {result['elapsed_s']:.1f} s = "
-          f"{result['tok_s'] / roof['tok_s']:.1%} of the roofline; preemptions {result['preemptions']}, "
-          f"steps planned ahead {result['steps_planned_ahead']}")
+    for run in runs:
+        print(f"  {run['name']}: {run['tok_s']:.0f} tok/s in {run['elapsed_s']:.1f} s = "
+              f"{run['tok_s'] / roof['tok_s']:.1%} of the bf16 roofline, {run['fraction_of_roofline']:.1%} of its "
+              f"own ({run['roofline']['tok_s']:.0f} tok/s); {run['tok_s'] / result['tok_s']:.2f}x bf16; KV pool "
+              f"{run['kv_cache_tokens']} tokens ({run['kv_bytes_per_token']} B/token); preemptions "
+              f"{run['preemptions']}, steps planned ahead {run['steps_planned_ahead']}")
+        for kind, s in run["steps"].items():
+            print(f"    {kind}: {s['steps']} steps, median host {s['host_ms_median']:.2f} ms, device "
+                  f"{s['device_ms_median']:.2f} ms, wall {s['wall_ms_median']:.2f} ms (max {s['wall_ms_max']:.1f}, "
+                  f"total {s['wall_s_total']:.2f} s), GPU busy "
+                  f"{s['gpu_busy_fraction']:.0%}, mean batch {s['mean_batch']:.0f}")
     if tp > 1:
         print(f"  {tp} GPUs: roofline per GPU with {roof['all_reduce_s']:.2f} s of all-reduces measured in this run; "
               f"{result['all_reduce_ms_per_decode_step']:.2f} ms of all-reduce per decode step at the mean batch")
-    for kind, s in result["steps"].items():
-        print(f"    {kind}: {s['steps']} steps, median host {s['host_ms_median']:.2f} ms, device "
-              f"{s['device_ms_median']:.2f} ms, wall {s['wall_ms_median']:.2f} ms (max {s['wall_ms_max']:.1f}, "
-              f"total {s['wall_s_total']:.2f} s), GPU busy "
-              f"{s['gpu_busy_fraction']:.0%}, mean batch {s['mean_batch']:.0f}")
-    for peer in results[1:]:
+    for peer in results[len(runs):]:
         print(f"  {peer['name']} on the first {peer['requests']} requests: {peer['tok_s']:.0f} tok/s "
               f"({peer['elapsed_s']:.1f} s)")
 

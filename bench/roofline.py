@@ -18,6 +18,7 @@ import torch
 class Ceilings:
     copy_bytes_per_s: float  # device-to-device copy, bytes read + written
     matmul_flops_per_s: float  # large bf16 matmul on random data
+    fp8_matmul_flops_per_s: float | None = None  # large FP8 matmul, where measured
 
 
 def measure_ceilings(device: torch.device, copy_gib: float = 4.0, n: int = 8192) -> Ceilings:
@@ -53,14 +54,17 @@ class ModelCosts:
     attn_flops_per_pair: int  # FLOPs per (query, key) pair over all layers: QK^T and PV
 
 
-def model_costs(model: torch.nn.Module, config) -> ModelCosts:
+def model_costs(model: torch.nn.Module, config, kv_bytes_per_token: int | None = None) -> ModelCosts:
+    """Costs of the loaded model: its parameters as stored (FP8 weights at a byte each, plus their scales),
+    and ``kv_bytes_per_token`` (default: K and V in the embedding's dtype)."""
     params = list(model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     embed = model.model.embed_tokens.weight.numel()
     tied = config.tie_word_embeddings
-    matmul_params = sum(p.numel() for p in params) - (0 if tied else embed)
-    elem = params[0].element_size()
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * elem
+    scales = sum(p.numel() for name, p in model.named_parameters() if name.endswith("weight_scale_inv"))
+    matmul_params = sum(p.numel() for p in params) - scales - (0 if tied else embed)
+    elem = model.model.embed_tokens.weight.element_size()
+    kv = kv_bytes_per_token or 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * elem
     attn = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
     return ModelCosts(weight_bytes, matmul_params - config.vocab_size * config.hidden_size, kv, attn)
 
@@ -77,13 +81,14 @@ def full_model_costs(config, elem: int = 2) -> ModelCosts:
 
 def roofline(prompt_lens: list[int], output_lens: list[int], costs: ModelCosts, ceil: Ceilings,
              vocab: int, hidden: int, num_gpus: int = 1, kv_share: float | None = None,
-             all_reduce_s=None, num_all_reduces: int = 0) -> dict:
+             all_reduce_s=None, num_all_reduces: int = 0, matmul_flops_per_s: float | None = None) -> dict:
     """Lower bound on the time of the workload, and the output tokens/s it allows.
 
     On ``num_gpus`` (tensor parallelism) each GPU reads its share of the weights and of the KV
     (``kv_share``: the fraction of KV heads one GPU holds, more than 1/num_gpus when they are
     replicated) and does its share of the FLOPs, at the ceilings measured on one; each decode step also
     pays ``num_all_reduces`` all-reduces of [batch, hidden] (``all_reduce_s(batch)``, measured).
+    ``matmul_flops_per_s`` replaces the bf16 rate for prefill (FP8 weights: the FP8 rate).
     """
     p = np.asarray(prompt_lens, dtype=np.float64)
     o = np.asarray(output_lens, dtype=np.float64)
@@ -91,7 +96,7 @@ def roofline(prompt_lens: list[int], output_lens: list[int], costs: ModelCosts, 
     # Prefill: every prompt token through the matmuls, causal attention, logits of the last token.
     prefill_flops = (2 * costs.matmul_params * p.sum() + costs.attn_flops_per_pair * (p * (p + 1) / 2).sum()
                      + 2 * vocab * hidden * len(p))
-    prefill_s = prefill_flops / num_gpus / ceil.matmul_flops_per_s
+    prefill_s = prefill_flops / num_gpus / (matmul_flops_per_s or ceil.matmul_flops_per_s)
     # Decode step s (1-based) serves the requests with more than s output tokens; each reads its whole KV.
     decode_s = comm_s = 0.0
     for step in range(1, int(o.max())):

@@ -9,6 +9,12 @@ import torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BACKENDS = ("auto", "torch", "triton")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# KV cache element types: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3") stores float8_e4m3 with a
+# float32 scale per token and KV head (kvcache/paged_cache.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# Weight quantization: None keeps the checkpoint's weights in the compute dtype; "fp8" quantizes the linear
+# layers to float8_e4m3 at load time (engine/models/fp8.py). FP8 checkpoints are read as they are stored.
+QUANTIZATIONS = (None, "fp8")
 
 
 class ConfigError(ValueError):
@@ -25,6 +31,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda if available, else cpu
     load_format: str = "auto"
+    quantization: str | None = None  # one of QUANTIZATIONS
     # Request defaults from generation_config.json: "auto" (the model's), "vllm" (none), or a folder.
     generation_config: str = "auto"
     seed: int = 0
@@ -32,6 +39,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # KV cache (the seed's names).
     kvcache_block_size: int = 16
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     num_kvcache_blocks: int = -1  # -1: size the pool from the memory budget
     gpu_memory_utilization: float = 0.9
     cpu_kvcache_space_gib: float = 2.0
@@ -75,6 +83,10 @@ class EngineConfig:
         need(self.device in ("auto", "cpu") or self.device.startswith("cuda"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         need(self.load_format in _LOAD_FORMATS, f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        need(self.quantization in QUANTIZATIONS,
+             f"quantization must be None or one of {QUANTIZATIONS[1:]}, got {self.quantization!r}")
         need(self.attention_backend in _BACKENDS,
              f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
         need(self.kvcache_block_size > 0 and self.kvcache_block_size % 8 == 0,
@@ -128,6 +140,10 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+    def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The element type of the KV cache for a model computing in ``dtype``."""
+        return dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     def resolve_attention_backend(self, device: torch.device) -> str:
         if self.attention_backend == "auto":

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.model_config import ModelConfig
-from engine.models import get_model_class
+from engine.models import fp8, get_model_class
 from engine.models.layers import RMSNorm
 
 logger = logging.getLogger("minivllm")
@@ -28,12 +28,15 @@ def load_model(
     device: torch.device | str,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Instantiate ``config``'s architecture directly on ``device`` in ``dtype`` and load its weights.
 
     ``load_format``: "safetensors" reads every shard in ``config.model_path``; "dummy" fills random
     weights of the real shapes, deterministic in ``seed`` (for benchmarks without a checkpoint);
-    "auto" means safetensors. Returns the model in eval mode.
+    "auto" means safetensors. ``quantization="fp8"`` quantizes the linear layers to FP8 after loading;
+    a checkpoint stored in FP8 (its ``quantization_config``) is loaded in FP8 as it is. Returns the model
+    in eval mode.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
@@ -47,10 +50,19 @@ def load_model(
     # Parameters are created where and how they will live: no CPU copy, no float32 copy.
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config)
+        if config.quantization_config is not None:
+            layers = fp8.prepare_fp8_checkpoint(model, fp8.Fp8Scheme.from_hf(config.quantization_config))
+            logger.info("FP8 checkpoint (weight blocks %s): %d linear layers load in FP8",
+                        config.quantization_config.get("weight_block_size"), layers)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
         model.load_weights(iter_safetensors(files))
+    if quantization == "fp8" and config.quantization_config is None:
+        before = fp8.weight_bytes(model)
+        layers = fp8.quantize_model_weights(model)
+        logger.info("quantized %d linear layers to FP8 (a scale per output channel): weights %.2f -> %.2f GiB",
+                    layers, before / 2**30, fp8.weight_bytes(model) / 2**30)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
@@ -140,11 +152,16 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     generator = torch.Generator(device=device).manual_seed(seed)
     seen: set[int] = set()  # tied parameters are filled once
     for module in model.modules():
-        for param in module.parameters(recurse=False):
+        for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
             if isinstance(module, RMSNorm):
                 param.fill_(1.0)
+            elif param.dtype == fp8.FP8_DTYPE:  # an FP8 checkpoint's layout: N(0, 1) values times scales of 0.02
+                values = torch.empty(param.shape, dtype=torch.float32, device=device)
+                param.copy_(values.normal_(0.0, 1.0, generator=generator))
+            elif name == "weight_scale_inv":
+                param.fill_(_DUMMY_STD)
             else:
                 param.normal_(0.0, _DUMMY_STD, generator=generator)

@@ -57,6 +57,8 @@ class ModelConfig:
     # Per layer: the sliding window its attention sees (the last this-many positions), 0 for the full context.
     layer_windows: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # mixture-of-experts layers (Qwen3-MoE, Mixtral); None for a dense model
+    # How the checkpoint's weights are quantized (its ``quantization_config``); None for plain weights.
+    quantization_config: dict[str, Any] | None = None
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
@@ -101,6 +103,7 @@ class ModelConfig:
             dtype=_read_dtype(hf_config),
             sliding_window=_read_sliding_window(hf_config),
             moe=_read_moe(hf_config, model_type),
+            quantization_config=_read_quantization(hf_config),
         )
         config.layer_windows = _layer_windows(hf_config, config)
         _check_unsupported_features(hf_config)
@@ -126,6 +129,18 @@ def _check_unsupported_features(hf_config: Any) -> None:
         raise ValueError(f"only silu MLPs are supported, the config has hidden_act={hidden_act!r}")
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("MLP biases (mlp_bias=True) are not supported")
+
+
+def _read_quantization(hf_config: Any) -> dict[str, Any] | None:
+    """The checkpoint's quantization_config as a dict, checked against what the loader implements."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant is None:
+        return None
+    quant = quant.to_dict() if hasattr(quant, "to_dict") else dict(quant)
+    from engine.models.fp8 import Fp8Scheme
+
+    Fp8Scheme.from_hf(quant)  # ValueError naming what is not supported
+    return quant
 
 
 def _require(hf_config: Any, name: str) -> Any:

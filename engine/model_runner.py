@@ -126,9 +126,11 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # a tensor-parallel rank's own GPU
         self.dtype = config.resolve_dtype(self.device)
+        self.kv_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self.block_size = config.kvcache_block_size
         self.num_kv_heads = kv_head_range(model_config.num_key_value_heads)[1]  # this rank's share
-        self.model = load_model(model_config, self.dtype, self.device, config.load_format, config.seed)
+        self.model = load_model(model_config, self.dtype, self.device, config.load_format, config.seed,
+                                config.quantization)
         self.backend = make_attention_backend(config.resolve_attention_backend(self.device))
         for layer in self.model.attention_layers():
             layer.set_backend(self.backend)
@@ -158,7 +160,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         mc = self.model_config
         return PagedKVCache.bytes_per_block(mc.num_hidden_layers, self.block_size, self.num_kv_heads,
-                                            mc.head_dim, self.dtype)
+                                            mc.head_dim, self.kv_dtype)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit: the configured count, or the memory budget over the block size.
@@ -174,7 +176,7 @@ class ModelRunner:
             budget = int(self.config.cpu_kvcache_space_gib * 2**30)
         return min_over_ranks(PagedKVCache.num_blocks_for_budget(
             budget, self.model_config.num_hidden_layers, self.block_size, self.num_kv_heads,
-            self.model_config.head_dim, self.dtype,
+            self.model_config.head_dim, self.kv_dtype,
         ))
 
     def init_kv_cache(self, num_blocks: int) -> None:
@@ -186,11 +188,15 @@ class ModelRunner:
                 f"max_model_len={self.max_model_len}: lower max_model_len or give the cache more memory"
             )
         self.kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads,
-                                     mc.head_dim, self.dtype, self.device)
-        for i, layer in enumerate(self.model.attention_layers()):
-            layer.bind_kv_cache(*self.kv_cache.layer(i))
+                                     mc.head_dim, self.kv_dtype, self.device)
+        self._bind_kv_cache(self.kv_cache)
         logger.info("KV cache%s: %s", f" of rank {tp_rank()} (its share of the heads)" if tp_size() > 1 else "",
                     self.kv_cache.describe())
+        if self.kv_dtype != self.dtype:
+            dense = PagedKVCache.bytes_per_block(mc.num_hidden_layers, self.block_size, self.num_kv_heads,
+                                                 mc.head_dim, self.dtype)
+            logger.info("KV cache in float8_e4m3: %.2fx the tokens a %s cache would hold in the same memory",
+                        dense / self.bytes_per_block(), str(self.dtype).removeprefix("torch."))
         windows = [w for w in mc.layer_windows if w]
         if windows:
             logger.info("sliding windows on %d of %d layers (%s tokens): one block table serves every layer, so a "
@@ -198,13 +204,18 @@ class ModelRunner:
                         "layers read only their window's blocks", len(windows), mc.num_hidden_layers,
                         ", ".join(str(w) for w in sorted(set(windows))))
 
+    def _bind_kv_cache(self, cache: PagedKVCache) -> None:
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.bind_kv_cache(*cache.layer(i), cache.layer_scales(i))
+
     def warm_up_kernels(self) -> None:
         """Compile the attention kernels' variants before the first request rather than during it."""
         start = time.perf_counter()
         layer = self.model.attention_layers()[0]
         windows = tuple(sorted({a.sliding_window for a in self.model.attention_layers()}))
         n = self.backend.warm_up(layer.num_heads, layer.k_cache, layer.v_cache, self.buffers.block_tables.device,
-                                 max(self.config.max_num_batched_tokens, 1), windows)
+                                 max(self.config.max_num_batched_tokens, 1), windows, layer.kv_scales,
+                                 self.dtype)
         if n:
             logger.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - start)
 
@@ -225,9 +236,8 @@ class ModelRunner:
         scratch_blocks = -(-_PROFILE_REQUEST_LEN // self.block_size) + 1
         mc = self.model_config
         scratch = PagedKVCache(mc.num_hidden_layers, scratch_blocks, self.block_size, self.num_kv_heads,
-                               mc.head_dim, self.dtype, self.device)
-        for i, layer in enumerate(self.model.attention_layers()):
-            layer.bind_kv_cache(*scratch.layer(i))
+                               mc.head_dim, self.kv_dtype, self.device)
+        self._bind_kv_cache(scratch)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -7,6 +7,16 @@ One tensor holds everything::
 A block id names the same slot range in every layer, so one block table serves all
 layers. Under tensor parallelism each rank builds its own cache with its share of the
 KV heads (``num_kv_heads`` is the per-rank count).
+
+An FP8 cache (``dtype=torch.float8_e4m3fn``) stores each token's K and V rows quantized per
+KV head, with one float32 scale per (token, head) beside them::
+
+    scales[layer, 0 (K) | 1 (V), block_id, slot_in_block, kv_head]
+    K[..., d] ~= float(kv[layer, 0, ..., d]) * scales[layer, 0, ...]
+
+The scale is the row's absolute maximum over 448 (float8_e4m3's largest value), computed when
+the token is written, so no calibration is needed and an outlier in one token or head costs
+nothing elsewhere. A block's scales travel with it: prefix hits and copies see the same values.
 """
 
 from __future__ import annotations
@@ -14,6 +24,13 @@ from __future__ import annotations
 import torch
 
 _GIB = 1024**3
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+SCALE_DTYPE = torch.float32
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == FP8_DTYPE
 
 
 class PagedKVCache:
@@ -46,6 +63,11 @@ class PagedKVCache:
         self.kv = torch.zeros(
             (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads]: an FP8 cache's dequantization scales
+        self.scales: torch.Tensor | None = None
+        if is_fp8(dtype):
+            self.scales = torch.ones((num_layers, 2, num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE,
+                                     device=device)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer: views into ``kv``, each contiguous
@@ -54,11 +76,24 @@ class PagedKVCache:
             raise IndexError(f"layer {layer_idx} out of range for {self.num_layers} layers")
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
 
+    def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k_scales, v_scales) of one layer, each ``[num_blocks, block_size, num_kv_heads]`` float32, for
+        an FP8 cache; None otherwise."""
+        if self.scales is None:
+            return None
+        self.layer(layer_idx)  # the range check
+        return self.scales[layer_idx, 0], self.scales[layer_idx, 1]
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks, every layer's K and V: ``(source, destination)`` block ids (copy-on-write)."""
+        """Copy whole blocks, every layer's K and V (and scales): ``(source, destination)`` block ids
+        (copy-on-write)."""
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long).to(self.kv.device, non_blocking=True)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long).to(self.kv.device, non_blocking=True)
-        self.kv[:, :, dst] = self.kv[:, :, src]
+        # Through a byte view: indexed copies of float8 tensors are not implemented everywhere.
+        kv = self.kv.view(torch.uint8) if is_fp8(self.dtype) else self.kv
+        kv[:, :, dst] = kv[:, :, src]
+        if self.scales is not None:
+            self.scales[:, :, dst] = self.scales[:, :, src]
 
     @property
     def device(self) -> torch.device:
@@ -66,8 +101,9 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cache tensor."""
-        return self.kv.numel() * self.kv.element_size()
+        """Bytes held by the cache tensors (the scales included)."""
+        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.kv.numel() * self.kv.element_size() + scales
 
     @property
     def num_slots(self) -> int:
@@ -76,17 +112,19 @@ class PagedKVCache:
 
     def describe(self) -> str:
         """One line for start-up logs, e.g. ``2048 blocks x 16 tokens = 32768 tokens, 3.50 GiB``."""
-        return (
-            f"{self.num_blocks} blocks x {self.block_size} tokens = {self.num_slots} tokens, "
-            f"{self.nbytes / _GIB:.2f} GiB"
-        )
+        text = (f"{self.num_blocks} blocks x {self.block_size} tokens = {self.num_slots} tokens, "
+                f"{self.nbytes / _GIB:.2f} GiB")
+        if self.scales is not None:
+            text += " (float8_e4m3 K/V with a float32 scale per token and KV head)"
+        return text
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes of one block across all layers, K and V."""
+        """Bytes of one block across all layers, K and V (and an FP8 cache's scales)."""
         _check_positive(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
         element_bytes = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * element_bytes
+        row_bytes = head_dim * element_bytes + (SCALE_DTYPE.itemsize if is_fp8(dtype) else 0)
+        return 2 * num_layers * block_size * num_kv_heads * row_bytes
 
     @staticmethod
     def num_blocks_for_budget(

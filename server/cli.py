@@ -104,6 +104,9 @@ def _add_model_args(group) -> None:
     group.add_argument("--device", default=_DEFAULTS["device"], help="auto, cpu, cuda or cuda:N")
     group.add_argument("--load-format", default=_DEFAULTS["load_format"], choices=["auto", "safetensors", "dummy"],
                        help="dummy: random weights (for benchmarks and tests)")
+    group.add_argument("--quantization", "-q", default=_DEFAULTS["quantization"], choices=["fp8"],
+                       help="fp8: quantize the linear layers' weights to float8_e4m3 at load time (a scale per output "
+                            "channel, activations per token at run time); checkpoints stored in FP8 need no flag")
     group.add_argument("--tool-call-parser", default="auto", choices=["auto", *PARSERS],
                        help="how tool calls are read out of the model's text; auto: from the chat template "
                             "(hermes when it names no format)")
@@ -121,6 +124,9 @@ def _add_model_args(group) -> None:
 def _add_kvcache_args(group) -> None:
     group.add_argument("--kvcache-block-size", type=int, default=_DEFAULTS["kvcache_block_size"],
                        help="tokens per KV cache block (a multiple of 8)")
+    group.add_argument("--kv-cache-dtype", default=_DEFAULTS["kv_cache_dtype"], choices=["auto", "fp8", "fp8_e4m3"],
+                       help="auto: K/V in the model's dtype; fp8 (= fp8_e4m3): float8_e4m3 with a float32 scale per "
+                            "token and KV head, about twice the tokens in the same memory")
     group.add_argument("--num-kvcache-blocks", type=int, default=_DEFAULTS["num_kvcache_blocks"],
                        help="KV cache blocks in the pool; -1: size the pool from the memory budget")
     group.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS["gpu_memory_utilization"],
@@ -210,6 +216,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         generation_config=args.generation_config,
         device=args.device, load_format=args.load_format, seed=args.seed, max_model_len=args.max_model_len,
         kvcache_block_size=args.kvcache_block_size, num_kvcache_blocks=args.num_kvcache_blocks,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         gpu_memory_utilization=args.gpu_memory_utilization, cpu_kvcache_space_gib=args.cpu_kvcache_space_gib,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,

@@ -45,6 +45,55 @@ def test_triton_with_cuda_graphs_matches_torch_eager_float32(tmp_path, async_sch
     assert got == _greedy(reference, prompts, 40)
 
 
+def test_fp8_kv_cache_and_weights_on_cuda_match_the_torch_reference(tmp_path):
+    """Triton attention on an FP8 cache with CUDA graphs, and FP8 linears through torch._scaled_mm (per channel)
+    and the Triton block kernel, give the CPU reference's arithmetic: the same quantized values, float32
+    accumulation; greedy tokens equal torch eager on the same FP8 cache."""
+    from engine.attention.triton_kernels import write_paged_kv
+    from engine.attention.torch_backend import write_kv
+    from engine.models import fp8, fp8_kernels
+
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(50, 2, 64, generator=gen).cuda() * 3, torch.randn(50, 2, 64, generator=gen).cuda() / 40
+    slots = torch.randperm(64, generator=gen)[:50].cuda()
+    caches = [[torch.zeros(4, 16, 2, 64, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(2)] for _ in range(2)]
+    scales = [tuple(torch.ones(4, 16, 2, device="cuda") for _ in range(2)) for _ in range(2)]
+    write_paged_kv(k, v, *caches[0], slots, scales[0])
+    write_kv(*caches[1], k, v, slots, scales[1])
+    for a, b in zip(caches[0], caches[1]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "the GPU rounds to float8 as torch does"
+    x = torch.randn(37, 512, generator=gen).cuda().bfloat16()
+    w = (torch.randn(384, 512, generator=gen) / 20).cuda()
+    xq, xs = fp8_kernels.quantize_rows(x)
+    ref_q, ref_s = fp8.quantize_rows(x)
+    assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8)) and torch.allclose(xs, ref_s, rtol=1e-6)
+    gq, gs = fp8_kernels.quantize_rows(x, 128)
+    ref_gq, ref_gs = fp8.quantize_rows(x, 128)
+    assert torch.equal(gq.view(torch.uint8), ref_gq.view(torch.uint8)) and torch.allclose(gs, ref_gs, rtol=1e-6)
+    values, channel_scales = fp8.quantize_per_channel(w)
+    for m in (1, 5, 37):
+        ours = fp8.fp8_linear(x[:m], values, channel_scales, None)
+        ref = fp8._reference_fp8_linear(x[:m].float(), values, channel_scales, None)
+        assert _rel_err(ours.float(), ref) < 1e-2
+    block_scales = (w.view(3, 128, 4, 128).abs().amax(dim=(1, 3)) / 448).contiguous()
+    block_values = (w.view(3, 128, 4, 128) / block_scales[:, None, :, None]).to(torch.float8_e4m3fn).view(384, 512)
+    for m in (1, 7, 37):
+        ours = fp8.fp8_linear(x[:m], block_values, block_scales, None, (128, 128))
+        ref = fp8._reference_fp8_linear(x[:m].float(), block_values, block_scales, (128, 128))
+        assert _rel_err(ours.float(), ref) < 1e-2
+
+    model_dir = save_tiny_model("qwen3", tmp_path)
+    prompts = _prompts(VOCAB)
+    common = dict(device="cuda", dtype="float32", max_model_len=256, num_kvcache_blocks=256, kv_cache_dtype="fp8")
+    fast = LLM(str(model_dir), attention_backend="triton", **common)
+    assert fast.engine.runner.graphs is not None and fast.engine.runner.kv_cache.scales is not None
+    reference = LLM(str(model_dir), attention_backend="torch", enforce_eager=True, **common)
+    assert _greedy(fast, prompts, 40) == _greedy(reference, prompts, 40)
+    quantized = LLM(str(model_dir), device="cuda", max_model_len=256, quantization="fp8", kv_cache_dtype="fp8")
+    assert quantized.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    assert all(len(t) == 40 for t in _greedy(quantized, prompts, 40))
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 

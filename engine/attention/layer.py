@@ -29,10 +29,13 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
+        # An FP8 cache's (k_scales, v_scales), each [num_blocks, block_size, num_kv_heads] float32; else None.
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self.backend = None
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        self.k_cache, self.v_cache = k_cache, v_cache
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.k_cache, self.v_cache, self.kv_scales = k_cache, v_cache, kv_scales
 
     def set_backend(self, backend) -> None:
         self.backend = backend
@@ -56,5 +59,6 @@ class Attention(nn.Module):
             meta,
             self.scale,
             self.sliding_window,
+            self.kv_scales,
         )
         return out.view(n, self.num_heads * self.head_dim)

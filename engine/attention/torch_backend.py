@@ -2,6 +2,8 @@
 
 It runs anywhere torch runs (CPU float32, CUDA bfloat16). K/V are read through the
 block tables by gathering each request's blocks; faster backends read them in place.
+An FP8 cache (``kv_scales`` given) is quantized here when written and dequantized when gathered:
+the exact arithmetic the Triton kernels are checked against.
 """
 
 from __future__ import annotations
@@ -10,6 +12,17 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
+from kvcache.paged_cache import FP8_DTYPE, FP8_MAX
+
+KVScales = tuple[torch.Tensor, torch.Tensor]  # an FP8 cache's (k_scales, v_scales), [num_blocks, block_size, kvh]
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, heads, head_dim] -> (float8_e4m3 values, float32 scales [tokens, heads]): each head's row
+    scaled so that its absolute maximum maps to 448; ``values * scales`` gives the row back."""
+    x32 = x.float()
+    scales = (x32.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (x32 / scales[..., None]).to(FP8_DTYPE), scales
 
 
 def write_kv(
@@ -18,20 +31,35 @@ def write_kv(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    kv_scales: KVScales | None = None,
 ) -> None:
-    """Store the new tokens' K/V in their slots: one indexed copy per tensor."""
+    """Store the new tokens' K/V in their slots: one indexed copy per tensor (quantized first for FP8)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    for cache, x, scales in ((k_cache, k, kv_scales and kv_scales[0]), (v_cache, v, kv_scales and kv_scales[1])):
+        rows = cache.view(-1, num_kv_heads, head_dim)
+        if scales is None:
+            rows.index_copy_(0, slot_mapping, x)
+            continue
+        values, row_scales = quantize_fp8_rows(x)
+        # Byte views: CPU indexed copies of float8 tensors are not implemented.
+        rows.view(torch.uint8).index_copy_(0, slot_mapping, values.view(torch.uint8))
+        scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, row_scales)
 
 
 def _gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [n, num_blocks_needed] int32
+    scales: torch.Tensor | None = None,  # an FP8 cache's [num_blocks, block_size, num_kv_heads]
+    dtype: torch.dtype | None = None,  # the compute dtype the FP8 values are dequantized to
 ) -> torch.Tensor:
     """Contiguous copy of the first blocks of n requests: [n, num_kv_heads, num_blocks_needed * block_size, head_dim]."""
     n, nb = block_tables.shape
-    blocks = cache.index_select(0, block_tables.reshape(-1).long())  # [n * nb, bs, kvh, hd]
+    ids = block_tables.reshape(-1).long()
+    if scales is None:
+        blocks = cache.index_select(0, ids)  # [n * nb, bs, kvh, hd]
+    else:
+        raw = cache.view(torch.uint8).index_select(0, ids).view(FP8_DTYPE)
+        blocks = (raw.float() * scales.index_select(0, ids)[..., None]).to(dtype)
     return blocks.view(n, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
@@ -41,7 +69,8 @@ class TorchAttentionBackend:
     name = "torch"
 
     def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                block_tables: torch.Tensor, max_query_len: int, windows: tuple[int, ...] = (0,)) -> int:
+                block_tables: torch.Tensor, max_query_len: int, windows: tuple[int, ...] = (0,),
+                kv_scales: KVScales | None = None, dtype: torch.dtype | None = None) -> int:
         """Nothing to compile: plain torch ops."""
         return 0
 
@@ -55,22 +84,25 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,  # a sliding window: a query sees only the last ``window`` positions; 0: all
+        kv_scales: KVScales | None = None,  # an FP8 cache's scales
     ) -> torch.Tensor:
         num_tokens = meta.slot_mapping.shape[0]
-        write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping)
+        write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)
         if meta.num_decodes > 0:
             d = meta.num_decodes
-            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, window)
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, window, kv_scales)
         starts = meta.query_start_loc_cpu.tolist()
         seq_lens = meta.seq_lens_cpu.tolist()
         for i in range(meta.num_decodes, meta.num_reqs):
             lo, hi = starts[i], starts[i + 1]
-            out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, meta.block_tables[i], seq_lens[i], scale, window)
+            out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, meta.block_tables[i], seq_lens[i], scale, window,
+                                       kv_scales)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
         d = q.shape[0]
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -78,8 +110,9 @@ class TorchAttentionBackend:
         max_len = int(meta.seq_lens_cpu[:d].max())
         nb = (max_len + block_size - 1) // block_size
         tables = meta.block_tables[:d, :nb]
-        keys = _gather_context(k_cache, tables)  # [d, kvh, L, hd]
-        values = _gather_context(v_cache, tables)
+        k_scales, v_scales = kv_scales or (None, None)
+        keys = _gather_context(k_cache, tables, k_scales, q.dtype)  # [d, kvh, L, hd]
+        values = _gather_context(v_cache, tables, v_scales, q.dtype)
         positions = torch.arange(nb * block_size, device=q.device)
         beyond = positions[None, :] >= meta.seq_lens[:d, None]  # [d, L]: padding past each context
         if window:  # and keys that slid out of the window of the query (at seq_len - 1)
@@ -92,13 +125,15 @@ class TorchAttentionBackend:
         return o.reshape(d, num_heads, head_dim)
 
     @staticmethod
-    def _prefill(q, k_cache, v_cache, block_table, seq_len: int, scale: float, window: int = 0) -> torch.Tensor:
+    def _prefill(q, k_cache, v_cache, block_table, seq_len: int, scale: float, window: int = 0,
+                 kv_scales: KVScales | None = None) -> torch.Tensor:
         n, num_heads, head_dim = q.shape
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // num_kv_heads
         nb = (seq_len + block_size - 1) // block_size
-        keys = _gather_context(k_cache, block_table[None, :nb])[0, :, :seq_len]  # [kvh, L, hd]
-        values = _gather_context(v_cache, block_table[None, :nb])[0, :, :seq_len]
+        k_scales, v_scales = kv_scales or (None, None)
+        keys = _gather_context(k_cache, block_table[None, :nb], k_scales, q.dtype)[0, :, :seq_len]  # [kvh, L, hd]
+        values = _gather_context(v_cache, block_table[None, :nb], v_scales, q.dtype)[0, :, :seq_len]
         if seq_len == n and not window:
             # No cached context: plain causal attention, with no mask to build.
             qh = q.transpose(0, 1)  # [H, n, hd]

@@ -27,6 +27,11 @@ stays correct when the lengths change between replays.
 
 Softmax runs in base 2 (``exp2``), with the scale folded into ``qk_scale``.
 Everything accumulates in float32.
+
+FP8 caches (``kv_scales`` given, see ``kvcache.paged_cache``): K and V tiles are loaded as
+float8_e4m3, converted to the query's dtype in registers, and their per-(token, head) scales are
+applied where they cost least: a key's scale multiplies its column of ``q @ k^T``, a value's
+scale multiplies its column of ``p`` before ``p @ v``. The write kernel quantizes each head's row.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ import triton
 import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 MAX_NUM_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 64  # one key tile: measured on an H200, splits this short still paid off
@@ -61,6 +68,13 @@ def _load_kv_tile(cache_ptr, table_ptr, pos, valid, kv_head, stride_b, stride_s,
     return tl.load(cache_ptr + offs[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
 
 
+@triton.jit
+def _load_kv_scales(scale_ptr, table_ptr, pos, valid, kv_head, stride_sb, stride_ss, PAGE_SIZE: tl.constexpr):
+    """[BLOCK_N] float32 dequantization scales of an FP8 cache at context positions ``pos`` (0 where not valid)."""
+    block_ids = tl.load(table_ptr + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    return tl.load(scale_ptr + block_ids * stride_sb + (pos % PAGE_SIZE) * stride_ss + kv_head, mask=valid, other=0.0)
+
+
 def _jit_without_specializing(*names: str):
     """``triton.jit`` that compiles one variant whatever values these arguments take from step to step.
 
@@ -77,13 +91,13 @@ def _jit_without_specializing(*names: str):
 @_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window")
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, max_context_len, window,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr,
+    HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     if HAS_ORDER:
@@ -117,7 +131,12 @@ def _decode_split_kernel(
         valid = pos < end  # every tile holds at least one valid key, so m_i turns finite at once
         k = _load_kv_tile(k_cache_ptr, table_ptr, pos, valid, kv_head, stride_kb, stride_ks, stride_kh,
                           offs_d, PAGE_SIZE)
+        if FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        if FP8:
+            s = s * _load_kv_scales(k_scale_ptr, table_ptr, pos, valid, kv_head, stride_sb, stride_ss,
+                                    PAGE_SIZE)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -125,6 +144,10 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv_tile(v_cache_ptr, table_ptr, pos, valid, kv_head, stride_vb, stride_vs, stride_vh,
                           offs_d, PAGE_SIZE)
+        if FP8:
+            v = v.to(q.dtype)
+            p = p * _load_kv_scales(v_scale_ptr, table_ptr, pos, valid, kv_head, stride_sb, stride_ss,
+                                    PAGE_SIZE)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -179,6 +202,34 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _store_fp8_rows(x_ptr, cache_ptr, scale_ptr, slot, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                    HEAD_DIM: tl.constexpr):
+    """Quantize one token's [num_kv_heads, head_dim] row block into its FP8 cache slot, scales beside it."""
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head_mask = (offs_h < NUM_KV_HEADS) & (slot >= 0)
+    offs = offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    x = tl.load(x_ptr + offs, mask=head_mask[:, None], other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1) / 448.0, 1.1754943508222875e-38)  # float32's smallest normal
+    q = (x / scale[:, None]).to(cache_ptr.dtype.element_ty)
+    tl.store(cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + offs, q, mask=head_mask[:, None])
+    tl.store(scale_ptr + slot * NUM_KV_HEADS + offs_h, scale, mask=head_mask)
+
+
+@triton.jit
+def _write_kv_fp8_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, stride_kt, stride_vt,
+    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """One token's K and V into an FP8 cache slot: each head's row scaled to an absolute maximum of 448
+    (float8_e4m3's largest value), its scale stored beside it; slot < 0 skips."""
+    tok = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    _store_fp8_rows(k_ptr + tok * stride_kt, k_cache_ptr, k_scale_ptr, slot, NUM_KV_HEADS, HEADS_PAD, HEAD_DIM)
+    _store_fp8_rows(v_ptr + tok * stride_vt, v_cache_ptr, v_scale_ptr, slot, NUM_KV_HEADS, HEADS_PAD, HEAD_DIM)
+
+
+@triton.jit
 def _find_request(query_start_loc_ptr, q_base, tile, num_reqs, BLOCK_Q: tl.constexpr):
     """Binary search for the request that owns query tile ``tile``.
 
@@ -201,12 +252,13 @@ def _find_request(query_start_loc_ptr, q_base, tile, num_reqs, BLOCK_Q: tl.const
                            "window")
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr,
     qk_scale, num_reqs, max_context_len, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING: tl.constexpr,
+    SLIDING: tl.constexpr, FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -246,7 +298,12 @@ def _prefill_kernel(
             valid = pos < kv_end
             k = _load_kv_tile(k_cache_ptr, table_ptr, pos, valid, kv_head, stride_kb, stride_ks, stride_kh,
                               offs_d, PAGE_SIZE)
+            if FP8:
+                k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            if FP8:
+                s = s * _load_kv_scales(k_scale_ptr, table_ptr, pos, valid, kv_head, stride_sb, stride_ss,
+                                        PAGE_SIZE)[None, :]
             visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
             if SLIDING:
                 visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -259,6 +316,10 @@ def _prefill_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = _load_kv_tile(v_cache_ptr, table_ptr, pos, valid, kv_head, stride_vb, stride_vs, stride_vh,
                               offs_d, PAGE_SIZE)
+            if FP8:
+                v = v.to(q.dtype)
+                p = p * _load_kv_scales(v_scale_ptr, table_ptr, pos, valid, kv_head, stride_sb, stride_ss,
+                                        PAGE_SIZE)[None, :]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -331,6 +392,7 @@ def _check_attention_args(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     out: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Shapes, dtypes, devices and strides that both kernels rely on; raises ValueError."""
     def fail(msg: str) -> None:
@@ -351,8 +413,10 @@ def _check_attention_args(
         fail(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if q.dtype not in SUPPORTED_DTYPES:
         fail(f"q dtype {q.dtype} is not supported (one of {SUPPORTED_DTYPES})")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if kv_scales is None and (k_cache.dtype != q.dtype or v_cache.dtype != q.dtype):
         fail(f"cache dtypes ({k_cache.dtype}, {v_cache.dtype}) must match q ({q.dtype})")
+    if kv_scales is not None:
+        _check_fp8_cache(fail, k_cache, v_cache, kv_scales)
     if out.shape != q.shape or out.dtype != q.dtype:
         fail(f"out must have q's shape {tuple(q.shape)} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
     num_seqs = block_tables.shape[0] if block_tables.dim() == 2 else -1
@@ -370,6 +434,25 @@ def _check_attention_args(
                       ("block_tables", block_tables), ("seq_lens", seq_lens)):
         if t.numel() > 0 and t.stride(-1) != 1:
             fail(f"{t_name} must be contiguous in its last dimension, got strides {t.stride()}")
+
+
+def _check_fp8_cache(fail, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """An FP8 cache: float8_e4m3 K/V and contiguous float32 scales of shape [num_blocks, block_size, kv_heads]."""
+    if k_cache.dtype != FP8_DTYPE or v_cache.dtype != FP8_DTYPE:
+        fail(f"with kv_scales the caches must be {FP8_DTYPE}, got {k_cache.dtype} and {v_cache.dtype}")
+    for scales in kv_scales:
+        if (scales.shape != k_cache.shape[:3] or scales.dtype != torch.float32 or scales.device != k_cache.device
+                or scales.stride() != kv_scales[0].stride() or scales.stride(-1) != 1):
+            fail(f"kv_scales must be two float32 tensors of shape {tuple(k_cache.shape[:3])} with one layout on "
+                 f"{k_cache.device}, got {tuple(scales.shape)} {scales.dtype} strides {scales.stride()}")
+
+
+def _scale_args(kv_scales, k_cache: torch.Tensor) -> tuple:
+    """(k_scale_ptr, v_scale_ptr, stride_sb, stride_ss) for the kernels; the caches stand in without scales."""
+    if kv_scales is None:
+        return k_cache, k_cache, 0, 0
+    return kv_scales[0], kv_scales[1], kv_scales[0].stride(0), kv_scales[0].stride(1)
 
 
 def _check_scale(name: str, scale: float) -> None:
@@ -394,6 +477,7 @@ def paged_decode_attention(
     order: torch.Tensor | None = None,  # [num_seqs] int32: a permutation of the rows, longest context first
     tiles: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages), for tuning sweeps
     window: int = 0,  # a sliding window: only the last ``window`` keys; 0: the whole context
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's (k_scales, v_scales)
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole cached context (flash-decoding).
 
@@ -403,7 +487,7 @@ def paged_decode_attention(
     mixed lengths from ending on one long context. A sequence of length 0 (padding) gets
     zeros. Returns ``out``.
     """
-    _check_attention_args("paged_decode_attention", q, k_cache, v_cache, block_tables, seq_lens, out)
+    _check_attention_args("paged_decode_attention", q, k_cache, v_cache, block_tables, seq_lens, out, kv_scales)
     _check_scale("paged_decode_attention", scale)
     num_seqs, num_heads, head_dim = q.shape
     if block_tables.shape[0] != num_seqs:
@@ -421,6 +505,8 @@ def paged_decode_attention(
         return out
     group = num_heads // num_kv_heads
     block_n, num_warps, num_stages = tiles or _decode_tiles(head_dim, num_splits)
+    scale_args = _scale_args(kv_scales, k_cache)
+    scale_ptrs, scale_strides = scale_args[:2], scale_args[2:]
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -428,13 +514,14 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused: the kernel writes out directly
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, part_out, part_lse,
-        scale * LOG2_E, max_context_len, window,
+        *scale_ptrs, scale * LOG2_E, max_context_len, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *scale_strides,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), HAS_ORDER=order is not None, SLIDING=window > 0,
+        FP8=kv_scales is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
@@ -470,6 +557,7 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     window: int = 0,  # a sliding window: a query sees the last ``window`` positions; 0: all
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's (k_scales, v_scales)
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their cached context and themselves.
 
@@ -479,7 +567,7 @@ def paged_prefill_attention(
     Rows of ``out`` past the last request are not written. Returns ``out``.
     """
     name = "paged_prefill_attention"
-    _check_attention_args(name, q, k_cache, v_cache, block_tables, seq_lens, out)
+    _check_attention_args(name, q, k_cache, v_cache, block_tables, seq_lens, out, kv_scales)
     _check_scale(name, scale)
     num_reqs = block_tables.shape[0]
     if (query_start_loc.shape != (num_reqs + 1,) or query_start_loc.dtype != torch.int32
@@ -496,15 +584,17 @@ def paged_prefill_attention(
     block_m, block_n, num_warps, num_stages = _prefill_tiles(max_query_len, group, head_dim)
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_reqs  # an upper bound; spare tiles return at once
+    scale_args = _scale_args(kv_scales, k_cache)
     _prefill_kernel[(num_tiles, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, *scale_args[:2],
         scale * LOG2_E, num_reqs, block_tables.shape[1] * block_size, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *scale_args[2:],
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), SLIDING=window > 0, num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), SLIDING=window > 0, FP8=kv_scales is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -515,8 +605,9 @@ def write_paged_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64; a negative slot is skipped
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's scales, written too
 ) -> None:
-    """Store the new tokens' K and V in their cache slots with one kernel launch."""
+    """Store the new tokens' K and V in their cache slots with one kernel launch (quantized for FP8)."""
     def fail(msg: str) -> None:
         raise ValueError(f"write_paged_kv: {msg}")
 
@@ -528,14 +619,25 @@ def write_paged_kv(
     for name, t in (("k", k), ("v", v)):
         if t.dim() != 3 or tuple(t.shape[1:]) != row_shape or t.shape[0] < num_tokens:
             fail(f"{name} must be [>= {num_tokens}, {row_shape[0]}, {row_shape[1]}], got {tuple(t.shape)}")
-        if t.dtype != k_cache.dtype or t.device != k_cache.device:
+        if (t.dtype != k_cache.dtype and kv_scales is None) or t.device != k_cache.device:
             fail(f"{name} is {t.dtype} on {t.device}, the cache {k_cache.dtype} on {k_cache.device}")
         if t.stride(2) != 1 or t.stride(1) != row_shape[1]:
             fail(f"{name} rows must be contiguous (num_kv_heads * head_dim), got strides {t.stride()}")
     if slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64 or slot_mapping.device != k_cache.device:
         fail(f"slot_mapping must be 1-D int64 on {k_cache.device}, got {tuple(slot_mapping.shape)} "
              f"{slot_mapping.dtype} on {slot_mapping.device}")
+    if kv_scales is not None:
+        _check_fp8_cache(fail, k_cache, v_cache, kv_scales)
+        if not all(t.is_contiguous() for t in kv_scales):
+            fail("kv_scales must be contiguous")
     if num_tokens == 0:
+        return
+    if kv_scales is not None:
+        _write_kv_fp8_kernel[(num_tokens,)](
+            k, v, k_cache, v_cache, kv_scales[0], kv_scales[1], slot_mapping, k.stride(0), v.stride(0),
+            NUM_KV_HEADS=row_shape[0], HEADS_PAD=triton.next_power_of_2(row_shape[0]), HEAD_DIM=row_shape[1],
+            num_warps=4,
+        )
         return
     row = row_shape[0] * row_shape[1]
     _write_kv_kernel[(num_tokens,)](
@@ -545,7 +647,8 @@ def write_paged_kv(
 
 
 def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     max_query_len: int, window: int = 0) -> int:
+                     max_query_len: int, window: int = 0, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     dtype: torch.dtype | None = None) -> int:
     """Compile every kernel variant a step can pick (each split count, each prefill tile height) now,
     so that no step waits for a compile mid-run. ``block_tables`` should be the caller's own table
     buffer, so that its row stride matches the steps' tables. Returns how many variants ran; once
@@ -554,14 +657,15 @@ def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_dim, device = k_cache.shape[3], k_cache.device
     group = num_heads // k_cache.shape[2]
     table = block_tables[:1]
-    q = torch.zeros(1, num_heads, head_dim, dtype=k_cache.dtype, device=device)
+    q = torch.zeros(1, num_heads, head_dim, dtype=dtype or k_cache.dtype, device=device)
     out = torch.empty_like(q)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)  # position 0 of the block the row names
     order = torch.zeros(1, dtype=torch.int32, device=device)
     query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
     num_splits, variants = 1, 0
     while num_splits <= MAX_NUM_SPLITS:
-        paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits, order, window=window)
+        paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits, order, window=window,
+                               kv_scales=kv_scales)
         num_splits, variants = num_splits * 2, variants + 1
     tiles, query_len = set(), 1
     while query_len < 2 * max(max_query_len, 1):
@@ -569,6 +673,7 @@ def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tenso
         tile = _prefill_tiles(n, group, head_dim)
         if tile not in tiles:
             tiles.add(tile)
-            paged_prefill_attention(q, k_cache, v_cache, table, query_start_loc, seq_lens, n, 1.0, out, window=window)
+            paged_prefill_attention(q, k_cache, v_cache, table, query_start_loc, seq_lens, n, 1.0, out, window=window,
+                                    kv_scales=kv_scales)
         query_len *= 2
     return variants + len(tiles)

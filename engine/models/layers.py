@@ -180,7 +180,40 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, blended, scaled)
 
 
-class FusedLinear(nn.Linear):
+class Fp8Weights:
+    """What FusedLinear and RowParallelLinear share: an optional FP8 weight (``engine.models.fp8``).
+
+    ``set_fp8_weight`` swaps the weight for float8_e4m3 values plus ``weight_scale_inv``, the float32
+    scales that multiply them back (one per output row, or one per ``fp8_block`` tile as FP8 checkpoints
+    store them); ``matmul`` then runs the FP8 product. Without it the layer is a plain linear.
+    """
+
+    fp8_block: tuple[int, int] | None = None
+
+    def set_fp8_weight(self, weight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None) -> None:
+        source_range = getattr(self.weight, "source_range", None)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
+        self.fp8_block = block
+        if source_range is not None:  # the checkpoint columns of a row-parallel rank, in elements and in tiles
+            self.weight.source_range = source_range
+            dim, start, length = source_range
+            if block is not None:
+                self.weight_scale_inv.source_range = (dim, start // block[1], -(-length // block[1]))
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight.dtype == torch.float8_e4m3fn
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.is_fp8:
+            from engine.models.fp8 import fp8_linear
+
+            return fp8_linear(x, self.weight, self.weight_scale_inv, bias, self.fp8_block)
+        return F.linear(x, self.weight, bias)
+
+
+class FusedLinear(Fp8Weights, nn.Linear):
     """One matmul for several projections of the same input, e.g. q|k|v or gate|up.
 
     The output rows are the shards in order. Checkpoints store each shard as its own
@@ -200,12 +233,19 @@ class FusedLinear(nn.Linear):
             self.shard_slices[name] = slice(offset, offset + size)
             offset += size
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
     def load_shard(self, param: nn.Parameter, shard: str, loaded) -> None:
-        rows = self.source_rows.get(shard)
-        copy_weight(param.data[self.shard_slices[shard]], take(loaded, 0, rows), f"{shard} shard")
+        rows, dst = self.source_rows.get(shard), self.shard_slices[shard]
+        if param is getattr(self, "weight_scale_inv", None) and self.fp8_block is not None:
+            tile = self.fp8_block[0]  # block scales: one row of scales per ``tile`` rows of the weight
+            dst = slice(dst.start // tile, -(-dst.stop // tile))
+            rows = rows and (rows[0] // tile, -(-rows[1] // tile))
+        copy_weight(param.data[dst], take(loaded, 0, rows), f"{shard} shard")
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Fp8Weights, nn.Linear):
     """A linear whose input features are split over the tensor-parallel ranks (o_proj, down_proj): each
     rank multiplies its slice, one all-reduce sums them, the bias is added once after it."""
 
@@ -216,8 +256,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        out = all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
 

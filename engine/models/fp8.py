@@ -1,0 +1,229 @@
+"""FP8 linear layers: float8_e4m3 weights with float32 scales, activations quantized per token at run time.
+
+Two weight layouts, both kept in FP8 in memory (half the bytes of bfloat16):
+
+* **per output channel** (``--quantization fp8``): a bfloat16/float16 checkpoint is quantized at load
+  time, one scale per row of ``W`` (its absolute maximum over 448);
+* **blocks** (FP8 checkpoints in Hugging Face's format, ``quantization_config.quant_method == "fp8"``
+  with ``weight_block_size: [128, 128]``, as in the Qwen3 FP8 releases): one scale per 128 x 128 tile
+  of ``W``, read from the checkpoint's ``weight_scale_inv`` as stored.
+
+The product: each token's activation row is quantized on the fly (one scale per row, or per 128 columns
+for block weights), the FP8 operands are multiplied with float32 accumulation, and the scales are
+applied to the result. On a GPU with FP8 tensor cores (compute capability 8.9+) per-channel layers run
+through ``torch._scaled_mm`` and block layers through the Triton kernel below. Elsewhere (the CPU) the
+same arithmetic runs as dequantize-then-matmul: activations are rounded through FP8 exactly as the GPU
+path rounds them, so CPU accuracy tests measure what the GPU computes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.distributed import tp_size
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How one checkpoint's linear layers are quantized: ``block`` = (rows, cols) of a weight scale's tile, or
+    None for one scale per output channel."""
+
+    block: tuple[int, int] | None = None
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    @classmethod
+    def from_hf(cls, quantization_config: dict) -> Fp8Scheme:
+        """From a checkpoint's ``quantization_config``; ValueError for what is not implemented."""
+        method = quantization_config.get("quant_method")
+        if method != "fp8":
+            raise ValueError(f"quantization_config.quant_method {method!r} is not supported (only 'fp8')")
+        scheme = quantization_config.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ValueError(f"FP8 activation_scheme {scheme!r} is not supported (only 'dynamic')")
+        fmt = quantization_config.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"FP8 format {fmt!r} is not supported (only 'e4m3')")
+        block = quantization_config.get("weight_block_size")
+        if block is not None:
+            if len(block) != 2 or any(int(b) < 1 for b in block):
+                raise ValueError(f"weight_block_size must be two positive ints, got {block!r}")
+            block = (int(block[0]), int(block[1]))
+        skip = tuple(quantization_config.get("modules_to_not_convert") or ())
+        return cls(block, skip)
+
+
+# ------------------------------------------------------------------------------------------ quantizers
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (float8 W, float32 scales [out]) with ``W ~= W8 * scales[:, None]``."""
+    w32 = weight.float()
+    scales = (w32.abs().amax(dim=1) / FP8_MAX).clamp_min(_TINY)
+    return (w32 / scales[:, None]).to(FP8_DTYPE), scales
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [m, k] -> (float8 [m, k], float32 scales [m, 1] or, with ``group``, [m, ceil(k / group)]):
+    each row (or each ``group`` columns of it) scaled so that its absolute maximum maps to 448."""
+    x32 = x.float()
+    if group is None:
+        scales = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(_TINY)
+        return (x32 / scales).to(FP8_DTYPE), scales
+    m, k = x32.shape
+    groups = -(-k // group)
+    padded = F.pad(x32, (0, groups * group - k)).view(m, groups, group)
+    scales = (padded.abs().amax(dim=2) / FP8_MAX).clamp_min(_TINY)
+    values = (padded / scales[..., None]).to(FP8_DTYPE).view(m, groups * group)[:, :k]
+    return values, scales
+
+
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 weight in ``dtype``: per-channel scales [out] or block scales [ceil(out/bn), ceil(in/bk)]."""
+    w32 = fp8_to_float32(weight)
+    if block is None:
+        return (w32 * scale[:, None]).to(dtype)
+    bn, bk = block
+    full = scale.repeat_interleave(bn, 0)[: w32.shape[0]].repeat_interleave(bk, 1)[:, : w32.shape[1]]
+    return (w32 * full).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_values(device: torch.device) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).float().to(device)
+
+
+def fp8_to_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x.float()`` for a float8_e4m3 tensor; on the CPU through a 256-entry table, about twice as fast as the
+    element-wise conversion there."""
+    if x.device.type != "cpu":
+        return x.float()
+    return torch.take(_fp8_values(x.device), x.view(torch.uint8).long())
+
+
+# ------------------------------------------------------------------------------------------ the product
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def fp8_gemm_available(device: torch.device) -> bool:
+    """True where the FP8 operands are multiplied natively (CUDA, compute capability 8.9 or newer)."""
+    if device.type != "cuda":
+        return False
+    return _has_fp8_tensor_cores(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               block: tuple[int, int] | None = None) -> torch.Tensor:
+    """``x @ W^T + bias`` for an FP8 ``weight`` [out, in] with its scales; ``x`` [..., in] in the compute dtype."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if fp8_gemm_available(x.device) and rows.shape[0] > 0:
+        out = _gpu_fp8_linear(rows, weight, scale, block)
+    else:
+        out = _reference_fp8_linear(rows, weight, scale, block)
+    if bias is not None:
+        out = out + bias
+    return out.view(*shape[:-1], weight.shape[0])
+
+
+def _reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                          block: tuple[int, int] | None) -> torch.Tensor:
+    """Dequantize-then-matmul, with the activations rounded through FP8 as the GPU path rounds them: the FP8
+    values multiplied in float32, the per-row and per-channel scales applied to the product."""
+    values, x_scales = quantize_rows(x, block[1] if block else None)
+    if block is None:
+        return (F.linear(fp8_to_float32(values), fp8_to_float32(weight)) * x_scales * scale).to(x.dtype)
+    xq = fp8_to_float32(values) * x_scales.repeat_interleave(block[1], 1)[:, : x.shape[1]]
+    return F.linear(xq, dequantize_weight(weight, scale, block, torch.float32)).to(x.dtype)
+
+
+def _gpu_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    block: tuple[int, int] | None) -> torch.Tensor:
+    from engine.models import fp8_kernels
+
+    if block is None:
+        xq, x_scales = fp8_kernels.quantize_rows(x)
+        # W [out, in] row-major is the column-major [in, out] operand _scaled_mm wants.
+        return torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    xq, x_scales = fp8_kernels.quantize_rows(x, block[1])
+    return fp8_kernels.block_scaled_matmul(xq, x_scales, weight, scale, block, x.dtype)
+
+
+# ------------------------------------------------------------------------------------------ model surgery
+
+
+def check_block_alignment(what: str, sizes: dict[str, int], block: int) -> None:
+    """Block scales can be split (tensor parallelism) or concatenated (q|k|v) only on tile boundaries."""
+    for name, size in sizes.items():
+        if size % block:
+            raise ValueError(f"{what}: {name} has {size} rows/columns, not a multiple of the FP8 weight block "
+                             f"({block}); this split of a block-quantized checkpoint is not supported")
+
+
+def quantizable_linears(model: torch.nn.Module, skip: tuple[str, ...] = ()):
+    """(name, module) of the linear layers that go FP8: the attention and MLP projections. Embeddings, norms, the
+    LM head, routers and fused experts stay in the compute dtype."""
+    from engine.models.layers import FusedLinear, RowParallelLinear
+
+    for name, module in model.named_modules():
+        if isinstance(module, (FusedLinear, RowParallelLinear)) and not any(s and s in name for s in skip):
+            yield name, module
+
+
+@torch.no_grad()
+def quantize_model_weights(model: torch.nn.Module) -> int:
+    """``--quantization fp8``: replace each quantizable linear's weight by FP8 and per-channel scales (in place,
+    one layer at a time, so the peak stays at the unquantized model). Returns how many layers changed."""
+    count = 0
+    for _, module in quantizable_linears(model):
+        weight, scales = quantize_per_channel(module.weight.data)
+        module.set_fp8_weight(weight, scales, None)
+        count += 1
+    return count
+
+
+@torch.no_grad()
+def prepare_fp8_checkpoint(model: torch.nn.Module, scheme: Fp8Scheme) -> int:
+    """Give each quantizable linear FP8 parameters in the checkpoint's layout (before loading), so that its
+    FP8 tensors and ``weight_scale_inv`` scales are copied in as stored. Returns how many layers changed."""
+    if scheme.block is None:
+        raise ValueError("FP8 checkpoints without weight_block_size (one scale per tensor) are not supported")
+    bn, bk = scheme.block
+    count = 0
+    for name, module in quantizable_linears(model, scheme.modules_to_not_convert):
+        out_features, in_features = module.weight.shape
+        if hasattr(module, "shard_slices"):  # q|k|v or gate|up: each part starts on a tile boundary
+            check_block_alignment(name, {s: sl.stop - sl.start for s, sl in module.shard_slices.items()}, bn)
+            check_block_alignment(name, {f"{s} (first row)": r[0] for s, r in module.source_rows.items()}, bn)
+        source = getattr(module.weight, "source_range", None)
+        if source is not None and tp_size() > 1:  # a row-parallel rank's columns start on a tile boundary
+            check_block_alignment(name, {"this rank's first column": source[1], "its columns": source[2]}, bk)
+        weight = torch.empty((out_features, in_features), dtype=FP8_DTYPE, device=module.weight.device)
+        scales = torch.empty((blocks(out_features, bn), blocks(in_features, bk)), dtype=torch.float32,
+                             device=module.weight.device)
+        module.set_fp8_weight(weight, scales, scheme.block)
+        count += 1
+    return count
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (FP8 weights and their scales counted as stored)."""
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def blocks(size: int, block: int) -> int:
+    return math.ceil(size / block)

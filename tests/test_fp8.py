@@ -1,0 +1,237 @@
+"""FP8 KV cache and FP8 weights through the engine, on tiny random models (CPU, float32 compute).
+
+The CPU runs the same quantization the GPU does (float8_e4m3 K/V with a scale per token and head;
+weights per output channel or per 128 x 128 block, activations per token), followed by float32
+arithmetic, so these tests pin down the numerics; the GPU tests compare the kernels with it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.config import ConfigError, EngineConfig
+from engine.loader import load_model
+from engine.model_config import ModelConfig
+from engine.models import fp8
+from kvcache.paged_cache import PagedKVCache
+from tests.helpers import PagedRunner, save_checkpoint, save_tiny_model
+from tests.test_engine import make_prompts
+
+# Dimensions that are whole 128 x 128 blocks, as FP8 checkpoints need for q|k|v and gate|up.
+BLOCK_CONFIG = dict(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-6,
+                    tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return save_tiny_model("llama", tmp_path_factory.mktemp("llama-fp8"))
+
+
+@pytest.fixture(scope="module")
+def block_dirs(tmp_path_factory):
+    """(float32 checkpoint, the same weights as an FP8 checkpoint in Hugging Face's block format)."""
+    dense = save_checkpoint(transformers.LlamaConfig(**BLOCK_CONFIG), tmp_path_factory.mktemp("dense"))
+    quantized = tmp_path_factory.mktemp("fp8-blocks")
+    tensors = {}
+    for name, tensor in load_file(dense / "model.safetensors").items():
+        if name.endswith("proj.weight"):
+            values, scales = quantize_blocks(tensor, 128)
+            tensors[name], tensors[name + "_scale_inv"] = values, scales
+        else:
+            tensors[name] = tensor.to(torch.bfloat16)
+    save_file(tensors, quantized / "model.safetensors")
+    config = json.loads((dense / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    return dense, quantized
+
+
+def quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """How FP8 checkpoints store a weight: float8 values and a float32 scale per block x block tile."""
+    rows, cols = w.shape
+    tiles = w.float().view(rows // block, block, cols // block, block)
+    scales = tiles.abs().amax(dim=(1, 3)) / 448.0
+    values = (tiles / scales[:, None, :, None]).to(torch.float8_e4m3fn).view(rows, cols)
+    return values, scales
+
+
+def hf_logits(model_dir, prompt: list[int]) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
+def our_logits(model, prompt: list[int]) -> torch.Tensor:
+    return PagedRunner(model).step([(0, prompt)])[0]
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours - reference).norm() / reference.norm())
+
+
+# ------------------------------------------------------------------------------------ FP8 KV cache
+
+
+def test_fp8_pool_holds_about_twice_the_tokens():
+    """K/V at one byte plus a float32 scale per (token, head): 128-dim heads hold 1.94x bfloat16's tokens."""
+    budget = 2**30
+    dense = PagedKVCache.num_blocks_for_budget(budget, 28, 16, 8, 128, torch.bfloat16)
+    small = PagedKVCache.num_blocks_for_budget(budget, 28, 16, 8, 128, torch.float8_e4m3fn)
+    assert small / dense == pytest.approx(2 * 128 / 132, rel=1e-3)
+    cache = PagedKVCache(2, 4, 16, 2, 64, torch.float8_e4m3fn, "cpu")
+    assert cache.layer_scales(1)[0].shape == (4, 16, 2) and "float8_e4m3" in cache.describe()
+    assert cache.nbytes == 4 * PagedKVCache.bytes_per_block(2, 16, 2, 64, torch.float8_e4m3fn)
+    assert PagedKVCache(2, 4, 16, 2, 64, torch.float32, "cpu").layer_scales(0) is None
+
+
+def test_fp8_kv_logits_stay_close_and_cache_copies_carry_scales(llama_dir):
+    """Prefill logits with an FP8 cache are within FP8's rounding of float32's (not equal: it does quantize);
+    copying a block (beam search's copy-on-write) copies its scales with it."""
+    prompt = make_prompts(320, lens=[60], seed=5)[0]
+    model = load_model(ModelConfig.from_pretrained(llama_dir), torch.float32, "cpu")
+    exact = hf_logits(llama_dir, prompt)
+    runner = PagedRunner(model)
+    for attn in model.attention_layers():
+        shape = attn.k_cache.shape
+        attn.bind_kv_cache(torch.zeros(shape, dtype=torch.float8_e4m3fn), torch.zeros(shape, dtype=torch.float8_e4m3fn),
+                           (torch.ones(shape[:3]), torch.ones(shape[:3])))
+    ours = runner.step([(0, prompt[:40])])[0]
+    ours = torch.cat([ours, runner.step([(0, prompt[40:])])[0]])  # the second chunk reads the first from the cache
+    error = relative_error(ours, exact)
+    assert 0 < error < 0.08, f"FP8 KV logits are {error:.4f} (relative) from float32's"
+    cache = PagedKVCache(2, 4, 16, 2, 64, torch.float8_e4m3fn, "cpu")
+    cache.kv[:, :, 1] = torch.randn(2, 2, 16, 2, 64).to(torch.float8_e4m3fn)
+    cache.scales[:, :, 1] = torch.rand(2, 2, 16, 2)
+    cache.copy_blocks([(1, 3)])
+    assert torch.equal(cache.kv[:, :, 3].view(torch.uint8), cache.kv[:, :, 1].view(torch.uint8))
+    assert torch.equal(cache.scales[:, :, 3], cache.scales[:, :, 1])
+
+
+def test_fp8_kv_engine_gives_the_same_tokens_through_chunks_prefix_hits_and_preemption(llama_dir):
+    """The engine on an FP8 cache: chunked prefill, prefix-cache hits, preemption and overlapped steps give the
+    tokens of a plain run of the same FP8 engine (every path reads the same quantized K/V)."""
+    prompts = make_prompts(320, lens=[70, 45, 90, 33, 61], seed=9)
+    prompts.append(prompts[0][:48] + prompts[2][:30])  # three full blocks shared with prompts[0]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    roomy = LLM(str(llama_dir), kv_cache_dtype="fp8", max_model_len=256, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in roomy.generate(batch, params, use_tqdm=False)]
+    tight = LLM(str(llama_dir), kv_cache_dtype="fp8", max_model_len=256, num_kvcache_blocks=22,
+                max_num_batched_tokens=32, overlap_steps=True, async_scheduling=True)
+    assert tight.engine.runner.kv_cache.scales is not None
+    tight.generate(batch[:1], params, use_tqdm=False)  # prompts[0]'s blocks are now cached
+    got = [o.outputs[0].token_ids for o in tight.generate(batch, params, use_tqdm=False)]
+    assert tight.engine.scheduler.num_preemptions_total > 0
+    assert tight.engine.stats().kv.prefix_cache_hits >= 48
+    assert got == expected
+
+
+def test_kv_cache_dtype_is_validated():
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int8")
+    with pytest.raises(ConfigError, match="quantization"):
+        EngineConfig(quantization="awq")
+
+
+# ------------------------------------------------------------------------------------ FP8 weights
+
+
+def test_reference_fp8_linear_is_the_scaled_product():
+    """The CPU path computes exactly (x rounded through FP8 per row) @ (W's FP8 values times their scales)^T,
+    for per-channel and block scales alike, and stays within FP8's rounding of the exact product."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, bias = torch.randn(7, 256, generator=gen), torch.randn(384, 256, generator=gen) / 16, torch.randn(384)
+    exact = x @ w.T + bias
+    values, scales = fp8.quantize_per_channel(w)
+    assert values.dtype == torch.float8_e4m3fn and scales.shape == (384,)
+    xq, xs = fp8.quantize_rows(x)
+    manual = (xq.float() * xs) @ (values.float() * scales[:, None]).T + bias
+    torch.testing.assert_close(fp8.fp8_linear(x, values, scales, bias), manual, atol=1e-5, rtol=1e-5)
+    assert 0 < relative_error(manual, exact) < 0.05
+    block_values, block_scales = quantize_blocks(w, 128)
+    ours = fp8.fp8_linear(x, block_values, block_scales, bias, (128, 128))
+    xq, xs = fp8.quantize_rows(x, 128)
+    manual = (xq.float() * xs.repeat_interleave(128, 1)) @ fp8.dequantize_weight(
+        block_values, block_scales, (128, 128), torch.float32).T + bias
+    torch.testing.assert_close(ours, manual, atol=1e-5, rtol=1e-5)
+    assert 0 < relative_error(ours, exact) < 0.05
+
+
+def test_quantization_fp8_halves_the_weights_and_keeps_the_logits(llama_dir, block_dirs):
+    """``quantization="fp8"`` turns every attention and MLP projection into FP8 with a scale per output channel
+    (embeddings, norms and the LM head stay float32), and the logits stay within FP8's rounding."""
+    dense_dir = block_dirs[0]
+    config = ModelConfig.from_pretrained(dense_dir)
+    plain = load_model(config, torch.float32, "cpu")
+    quantized = load_model(config, torch.float32, "cpu", quantization="fp8")
+    linears = dict(fp8.quantizable_linears(quantized))
+    assert len(linears) == 4 * config.num_hidden_layers
+    assert all(m.weight.dtype == torch.float8_e4m3fn and m.weight_scale_inv.shape == (m.weight.shape[0],)
+               for m in linears.values())
+    assert quantized.lm_head.weight.dtype == torch.float32
+    assert quantized.model.embed_tokens.weight.dtype == torch.float32
+    linear_bytes = lambda m: sum(p.numel() * p.element_size() for n, p in m.named_parameters()  # noqa: E731
+                                 if "proj" in n)
+    assert linear_bytes(quantized) / linear_bytes(plain) < 0.26  # float32 -> 1 byte, plus scales
+    prompt = make_prompts(384, lens=[50], seed=2)[0]
+    exact = hf_logits(dense_dir, prompt)
+    torch.testing.assert_close(our_logits(plain, prompt), exact, atol=2e-4, rtol=2e-4)
+    error = relative_error(our_logits(quantized, prompt), exact)
+    assert 0 < error < 0.2, f"FP8-weight logits are {error:.4f} (relative) from float32's"
+
+
+def test_fp8_block_checkpoint_loads_as_stored_and_matches_its_dequantized_weights(block_dirs):
+    """An FP8 checkpoint in Hugging Face's format (``weight_scale_inv`` per 128 x 128 block) loads without being
+    dequantized: q|k|v and gate|up hold the stored bytes and scales side by side; its logits are the dequantized
+    checkpoint's within the activations' FP8 rounding, and greedy generation runs on it."""
+    dense_dir, fp8_dir = block_dirs
+    config = ModelConfig.from_pretrained(fp8_dir)
+    assert config.quantization_config["weight_block_size"] == [128, 128]
+    model = load_model(config, torch.float32, "cpu")
+    stored = load_file(fp8_dir / "model.safetensors")
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.fp8_block == (128, 128)
+    k_rows = qkv.shard_slices["k_proj"]
+    assert torch.equal(qkv.weight[k_rows].view(torch.uint8),
+                       stored["model.layers.1.self_attn.k_proj.weight"].view(torch.uint8))
+    assert torch.equal(qkv.weight_scale_inv[k_rows.start // 128:k_rows.stop // 128],
+                       stored["model.layers.1.self_attn.k_proj.weight_scale_inv"])
+    down = model.model.layers[0].mlp.down_proj
+    assert torch.equal(down.weight_scale_inv, stored["model.layers.0.mlp.down_proj.weight_scale_inv"])
+    # The reference: transformers on the checkpoint's weights dequantized to float32.
+    dequantized = {name: tensor.float() for name, tensor in stored.items() if not name.endswith("_scale_inv")}
+    for name in list(dequantized):
+        if name + "_scale_inv" in stored:
+            dequantized[name] = fp8.dequantize_weight(stored[name], stored[name + "_scale_inv"], (128, 128),
+                                                      torch.float32)
+    reference_dir = dense_dir.parent / "dequantized"
+    reference_dir.mkdir(exist_ok=True)
+    save_file(dequantized, reference_dir / "model.safetensors")
+    (reference_dir / "config.json").write_text((dense_dir / "config.json").read_text())
+    prompt = make_prompts(384, lens=[40], seed=4)[0]
+    error = relative_error(our_logits(model, prompt), hf_logits(reference_dir, prompt))
+    assert 0 < error < 0.2, f"FP8 checkpoint logits are {error:.4f} (relative) from its dequantized weights'"
+    llm = LLM(str(fp8_dir), max_model_len=256)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+
+
+def test_unsupported_quantization_configs_are_refused_by_name(block_dirs, tmp_path):
+    dense_dir = block_dirs[0]
+    for quant, match in (({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+                         ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme"),
+                         ({"quant_method": "fp8", "fmt": "e5m2"}, "format")):
+        config = json.loads((dense_dir / "config.json").read_text())
+        config["quantization_config"] = quant
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_pretrained(tmp_path)
