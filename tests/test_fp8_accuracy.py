@@ -66,7 +66,8 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> tuple[float,
 def results(default_model_path):
     out = {}
     for name, options in VARIANTS.items():
-        llm = LLM(str(default_model_path), max_model_len=4096, max_num_batched_tokens=4096, **options)
+        llm = LLM(str(default_model_path), max_model_len=4096, max_num_batched_tokens=4096, num_kvcache_blocks=400,
+                  **options)
         out[name] = measure(llm)
         llm.engine.close()
     return out

@@ -82,8 +82,7 @@ def test_chat_stream_equals_non_stream(client):
 
 @pytest.mark.parametrize("prompt", [
     "The history of the Roman Empire",
-    "Here are my favourite emojis: 😀 😃 🎉 🚀",  # emojis span several tokens each
-    "日本語の文章を書いてください。東京は",
+    "日本語の文章と絵文字 😀 🎉 🚀: 東京は",  # kanji and emojis span several tokens each
 ])
 def test_completion_stream_equals_non_stream(client, prompt):
     whole = complete(client, prompt, temperature=0, max_tokens=24)

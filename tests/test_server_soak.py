@@ -23,7 +23,7 @@ from tests.server_helpers import (  # noqa: E402
 pytest_plugins = ["tests.server_helpers"]
 pytestmark = pytest.mark.usefixtures("server_logs_on_failure")
 
-NUM_REQUESTS = 200
+NUM_REQUESTS = 120
 CONCURRENCY = 48
 RSS_GROWTH_BOUND_MB = 128  # both processes together, after a warm-up round like it (seen: 6-95 MB)
 

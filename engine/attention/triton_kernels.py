@@ -367,8 +367,8 @@ def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[in
 
     From sweeps on an H200 (bf16, head_dim 128): 64-key tiles for split (short or few) contexts;
     128-key tiles gain ~3% on large unsplit batches of mixed lengths (bench/attention_kernels.py
-    --mixed-sweep). 8 warps were slower everywhere. An FP8 cache: 128-key tiles, 25% faster than 64
-    on a W1-like batch (bench/fp8_attention_sweep.py).
+    --mixed-sweep). 8 warps were slower everywhere. An FP8 cache: 128-key tiles split or not (unsplit on a
+    W1-like batch: 155 us against 205 us with 64, bench/fp8_attention_sweep.py; split batches not swept).
     """
     if head_dim > 128:
         return 32, 4, 3
