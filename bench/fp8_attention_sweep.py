@@ -64,7 +64,15 @@ def main() -> None:
         k, v = (cache[0], cache[1]) if kind == "bf16" else (fp8[0], fp8[1])
         kv_scales = None if kind == "bf16" else tuple(scales)
         bytes_per_token = 2 * kv_heads * head_dim * (2 if kind == "bf16" else 1) + (0 if kind == "bf16" else 8 * kv_heads)
-        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+        for small_rows in (8, 32):
+            sub = slice(0, small_rows)
+            n = choose_num_splits(small_rows, kv_heads, max_blocks * block, num_sms(device))
+            for block_n in (64, 128):
+                us = timed(lambda: paged_decode_attention(
+                    q[sub], k, v, tables[sub], seq_lens[sub], 0.088, out[sub], n, None,
+                    tiles=(block_n, 4, 3), kv_scales=kv_scales))
+                print(f"{kind} {small_rows} rows, {n} splits, BLOCK_N={block_n}: {us:7.1f} us")
+        for block_n, warps, stages in itertools.product((64, 128), (4, 8), (2, 3)):
             try:
                 us = timed(lambda: paged_decode_attention(q, k, v, tables, seq_lens, 0.088, out, splits, order,
                                                           tiles=(block_n, warps, stages), kv_scales=kv_scales))
