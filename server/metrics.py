@@ -71,8 +71,9 @@ class EngineStatsCollector(Collector):
         by_reason.add_metric(["deferred"], stats.num_waiting_for_grammar)
         yield by_reason
         config = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration (value 1).",
-                                   labels=["block_size", "num_gpu_blocks"])
-        config.add_metric([str(kv.block_size), str(kv.num_total_blocks)], 1)
+                                   labels=["block_size", "cache_dtype", "num_gpu_blocks"])
+        cache_dtype = self.engine.config.kv_cache_dtype if getattr(self.engine, "config", None) else "auto"
+        config.add_metric([str(kv.block_size), cache_dtype, str(kv.num_total_blocks)], 1)
         yield config
         counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_cache_queries),

@@ -280,7 +280,7 @@ def test_metrics_under_vllms_prefix_and_forced_usage(tmp_path, tiny_model_path):
             assert f"vllm:{series}" in names, series
         assert 'vllm:num_requests_waiting_by_reason{reason="capacity"} 0.0' in text
         # --num-kvcache-blocks 2048, of which one is the reserved null block.
-        assert 'vllm:cache_config_info{block_size="16",num_gpu_blocks="2047"} 1.0' in text
+        assert 'vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="2047"} 1.0' in text
         # The step that prefilled the 5-token prompt and the four decode steps after it.
         assert "vllm:iteration_tokens_total_count 5.0" in text
         # Every stream ends with its usage, asked for or not.
