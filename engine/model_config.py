@@ -31,6 +31,20 @@ class MoEConfig:
     weights_in_hidden_dtype: bool  # routing weights cast back to the activations' dtype (Qwen3-MoE)
 
 
+@dataclass(frozen=True)
+class GemmaConfig:
+    """What Gemma 2 and Gemma 3 (text) add to the Llama layout."""
+
+    query_pre_attn_scalar: float  # attention scores are scaled by its inverse square root, not head_dim's
+    attn_logit_softcapping: float | None  # Gemma 2: scores capped as c * tanh(s / c)
+    final_logit_softcapping: float | None  # Gemma 2: the logits likewise
+    # Gemma 3: the sliding-window layers' own RoPE (theta, normalised scaling); None: every layer uses rope_theta.
+    local_rope: tuple[float, dict[str, Any] | None] | None
+
+
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+
+
 @dataclass
 class ModelConfig:
     model_path: str
@@ -59,6 +73,7 @@ class ModelConfig:
     moe: MoEConfig | None = None  # mixture-of-experts layers (Qwen3-MoE, Mixtral); None for a dense model
     # How the checkpoint's weights are quantized (its ``quantization_config``); None for plain weights.
     quantization_config: dict[str, Any] | None = None
+    gemma: GemmaConfig | None = None  # Gemma 2 / Gemma 3's extras; None for other families
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
@@ -77,8 +92,8 @@ class ModelConfig:
         hidden_size = _require(hf_config, "hidden_size")
         num_heads = _require(hf_config, "num_attention_heads")
         head_dim = getattr(hf_config, "head_dim", None) or hidden_size // num_heads
-        rope_theta, rope_scaling = _read_rope(hf_config)
         model_type = getattr(hf_config, "model_type", "")
+        rope_theta, rope_scaling, local_rope = _read_rope(hf_config)
         config = cls(
             model_path=str(model_path),
             architecture=architectures[0],
@@ -97,13 +112,14 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             # Qwen2's config has no attention_bias field: its q/k/v projections always carry a bias.
             attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             eos_token_ids=_read_eos_token_ids(hf_config, model_path),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             dtype=_read_dtype(hf_config),
             sliding_window=_read_sliding_window(hf_config),
             moe=_read_moe(hf_config, model_type),
             quantization_config=_read_quantization(hf_config),
+            gemma=_read_gemma(hf_config, model_type, local_rope),
         )
         config.layer_windows = _layer_windows(hf_config, config)
         _check_unsupported_features(hf_config)
@@ -124,9 +140,14 @@ class ModelConfig:
 
 
 def _check_unsupported_features(hf_config: Any) -> None:
-    hidden_act = getattr(hf_config, "hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"only silu MLPs are supported, the config has hidden_act={hidden_act!r}")
+    gemma = getattr(hf_config, "model_type", "") in GEMMA_MODEL_TYPES
+    hidden_act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
+    expected = "gelu_pytorch_tanh" if gemma else "silu"
+    if hidden_act != expected:
+        raise ValueError(f"this architecture's MLPs are supported with {expected}, the config has "
+                         f"hidden_act={hidden_act!r}")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("MLP biases (mlp_bias=True) are not supported")
 
@@ -150,16 +171,37 @@ def _require(hf_config: Any, name: str) -> Any:
     return value
 
 
-def _read_rope(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """Return (rope_theta, normalised rope_scaling) from either config generation."""
+def _read_rope(hf_config: Any) -> tuple[float, dict[str, Any] | None, tuple[float, dict | None] | None]:
+    """Return (rope_theta, normalised rope_scaling, the sliding layers' own (theta, scaling) or None) from either
+    config generation."""
     params = getattr(hf_config, "rope_parameters", None)  # transformers 5: theta and scaling in one dict
+    if params and "full_attention" in params:  # per layer type (Gemma 3): global layers, then local ones
+        full, local = params["full_attention"], params.get("sliding_attention") or params["full_attention"]
+        return (float(full.get("rope_theta", 10000.0)), normalize_rope_scaling(full),
+                (float(local.get("rope_theta", 10000.0)), normalize_rope_scaling(local)))
+    local_base = getattr(hf_config, "rope_local_base_freq", None)  # Gemma 3 under transformers 4.x
+    local = (float(local_base), None) if local_base is not None else None
     if params:
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
         scaling = params
     else:  # transformers 4.x
         theta = getattr(hf_config, "rope_theta", None)
         scaling = getattr(hf_config, "rope_scaling", None)
-    return float(theta if theta is not None else 10000.0), normalize_rope_scaling(scaling)
+    return float(theta if theta is not None else 10000.0), normalize_rope_scaling(scaling), local
+
+
+def _read_gemma(hf_config: Any, model_type: str, local_rope) -> GemmaConfig | None:
+    if model_type not in GEMMA_MODEL_TYPES:
+        return None
+    def positive_or_none(name: str) -> float | None:
+        value = getattr(hf_config, name, None)
+        return float(value) if value else None
+    return GemmaConfig(
+        query_pre_attn_scalar=float(getattr(hf_config, "query_pre_attn_scalar", None) or _require(hf_config, "head_dim")),
+        attn_logit_softcapping=positive_or_none("attn_logit_softcapping"),
+        final_logit_softcapping=positive_or_none("final_logit_softcapping"),
+        local_rope=local_rope if model_type == "gemma3_text" else None,
+    )
 
 
 def normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -215,7 +215,7 @@ class ModelRunner:
         windows = tuple(sorted({a.sliding_window for a in self.model.attention_layers()}))
         n = self.backend.warm_up(layer.num_heads, layer.k_cache, layer.v_cache, self.buffers.block_tables.device,
                                  max(self.config.max_num_batched_tokens, 1), windows, layer.kv_scales,
-                                 self.dtype)
+                                 self.dtype, layer.softcap)
         if n:
             logger.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - start)
 

@@ -1,5 +1,8 @@
-"""Sliding-window attention (Mistral's on every layer, Qwen2's past max_window_layers) against transformers:
-windows shorter than the prompts, through prefill, chunked prefill, decode and the engine's scheduling."""
+"""Sliding-window attention (Mistral's on every layer, Qwen2's past max_window_layers, Gemma 2's and Gemma 3's
+alternating local and global layers) against transformers: windows shorter than the prompts, through prefill,
+chunked prefill, decode and the engine's scheduling. The Gemma configs also carry Gemma's own numerics: soft-capped
+scores and logits small enough to bite (Gemma 2), q/k norms and a RoPE base of their own for the local layers
+with linear scaling on the global ones (Gemma 3)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,13 @@ WINDOW_CONFIGS = {
     "qwen2-window-past-layer-0": lambda: transformers.Qwen2Config(**SMALL_CONFIG, use_sliding_window=True,
                                                                   sliding_window=24, max_window_layers=1,
                                                                   tie_word_embeddings=False),
+    "gemma2-window-16-capped": lambda: transformers.Gemma2Config(
+        **SMALL_CONFIG, head_dim=16, sliding_window=16, query_pre_attn_scalar=24, attn_logit_softcapping=8.0,
+        final_logit_softcapping=5.0),
+    "gemma3-local-and-global-rope": lambda: transformers.Gemma3TextConfig(
+        **SMALL_CONFIG, head_dim=16, sliding_window=20, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}),
 }
 
 
@@ -61,3 +71,17 @@ def test_windowed_greedy_tokens_equal_generate(window_dir):
         expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
                                min_new_tokens=24, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert out.outputs[0].token_ids == expected
+
+
+def test_gemma_configs_are_read_as_gemma(tmp_path):
+    """Gemma 2's caps and query scale, Gemma 3's per-layer-type RoPE, and the logit cap on what the engine returns."""
+    gemma2 = ModelConfig.from_pretrained(save_checkpoint(WINDOW_CONFIGS["gemma2-window-16-capped"](), tmp_path / "g2"))
+    assert gemma2.gemma.attn_logit_softcapping == 8.0 and gemma2.gemma.final_logit_softcapping == 5.0
+    assert gemma2.gemma.query_pre_attn_scalar == 24 and gemma2.layer_windows == (16, 0)
+    gemma3 = ModelConfig.from_pretrained(save_checkpoint(WINDOW_CONFIGS["gemma3-local-and-global-rope"](),
+                                                         tmp_path / "g3"))
+    assert gemma3.rope_theta == 1e6 and gemma3.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert gemma3.gemma.local_rope == (10000.0, None) and gemma3.qk_norm and gemma3.layer_windows == (20, 0)
+    model = load_model(gemma2, torch.float32, "cpu")
+    logits = PagedRunner(model).step([(0, prompts([30])[0])])[0]
+    assert logits.abs().max() <= 5.0 and logits.abs().max() > 4.0  # capped, and the cap is reached

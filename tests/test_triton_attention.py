@@ -447,3 +447,25 @@ def test_write_paged_kv_fp8_matches_reference(num_kv_heads, head_dim):
     assert float(ours_scales[0].view(-1, num_kv_heads)[slots[0]].max()) > 0.001  # written, not the initial ones
     with pytest.raises(ValueError):
         write_paged_kv(k, v, ours[0], ours[1], slots, (ours_scales[0].double(), ours_scales[1]))
+
+
+@pytest.mark.parametrize("window", [0, 37])
+def test_soft_capped_scores_match_reference(window):
+    """Gemma 2's attention soft-capping (scores become 5 * tanh(scores / 5)) in both kernels, with and without a
+    window, equals the torch backend's capped attention; the cap changes the result."""
+    case = make_case(61 + window, MIXED, 2, 4, 64, 16)
+    case = Case(case.q * 4, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, case.padding_rows)
+    ref = TorchAttentionBackend().forward(case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
+                                          case.meta, case.scale, window, None, 5.0)
+    uncapped = TorchAttentionBackend().forward(case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
+                                               case.meta, case.scale, window)
+    assert (ref - uncapped).abs().max() > 0.05
+    d, m = case.meta.num_decodes, case.meta
+    out = torch.full_like(case.q[:d], float("nan"))
+    paged_decode_attention(case.q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d], case.scale,
+                           out, 3, window=window, softcap=5.0)
+    assert_matches(out, ref[:d], [])
+    prefill = torch.full_like(case.q, float("nan"))
+    paged_prefill_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.query_start_loc, m.seq_lens,
+                            m.max_query_len, case.scale, prefill, window=window, softcap=5.0)
+    assert_matches(prefill, ref, [])

@@ -17,9 +17,10 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int,
-                 sliding_window: int = 0):
+                 sliding_window: int = 0, softcap: float = 0.0):
         super().__init__()
         self.sliding_window = sliding_window  # a query sees only the last this-many positions; 0: all
+        self.softcap = softcap  # scores become softcap * tanh(scores / softcap) (Gemma 2); 0: off
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads = num_heads
@@ -60,5 +61,6 @@ class Attention(nn.Module):
             self.scale,
             self.sliding_window,
             self.kv_scales,
+            self.softcap,
         )
         return out.view(n, self.num_heads * self.head_dim)

@@ -70,7 +70,7 @@ class TorchAttentionBackend:
 
     def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, max_query_len: int, windows: tuple[int, ...] = (0,),
-                kv_scales: KVScales | None = None, dtype: torch.dtype | None = None) -> int:
+                kv_scales: KVScales | None = None, dtype: torch.dtype | None = None, softcap: float = 0.0) -> int:
         """Nothing to compile: plain torch ops."""
         return 0
 
@@ -85,24 +85,25 @@ class TorchAttentionBackend:
         scale: float,
         window: int = 0,  # a sliding window: a query sees only the last ``window`` positions; 0: all
         kv_scales: KVScales | None = None,  # an FP8 cache's scales
+        softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
     ) -> torch.Tensor:
         num_tokens = meta.slot_mapping.shape[0]
         write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)
         if meta.num_decodes > 0:
             d = meta.num_decodes
-            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, window, kv_scales)
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, window, kv_scales, softcap)
         starts = meta.query_start_loc_cpu.tolist()
         seq_lens = meta.seq_lens_cpu.tolist()
         for i in range(meta.num_decodes, meta.num_reqs):
             lo, hi = starts[i], starts[i + 1]
             out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, meta.block_tables[i], seq_lens[i], scale, window,
-                                       kv_scales)
+                                       kv_scales, softcap)
         return out
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
-                kv_scales: KVScales | None = None) -> torch.Tensor:
+                kv_scales: KVScales | None = None, softcap: float = 0.0) -> torch.Tensor:
         d = q.shape[0]
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -121,12 +122,12 @@ class TorchAttentionBackend:
         mask = torch.zeros(beyond.shape, dtype=q.dtype, device=q.device).masked_fill_(beyond, float("-inf"))
         # Fold the query heads of one KV head into the query axis: GQA without repeating K/V.
         qg = q.view(d, num_kv_heads, group, head_dim)  # [d, kvh, group, hd]
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+        o = _attend(qg, keys, values, mask[:, None, None, :], scale, softcap)
         return o.reshape(d, num_heads, head_dim)
 
     @staticmethod
     def _prefill(q, k_cache, v_cache, block_table, seq_len: int, scale: float, window: int = 0,
-                 kv_scales: KVScales | None = None) -> torch.Tensor:
+                 kv_scales: KVScales | None = None, softcap: float = 0.0) -> torch.Tensor:
         n, num_heads, head_dim = q.shape
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // num_kv_heads
@@ -134,7 +135,7 @@ class TorchAttentionBackend:
         k_scales, v_scales = kv_scales or (None, None)
         keys = _gather_context(k_cache, block_table[None, :nb], k_scales, q.dtype)[0, :, :seq_len]  # [kvh, L, hd]
         values = _gather_context(v_cache, block_table[None, :nb], v_scales, q.dtype)[0, :, :seq_len]
-        if seq_len == n and not window:
+        if seq_len == n and not window and not softcap:
             # No cached context: plain causal attention, with no mask to build.
             qh = q.transpose(0, 1)  # [H, n, hd]
             keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
@@ -147,5 +148,19 @@ class TorchAttentionBackend:
         if window:
             mask &= k_pos[None, :] > q_pos[:, None] - window
         qg = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask.repeat(group, 1), scale=scale)
+        o = _attend(qg, keys, values, mask.repeat(group, 1), scale, softcap)
         return o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v (``mask``: additive, or boolean with True where a key is seen), with the
+    scores soft-capped first when ``softcap`` (which SDPA cannot do), as transformers' eager attention caps them."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(weights, values)

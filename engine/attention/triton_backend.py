@@ -35,6 +35,7 @@ class TritonAttentionBackend:
         scale: float,
         window: int = 0,  # a sliding window (the last ``window`` positions); 0: the whole context
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's scales
+        softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         num_tokens = meta.slot_mapping.shape[0]
         write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
@@ -47,21 +48,24 @@ class TritonAttentionBackend:
             num_splits = choose_num_splits(d, k_cache.shape[2], max_context_len, num_sms(q.device))
             order = meta.decode_order[:d] if meta.decode_order is not None else None
             paged_decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
-                                   out[:d], num_splits, order, window=window, kv_scales=kv_scales)
+                                   out[:d], num_splits, order, window=window, kv_scales=kv_scales,
+                                   softcap=softcap)
         if meta.num_reqs > d:
             # Decode rows come first, one token each, so the prefill tokens start at row d.
             n = meta.num_reqs
             paged_prefill_attention(q[d:num_tokens], k_cache, v_cache, meta.block_tables[d:n],
                                     meta.query_start_loc[d:n + 1], meta.seq_lens[d:n], meta.max_query_len, scale,
-                                    out[d:num_tokens], window=window, kv_scales=kv_scales)
+                                    out[d:num_tokens], window=window, kv_scales=kv_scales,
+                                    softcap=softcap)
         if num_tokens < q.shape[0]:
             out[num_tokens:].zero_()  # padding rows beyond the batch: finite, like a seq_len 0 row
         return out
 
     def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, max_query_len: int, windows: tuple[int, ...] = (0,),
-                kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> int:
+                kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
+                softcap: float = 0.0) -> int:
         """Compile the kernels' variants before the first step (see ``compile_variants``), for each of the
         model's attention windows (0: none); ``dtype`` is the compute dtype (an FP8 cache's is not)."""
-        return sum(compile_variants(num_heads, k_cache, v_cache, block_tables, max_query_len, w, kv_scales, dtype)
-                   for w in windows)
+        return sum(compile_variants(num_heads, k_cache, v_cache, block_tables, max_query_len, w, kv_scales, dtype,
+                                    softcap) for w in windows)

@@ -69,6 +69,12 @@ def _load_kv_tile(cache_ptr, table_ptr, pos, valid, kv_head, stride_b, stride_s,
 
 
 @triton.jit
+def _soft_cap(s, softcap):
+    """``softcap * tanh(s / softcap)`` in base 2: ``s`` arrives in natural units and leaves multiplied by log2(e)."""
+    return softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
+
+
+@triton.jit
 def _load_kv_scales(scale_ptr, table_ptr, pos, valid, kv_head, stride_sb, stride_ss, PAGE_SIZE: tl.constexpr):
     """[BLOCK_N] float32 dequantization scales of an FP8 cache at context positions ``pos`` (0 where not valid)."""
     block_ids = tl.load(table_ptr + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
@@ -92,12 +98,12 @@ def _jit_without_specializing(*names: str):
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
-    qk_scale, max_context_len, window,
+    qk_scale, max_context_len, window, softcap,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, FP8: tl.constexpr,
+    HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     if HAS_ORDER:
@@ -137,6 +143,8 @@ def _decode_split_kernel(
         if FP8:
             s = s * _load_kv_scales(k_scale_ptr, table_ptr, pos, valid, kv_head, stride_sb, stride_ss,
                                     PAGE_SIZE)[None, :]
+        if SOFTCAP:
+            s = _soft_cap(s, softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -253,12 +261,12 @@ def _find_request(query_start_loc_ptr, q_base, tile, num_reqs, BLOCK_Q: tl.const
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     k_scale_ptr, v_scale_ptr,
-    qk_scale, num_reqs, max_context_len, window,
+    qk_scale, num_reqs, max_context_len, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING: tl.constexpr, FP8: tl.constexpr,
+    SLIDING: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -304,6 +312,8 @@ def _prefill_kernel(
             if FP8:
                 s = s * _load_kv_scales(k_scale_ptr, table_ptr, pos, valid, kv_head, stride_sb, stride_ss,
                                         PAGE_SIZE)[None, :]
+            if SOFTCAP:
+                s = _soft_cap(s, softcap)
             visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
             if SLIDING:
                 visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -479,6 +489,7 @@ def paged_decode_attention(
     tiles: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages), for tuning sweeps
     window: int = 0,  # a sliding window: only the last ``window`` keys; 0: the whole context
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's (k_scales, v_scales)
+    softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole cached context (flash-decoding).
 
@@ -515,14 +526,14 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused: the kernel writes out directly
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, part_out, part_lse,
-        *scale_ptrs, scale * LOG2_E, max_context_len, window,
+        *scale_ptrs, scale if softcap else scale * LOG2_E, max_context_len, window, float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *scale_strides,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), HAS_ORDER=order is not None, SLIDING=window > 0,
-        FP8=kv_scales is not None,
+        FP8=kv_scales is not None, SOFTCAP=bool(softcap),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
@@ -559,6 +570,7 @@ def paged_prefill_attention(
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     window: int = 0,  # a sliding window: a query sees the last ``window`` positions; 0: all
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's (k_scales, v_scales)
+    softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their cached context and themselves.
 
@@ -588,14 +600,14 @@ def paged_prefill_attention(
     scale_args = _scale_args(kv_scales, k_cache)
     _prefill_kernel[(num_tiles, num_kv_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, *scale_args[:2],
-        scale * LOG2_E, num_reqs, block_tables.shape[1] * block_size, window,
+        scale if softcap else scale * LOG2_E, num_reqs, block_tables.shape[1] * block_size, window, float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *scale_args[2:],
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), SLIDING=window > 0, FP8=kv_scales is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        SOFTCAP=bool(softcap), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -649,7 +661,7 @@ def write_paged_kv(
 
 def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      max_query_len: int, window: int = 0, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     dtype: torch.dtype | None = None) -> int:
+                     dtype: torch.dtype | None = None, softcap: float = 0.0) -> int:
     """Compile every kernel variant a step can pick (each split count, each prefill tile height) now,
     so that no step waits for a compile mid-run. ``block_tables`` should be the caller's own table
     buffer, so that its row stride matches the steps' tables. Returns how many variants ran; once
@@ -666,7 +678,7 @@ def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_splits, variants = 1, 0
     while num_splits <= MAX_NUM_SPLITS:
         paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits, order, window=window,
-                               kv_scales=kv_scales)
+                               kv_scales=kv_scales, softcap=softcap)
         num_splits, variants = num_splits * 2, variants + 1
     tiles, query_len = set(), 1
     while query_len < 2 * max(max_query_len, 1):
@@ -675,6 +687,6 @@ def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tenso
         if tile not in tiles:
             tiles.add(tile)
             paged_prefill_attention(q, k_cache, v_cache, table, query_start_loc, seq_lens, n, 1.0, out, window=window,
-                                    kv_scales=kv_scales)
+                                    kv_scales=kv_scales, softcap=softcap)
         query_len *= 2
     return variants + len(tiles)

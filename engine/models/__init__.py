@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
@@ -17,6 +18,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 
