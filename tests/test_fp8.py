@@ -23,6 +23,11 @@ from kvcache.paged_cache import PagedKVCache
 from tests.helpers import PagedRunner, save_checkpoint, save_tiny_model
 from tests.test_engine import make_prompts
 
+pytest.register_assert_rewrite("tests.server_helpers")
+from tests.server_helpers import TINY_MODEL_NAME, start_server, tiny_server_args  # noqa: E402
+
+pytest_plugins = ["tests.server_helpers"]
+
 # Dimensions that are whole 128 x 128 blocks, as FP8 checkpoints need for q|k|v and gate|up.
 BLOCK_CONFIG = dict(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -132,6 +137,28 @@ def test_fp8_kv_engine_gives_the_same_tokens_through_chunks_prefix_hits_and_pree
     assert tight.engine.scheduler.num_preemptions_total > 0
     assert tight.engine.stats().kv.prefix_cache_hits >= 48
     assert got == expected
+
+
+def test_the_server_takes_both_fp8_flags(tmp_path, tiny_model_path):
+    """``minivllm serve --kv-cache-dtype fp8 --quantization fp8``: the start-up log says what was quantized and how
+    many tokens the pool holds, /metrics names the cache dtype, and the SDK gets answers."""
+    import openai
+
+    server = start_server(tmp_path, "fp8", tiny_server_args(tiny_model_path)
+                          + ["--kv-cache-dtype", "fp8", "--quantization", "fp8"])
+    try:
+        log = server.log_path.read_text()
+        assert "float8_e4m3 K/V with a float32 scale per token and KV head" in log
+        assert "quantized 8 linear layers to FP8" in log
+        with server.client(timeout=30) as http:
+            assert 'cache_dtype="fp8"' in http.get("/metrics").text
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=TINY_MODEL_NAME, max_tokens=6, temperature=0,
+                                               messages=[{"role": "user", "content": "Hello"}],
+                                               extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 6 and reply.choices[0].finish_reason == "length"
+    finally:
+        assert server.stop() == 0
 
 
 def test_kv_cache_dtype_is_validated():
