@@ -16,8 +16,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine.attention.torch_backend import quantize_fp8_rows  # noqa: E402
+from roofline import cuda_time  # noqa: E402
+
+from kvcache.paged_cache import quantize_fp8  # noqa: E402
 from engine.attention.triton_kernels import choose_num_splits, num_sms, paged_decode_attention  # noqa: E402
 
 
@@ -43,22 +46,14 @@ def main() -> None:
     fp8 = []
     scales = []
     for c in cache:
-        values, s = quantize_fp8_rows(c.flatten(0, 1))
+        values, s = quantize_fp8(c.flatten(0, 1))
         fp8.append(values.view(c.shape))
         scales.append(s.view(c.shape[:3]).contiguous())
     splits = choose_num_splits(rows, kv_heads, max_blocks * block, num_sms(device))
     tokens = int(lens.sum())
 
     def timed(fn) -> float:
-        for _ in range(5):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(50):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 50 * 1e3  # us
+        return cuda_time(fn) * 1e6  # us
 
     for kind in ("bf16", "fp8"):
         k, v = (cache[0], cache[1]) if kind == "bf16" else (fp8[0], fp8[1])

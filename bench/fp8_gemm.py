@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from roofline import cuda_time  # noqa: E402
 
 from engine.models import fp8, fp8_kernels  # noqa: E402
 
@@ -25,16 +28,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 BATCHES = (1, 16, 64, 128, 151, 256)
 
 
-def timed(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
+def timed(fn) -> float:
+    return cuda_time(fn) * 1e6  # us
 
 
 def main() -> None:

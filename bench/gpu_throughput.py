@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from offline_throughput import git_commit  # noqa: E402
 from peers import run_transformers_cb  # noqa: E402
-from roofline import full_model_costs, measure_ceilings, model_costs, roofline  # noqa: E402
+from roofline import cuda_time, full_model_costs, measure_ceilings, model_costs, roofline  # noqa: E402
 from workloads import WORKLOADS, shape_dir  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
@@ -139,16 +139,8 @@ def measure_fp8_matmul(device: torch.device, n: int = 8192) -> float:
     a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
     sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
-    run = lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # noqa: E731
-    for _ in range(3):
-        run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        run()
-    end.record()
-    end.synchronize()
-    return 2 * n**3 / (start.elapsed_time(end) / 1e3 / 10)
+    return 2 * n**3 / cuda_time(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+                                reps=10, warmup=3)
 
 
 def run_peer(model_dir: Path, prompts, output_lens) -> dict:

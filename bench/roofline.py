@@ -21,6 +21,20 @@ class Ceilings:
     fp8_matmul_flops_per_s: float | None = None  # large FP8 matmul, where measured
 
 
+def cuda_time(fn, reps: int = 50, warmup: int = 5) -> float:
+    """Seconds per call of ``fn`` on the current CUDA stream: ``reps`` calls between two events, after ``warmup``.
+    Calls launched faster than the GPU runs them measure the GPU; slower ones, the host's launches."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
 def measure_ceilings(device: torch.device, copy_gib: float = 4.0, n: int = 8192) -> Ceilings:
     def timed(fn, reps: int) -> float:
         for _ in range(3):

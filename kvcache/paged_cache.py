@@ -33,6 +33,15 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype == FP8_DTYPE
 
 
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x -> (float8_e4m3 values, float32 scales of shape ``x.shape[:-1]``): each row of the last dim scaled so that
+    its absolute maximum maps to 448, so ``values * scales[..., None]`` gives it back. The one rounding the FP8 KV
+    cache (a row per token and head) and the FP8 linears (a row per weight channel or activation token) share."""
+    x32 = x.float()
+    scales = (x32.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (x32 / scales[..., None]).to(FP8_DTYPE), scales
+
+
 class PagedKVCache:
     """The KV tensors of all layers, allocated once and zero-initialised.
 

@@ -18,8 +18,9 @@ import torch
 pytest.importorskip("triton")
 
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
-from engine.attention.torch_backend import TorchAttentionBackend, quantize_fp8_rows, write_kv  # noqa: E402
+from engine.attention.torch_backend import TorchAttentionBackend, write_kv  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from kvcache.paged_cache import quantize_fp8  # noqa: E402
 from engine.attention.triton_kernels import (  # noqa: E402
     choose_num_splits,
     compile_variants,
@@ -378,7 +379,7 @@ def fp8_case(case: Case) -> tuple[Case, tuple[torch.Tensor, torch.Tensor]]:
     """``case`` with its whole cache quantized the way ``write_kv`` quantizes new tokens."""
     caches, scales = [], []
     for cache in (case.k_cache, case.v_cache):
-        values, row_scales = quantize_fp8_rows(cache.flatten(0, 1))
+        values, row_scales = quantize_fp8(cache.flatten(0, 1))
         caches.append(values.view(cache.shape))
         scales.append(row_scales.view(cache.shape[:3]).contiguous())
     return Case(case.q, case.k, case.v, caches[0], caches[1], case.meta, case.scale, case.padding_rows), tuple(scales)
@@ -415,7 +416,7 @@ def test_fp8_cache_decode_and_prefill_match_reference(group, head_dim, num_split
 
 @pytest.mark.parametrize("num_kv_heads, head_dim", [(1, 64), (3, 32), (8, 128)])
 def test_write_paged_kv_fp8_matches_reference(num_kv_heads, head_dim):
-    """The write kernel quantizes each head's row as ``quantize_fp8_rows`` does: the same float8 bytes and
+    """The write kernel quantizes each head's row as ``quantize_fp8`` does: the same float8 bytes and
     scales, in the slots named (negative slots skipped), and nothing else touched."""
     gen = torch.Generator().manual_seed(num_kv_heads)
     num_blocks, block_size, n = 6, 16, 21

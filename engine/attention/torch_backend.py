@@ -12,17 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
-from kvcache.paged_cache import FP8_DTYPE, FP8_MAX
+from kvcache.paged_cache import FP8_DTYPE, quantize_fp8
 
 KVScales = tuple[torch.Tensor, torch.Tensor]  # an FP8 cache's (k_scales, v_scales), [num_blocks, block_size, kvh]
-
-
-def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [tokens, heads, head_dim] -> (float8_e4m3 values, float32 scales [tokens, heads]): each head's row
-    scaled so that its absolute maximum maps to 448; ``values * scales`` gives the row back."""
-    x32 = x.float()
-    scales = (x32.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    return (x32 / scales[..., None]).to(FP8_DTYPE), scales
 
 
 def write_kv(
@@ -40,7 +32,7 @@ def write_kv(
         if scales is None:
             rows.index_copy_(0, slot_mapping, x)
             continue
-        values, row_scales = quantize_fp8_rows(x)
+        values, row_scales = quantize_fp8(x)  # a scale per (token, head)
         # Byte views: CPU indexed copies of float8 tensors are not implemented.
         rows.view(torch.uint8).index_copy_(0, slot_mapping, values.view(torch.uint8))
         scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, row_scales)

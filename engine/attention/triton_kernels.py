@@ -45,9 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcache.paged_cache import FP8_DTYPE
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 MAX_NUM_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 64  # one key tile: measured on an H200, splits this short still paid off

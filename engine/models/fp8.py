@@ -26,10 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed import tp_size
+from kvcache.paged_cache import FP8_DTYPE, quantize_fp8
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True)
@@ -66,23 +64,19 @@ class Fp8Scheme:
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W [out, in] -> (float8 W, float32 scales [out]) with ``W ~= W8 * scales[:, None]``."""
-    w32 = weight.float()
-    scales = (w32.abs().amax(dim=1) / FP8_MAX).clamp_min(_TINY)
-    return (w32 / scales[:, None]).to(FP8_DTYPE), scales
+    return quantize_fp8(weight)
 
 
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [m, k] -> (float8 [m, k], float32 scales [m, 1] or, with ``group``, [m, ceil(k / group)]):
     each row (or each ``group`` columns of it) scaled so that its absolute maximum maps to 448."""
-    x32 = x.float()
     if group is None:
-        scales = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(_TINY)
-        return (x32 / scales).to(FP8_DTYPE), scales
-    m, k = x32.shape
+        values, scales = quantize_fp8(x)
+        return values, scales[:, None]
+    m, k = x.shape
     groups = -(-k // group)
-    padded = F.pad(x32, (0, groups * group - k)).view(m, groups, group)
-    scales = (padded.abs().amax(dim=2) / FP8_MAX).clamp_min(_TINY)
-    values = (padded / scales[..., None]).to(FP8_DTYPE).view(m, groups * group)[:, :k]
+    values, scales = quantize_fp8(F.pad(x.float(), (0, groups * group - k)).view(m, groups, group))
+    values = values.view(m, groups * group)[:, :k]
     return values, scales
 
 

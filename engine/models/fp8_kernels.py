@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_DTYPE = torch.float8_e4m3fn
+from kvcache.paged_cache import FP8_DTYPE
+
 
 
 @triton.jit

@@ -132,7 +132,6 @@ class GemmaModel(nn.Module):
             theta, scaling = config.gemma.local_rope
             local_rope = get_rope(config.head_dim, config.max_position_embeddings, theta, scaling)
         windows = config.layer_windows or (0,) * config.num_hidden_layers
-        self.rotary_emb, self.local_rotary_emb = rope, local_rope
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(config, local_rope if windows[i] else rope, i) for i in range(config.num_hidden_layers)
         )
