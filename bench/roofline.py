@@ -4,6 +4,11 @@ With every request resident from the start, a decode step must at least read the
 weights once plus the KV of every active request (bandwidth-bound), and prefill must at
 least do the matmul FLOPs of every prompt token (compute-bound). The sum of those times
 over the workload is the fastest any engine could finish it.
+
+Mixture-of-experts models read only the experts their tokens are routed to: a decode step of B tokens,
+each sent to k of E experts, reads an expected 1 - (1 - k/E)^B of every sparse layer's experts (routing
+taken as uniform, as it is with dummy weights), from a few experts at batch 1 to all of them at large
+batches; prefill multiplies each token by its k experts only.
 """
 
 from __future__ import annotations
@@ -66,6 +71,16 @@ class ModelCosts:
     matmul_params: int  # parameters that multiply each prompt token (all but the embedding lookup)
     kv_bytes_per_token: int
     attn_flops_per_pair: int  # FLOPs per (query, key) pair over all layers: QK^T and PV
+    expert_bytes: int = 0  # of weight_bytes, the experts of the sparse layers (read as tokens are routed)
+    num_experts: int = 0
+    top_k: int = 0
+
+    def step_weight_bytes(self, num_tokens: int) -> float:
+        """Weight bytes a decode step of ``num_tokens`` reads: all dense weights, the experts it routes to."""
+        if not self.expert_bytes:
+            return self.weight_bytes
+        hit = 1 - (1 - self.top_k / self.num_experts) ** num_tokens
+        return self.weight_bytes - self.expert_bytes + self.expert_bytes * hit
 
 
 def model_costs(model: torch.nn.Module, config, kv_bytes_per_token: int | None = None) -> ModelCosts:
@@ -80,6 +95,13 @@ def model_costs(model: torch.nn.Module, config, kv_bytes_per_token: int | None =
     elem = model.model.embed_tokens.weight.element_size()
     kv = kv_bytes_per_token or 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * elem
     attn = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    experts = [p for name, p in model.named_parameters() if ".experts." in name]
+    moe = getattr(config, "moe", None)
+    if experts and moe is not None:  # a token multiplies k of the E experts
+        expert_params = sum(p.numel() for p in experts)
+        matmul_params -= expert_params - expert_params * moe.top_k // moe.num_experts
+        return ModelCosts(weight_bytes, matmul_params - config.vocab_size * config.hidden_size, kv, attn,
+                          sum(p.numel() * p.element_size() for p in experts), moe.num_experts, moe.top_k)
     return ModelCosts(weight_bytes, matmul_params - config.vocab_size * config.hidden_size, kv, attn)
 
 
@@ -116,8 +138,8 @@ def roofline(prompt_lens: list[int], output_lens: list[int], costs: ModelCosts, 
     for step in range(1, int(o.max())):
         active = o > step
         kv_tokens = (p[active] + step).sum()
-        decode_s += (costs.weight_bytes / num_gpus + kv_tokens * costs.kv_bytes_per_token * kv_share) \
-            / ceil.copy_bytes_per_s
+        decode_s += (costs.step_weight_bytes(int(active.sum())) / num_gpus
+                     + kv_tokens * costs.kv_bytes_per_token * kv_share) / ceil.copy_bytes_per_s
         if all_reduce_s is not None:
             comm_s += num_all_reduces * all_reduce_s(int(active.sum()))
     total_s = prefill_s + decode_s + comm_s

@@ -52,6 +52,16 @@ MODEL_SHAPES = {
         "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
         "bos_token_id": 128000, "eos_token_id": 128001,
     },
+    # Mixture of experts: 30.5B parameters (61 GB in bf16), 3.3B active per token (8 of 128 experts a layer).
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
     # 141 GB of bf16 weights: for tensor parallelism over several GPUs.
     "llama-3.1-70b": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,

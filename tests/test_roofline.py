@@ -65,3 +65,38 @@ def test_costs_from_the_config_equal_the_ones_counted_on_the_model(tmp_path, tie
     config = ModelConfig.from_pretrained(tmp_path)
     model = load_model(config, torch.float32, "cpu", load_format="dummy")
     assert full_model_costs(config, elem=4) == model_costs(model, config)
+
+
+def test_moe_decode_reads_the_experts_its_tokens_are_routed_to():
+    """Of 100 weight bytes, 80 are 4 experts of which each token takes 1 (k/E = 1/4): one token reads 20 + 80/4,
+    two read 20 + 80 * (1 - (3/4)^2); a large batch reads nearly all of them."""
+    costs = ModelCosts(weight_bytes=100, matmul_params=2, kv_bytes_per_token=10, attn_flops_per_pair=1,
+                       expert_bytes=80, num_experts=4, top_k=1)
+    assert costs.step_weight_bytes(1) == pytest.approx(40)
+    assert costs.step_weight_bytes(2) == pytest.approx(20 + 80 * 7 / 16)
+    assert costs.step_weight_bytes(1000) == pytest.approx(100)
+    r = roofline([2, 3], [3, 1], costs, CEIL, vocab=5, hidden=2)
+    assert r["decode_s"] == pytest.approx((40 + 30 + 40 + 40) / 1000)  # steps 1 and 2: one active request
+
+
+def test_moe_costs_count_k_experts_per_token(tmp_path):
+    import torch
+    import transformers
+
+    from engine.loader import load_model
+    from engine.model_config import ModelConfig
+    from roofline import model_costs
+
+    hf = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                     num_experts=8, num_experts_per_tok=2, architectures=["Qwen3MoeForCausalLM"])
+    hf.save_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path)
+    costs = model_costs(load_model(config, torch.float32, "cpu", load_format="dummy"), config)
+    expert_params = 2 * 8 * 3 * 32 * 16  # two layers of 8 experts: gate, up and down of 32 x 16
+    assert costs.expert_bytes == expert_params * 4 and (costs.num_experts, costs.top_k) == (8, 2)
+    # A layer: q|k|v 32 x (32 + 16 + 16), o 32 x 32, q/k norms 8 + 8, two norms of 32, the router 8 x 32.
+    layers = 2 * (32 * 64 + 32 * 32 + 2 * 8 + 2 * 32 + 8 * 32)
+    embed = head = 64 * 32  # untied
+    assert costs.weight_bytes == (embed + layers + 32 + head + expert_params) * 4
+    assert costs.matmul_params == layers + 32 + expert_params * 2 // 8

@@ -8,13 +8,17 @@ The experts live in two fused weights, ``w13`` [experts, 2 * intermediate, hidde
 With tensor parallelism every rank holds every expert's share of the intermediate size (as a dense MLP is
 split) and one all-reduce sums the partial outputs.
 
-The forward pass here is the torch reference: tokens are gathered per expert, as transformers does it, so
-that float32 outputs match it closely. It reads the routing on the host (a data-dependent loop), so models
-with it run eagerly, without CUDA graphs.
+Two paths for the experts. The torch reference gathers tokens per expert, as transformers does it, so that
+float32 outputs match it closely; it reads the routing on the host (a data-dependent loop), so a model on it
+runs eagerly. On CUDA the experts run ``engine.models.moe_kernels.fused_moe`` instead: routing sorted on the
+device and two grouped-GEMM Triton kernels, no host sync, so MoE models capture CUDA graphs like dense ones.
+``FusedExperts.use_triton`` picks the path: ``None`` (the default) means Triton for CUDA tensors when triton is
+installed and ``MINIVLLM_MOE_BACKEND`` is not ``torch``; True or False forces one.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -23,8 +27,16 @@ from torch import nn
 
 from engine.distributed import all_reduce, shard_range, tp_size
 from engine.model_config import ModelConfig
-from engine.models.layers import copy_weight, take
+from engine.models.layers import _triton_installed, copy_weight, take
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
+
+
+def moe_backend() -> str:
+    """``$MINIVLLM_MOE_BACKEND``: ``triton`` (the default: the fused kernels on CUDA) or ``torch`` (the reference)."""
+    backend = os.environ.get("MINIVLLM_MOE_BACKEND", "triton").strip().lower() or "triton"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"MINIVLLM_MOE_BACKEND must be 'triton' or 'torch', got {backend!r}")
+    return backend
 
 
 class FusedExperts(nn.Module):
@@ -34,6 +46,13 @@ class FusedExperts(nn.Module):
         self.source_start, self.intermediate = shard_range(intermediate_size)  # this rank's columns
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
+        self.use_triton: bool | None = None  # see the module docstring
+
+    def uses_triton(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` runs the fused Triton path for input ``x`` (``use_triton`` resolved)."""
+        if self.use_triton is not None:
+            return self.use_triton
+        return x.is_cuda and _triton_installed() and moe_backend() == "triton"
 
     def weight_targets(self, prefix: str) -> dict:
         """Checkpoint name -> loader for every expert's ``gate_proj``, ``up_proj`` and ``down_proj``."""
@@ -55,6 +74,14 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden]; top_ids and top_weights [tokens, k]. Returns this rank's partial sum."""
+        if self.uses_triton(x):
+            from engine.models.moe_kernels import fused_moe  # imported on first use: the torch path needs no triton
+
+            return fused_moe(x, self.w13, self.w2, top_ids, top_weights)
+        return self.reference_forward(x, top_ids, top_weights)
+
+    def reference_forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+        """The torch reference: a host loop over the experts that got tokens."""
         out = torch.zeros_like(x)
         hit = torch.bincount(top_ids.reshape(-1), minlength=self.num_experts).nonzero()[:, 0].tolist()
         for expert in hit:
@@ -91,7 +118,14 @@ class SparseMoeBlock(nn.Module):
 class MoEForCausalLM(LlamaForCausalLM):
     """The Llama decoder whose sparse layers (``config.moe.sparse_layers``) have experts for an MLP."""
 
-    supports_cuda_graphs = False  # the reference experts loop over the routing on the host
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """True when every layer's experts run the fused Triton path (no host sync) on this model's device.
+
+        Read by the model runner after the weights are on their device; the torch reference loops over the
+        routing on the host, which a CUDA graph cannot capture.
+        """
+        return all(m.uses_triton(m.w13) for m in self.modules() if isinstance(m, FusedExperts))
 
     @classmethod
     def make_mlp(cls, config: ModelConfig, layer_idx: int) -> nn.Module:
