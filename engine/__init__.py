@@ -1,18 +1,37 @@
-"""minivllm's inference engine: paged KV cache, continuous batching, models and sampling."""
+"""minivllm's inference engine: paged KV cache, continuous batching, models and sampling.
 
-from engine.config import ConfigError, EngineConfig
-from engine.llm import LLM, CompletionOutput, RequestOutput
-from engine.llm_engine import LLMEngine, RequestError
-from engine.sampling_params import SamplingParams, SamplingParamsError
+The names below are imported on first use, so that a process that needs only the configuration (the API
+server before it starts the engine core) does not pay for torch and the models.
+"""
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "ConfigError",
-    "EngineConfig",
-    "LLMEngine",
-    "RequestError",
-    "RequestOutput",
-    "SamplingParams",
-    "SamplingParamsError",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "CompletionOutput": "engine.llm",
+    "RequestOutput": "engine.llm",
+    "ConfigError": "engine.config",
+    "EngineConfig": "engine.config",
+    "LLMEngine": "engine.llm_engine",
+    "RequestError": "engine.llm_engine",
+    "SamplingParams": "engine.sampling_params",
+    "SamplingParamsError": "engine.sampling_params",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from engine.config import ConfigError, EngineConfig
+    from engine.llm import LLM, CompletionOutput, RequestOutput
+    from engine.llm_engine import LLMEngine, RequestError
+    from engine.sampling_params import SamplingParams, SamplingParamsError
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

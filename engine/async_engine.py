@@ -31,11 +31,13 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.core import AbortRequests, AddRequests, CoreRequest, Shutdown, make_encoder, output_decoder, run_engine_core
-from engine.llm_engine import EngineStats, resolve_model_path
+from engine.default_model import resolve_model_path
 from engine.model_info import ModelInfo
 from engine.output_processor import ChoiceDelta, MetricsRecorder, OutputProcessor, RequestState
+from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
+
 
 logger = logging.getLogger("minivllm")
 
@@ -148,10 +150,13 @@ class AsyncEngine:
 
     @classmethod
     def launch(cls, config: EngineConfig, max_waiting_requests: int | None = None, log_level: str = "info",
-               startup_timeout_s: float | None = None) -> AsyncEngine:
+               startup_timeout_s: float | None = None,
+               while_loading: Callable[[], None] | None = None) -> AsyncEngine:
         """Start the engine core process and wait until its model is loaded.
 
-        Raises ``EngineStartupError`` with the core's own message when it cannot start.
+        ``while_loading`` runs here once the core process has started, beside its imports and model loading
+        (the server imports its HTTP side then). Raises ``EngineStartupError`` with the core's own message
+        when it cannot start.
         """
         # Fetch/convert the default model here, with its progress bars, before the core needs it.
         config = dataclasses.replace(config, model=resolve_model_path(config))
@@ -166,6 +171,8 @@ class AsyncEngine:
             process.start()
             child_control.close()
             logger.info("engine core process %d starting", process.pid)
+            if while_loading is not None:
+                while_loading()
             tokenizer = load_tokenizer(config.tokenizer or config.model)
             model, stats = _wait_until_ready(process, control, startup_timeout_s)
         except BaseException:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch is imported by the methods that return its types: the API server reads this module before it starts
+# the engine core and should not wait for torch to do so.
+_DTYPES = ("float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # KV cache element types: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3") stores float8_e4m3 with a
@@ -119,6 +123,8 @@ class EngineConfig:
 
     def rank_device(self, rank: int) -> torch.device:
         """The device of a tensor-parallel rank: its local index's GPU, or the CPU."""
+        import torch
+
         device = self.resolve_device()
         if device.type != "cuda" or self.tensor_parallel_size == 1:
             return device
@@ -129,6 +135,8 @@ class EngineConfig:
         return torch.device("cuda", local)
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
@@ -137,12 +145,16 @@ class EngineConfig:
         return device
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The element type of the KV cache for a model computing in ``dtype``."""
+        import torch
+
         return dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     def resolve_attention_backend(self, device: torch.device) -> str:

@@ -27,15 +27,18 @@ import signal
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 import zmq
 
 from engine.config import EngineConfig
-from engine.llm_engine import EngineStats, LLMEngine
-from engine.outputs import EngineOutput
+from engine.outputs import EngineOutput, EngineStats
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine (torch, the models) is imported by the core process itself, in run_engine_core
+    from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("minivllm")
 
@@ -205,6 +208,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     try:
+        from engine.llm_engine import LLMEngine
+
         engine = LLMEngine(config)
     except BaseException as exc:  # noqa: BLE001 - any start-up failure goes back to the CLI as a message
         logger.debug("the engine could not start", exc_info=True)

@@ -19,6 +19,10 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 logger = logging.getLogger("minivllm")
 
@@ -120,6 +124,18 @@ def _publish(staging: Path, target: Path) -> None:
     publish(staging, target, lambda: _is_current(target))
 
 
+def resolve_model_path(config: EngineConfig) -> str:
+    """The Hugging Face directory to load: the model given, a GGUF file's conversion, or the default model."""
+    if config.model is not None:
+        from engine.gguf import ensure_converted, gguf_file
+
+        path = gguf_file(config.model)
+        if path is not None:
+            return str(ensure_converted(path, default_cache_dir()))
+        return config.model
+    return str(ensure_default_model())
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(ensure_default_model())
@@ -127,3 +143,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

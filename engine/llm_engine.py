@@ -13,23 +13,22 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 
 from engine.beam_search import BeamGroup
 from engine.config import ConfigError, EngineConfig
+from engine.default_model import resolve_model_path
 from engine.generation_defaults import load_sampling_defaults
 from engine.model_config import ModelConfig
 from engine.model_info import ModelInfo, RequestError
 from engine.model_runner import ModelRunner
-from engine.outputs import EngineOutput, FinishReason
+from engine.outputs import EngineOutput, EngineStats, FinishReason
 from engine.request import Request
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
 from engine.tokenizer import load_tokenizer
 from kvcache.manager import KVCacheManager
-from kvcache.metrics import KVCacheStats
 
 logger = logging.getLogger("minivllm")
 
@@ -44,20 +43,6 @@ class StepTiming:
     host_s: float  # scheduling, input building and kernel launches: the device waits for these
     device_s: float  # forward pass and sampling on the device (CUDA events)
     wall_s: float
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for metrics: queue sizes, counters, and the KV pool."""
-
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    kv: KVCacheStats
-    # int8 [num_blocks], BlockPool.block_states() values: a copy taken with the rest of the
-    # snapshot, so the dashboard's map always agrees with ``kv`` (a memcpy: ~5 us for 100k blocks).
-    block_states: np.ndarray = field(compare=False, repr=False)
-    num_waiting_for_grammar: int = 0  # of num_waiting: held back while their grammar compiles
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -92,22 +77,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def resolve_model_path(config: EngineConfig) -> str:
-    """The Hugging Face directory to load: the model given, a GGUF file's conversion, or the default model."""
-    if config.model is not None:
-        from engine.gguf import ensure_converted, gguf_file
-
-        path = gguf_file(config.model)
-        if path is not None:
-            from engine.default_model import default_cache_dir
-
-            return str(ensure_converted(path, default_cache_dir()))
-        return config.model
-    from engine.default_model import ensure_default_model
-
-    return str(ensure_default_model())
 
 
 class LLMEngine:

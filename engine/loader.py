@@ -48,7 +48,7 @@ def load_model(
     )
     start_s = time.perf_counter()
     # Parameters are created where and how they will live: no CPU copy, no float32 copy.
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), _default_dtype(dtype), _without_default_init():
         model = model_class(config)
         if config.quantization_config is not None:
             layers = fp8.prepare_fp8_checkpoint(model, fp8.Fp8Scheme.from_hf(config.quantization_config))
@@ -69,6 +69,26 @@ def load_model(
         "loaded %s: %.1fM parameters in %.2f s", config.architecture, num_params / 1e6, time.perf_counter() - start_s
     )
     return model
+
+
+@contextlib.contextmanager
+def _without_default_init() -> Iterator[None]:
+    """Build modules without torch's default initialisation of linear and embedding weights (random fills that
+    take seconds on a CPU for a 135M model): every weight is loaded from the checkpoint or dummy-filled after,
+    and a tensor the checkpoint lacks is an error (``load_checkpoint_weights``)."""
+    classes = (nn.Linear, nn.Embedding)
+    saved = [cls.__dict__["reset_parameters"] for cls in classes]
+    for cls in classes:
+        cls.reset_parameters = _no_init
+    try:
+        yield
+    finally:
+        for cls, method in zip(classes, saved):
+            cls.reset_parameters = method
+
+
+def _no_init(module: nn.Module) -> None:
+    return None
 
 
 @contextlib.contextmanager

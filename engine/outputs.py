@@ -11,8 +11,10 @@ import enum
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 from engine.sampling_params import SamplingParams
+from kvcache.metrics import KVCacheStats
 
 
 class FinishReason(str, enum.Enum):
@@ -113,3 +115,17 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     prompt_logprobs: list[Logprobs] | None = None
     # A finished beam search (engine/beam_search.py): its best beams, best first.
     beams: list[BeamResult] | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics: queue sizes, counters, and the KV pool."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv: KVCacheStats
+    # int8 [num_blocks], BlockPool.block_states() values: a copy taken with the rest of the
+    # snapshot, so the dashboard's map always agrees with ``kv`` (a memcpy: ~5 us for 100k blocks).
+    block_states: np.ndarray = field(compare=False, repr=False)
+    num_waiting_for_grammar: int = 0  # of num_waiting: held back while their grammar compiles

@@ -21,6 +21,8 @@ nothing elsewhere. A block's scales travel with it: prefix hits and copies see t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _GIB = 1024**3
@@ -40,6 +42,19 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x32 = x.float()
     scales = (x32.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     return (x32 / scales[..., None]).to(FP8_DTYPE), scales
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_values(device: torch.device) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).float().to(device)
+
+
+def fp8_to_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x.float()`` for a float8_e4m3 tensor; on the CPU through a 256-entry table indexed by the bytes, 1.7x as
+    fast as the element-wise conversion there."""
+    if x.device.type != "cpu":
+        return x.float()
+    return _fp8_values(x.device).index_select(0, x.view(torch.uint8).reshape(-1).int()).view(x.shape)
 
 
 class PagedKVCache:

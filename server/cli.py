@@ -12,12 +12,14 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import importlib
 import ipaddress
 import logging
 import os
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -25,12 +27,17 @@ from engine.async_engine import AsyncEngine, EngineStartupError
 from engine.config import ConfigError, EngineConfig
 from engine.default_model import DEFAULT_MODEL_NAME, default_cache_dir
 from server import __version__
-from server.app import build_app
 from server.limits import ServerLimits, guarded_http_protocol
-from server.metrics import ServerMetrics
-from server.serving import ServedModel, ServingContext
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tool_parsers import PARSERS, parser_for_template
+
+if TYPE_CHECKING:
+    from server.serving import ServingContext
+
+# The HTTP side, imported while the engine core process loads the model (FastAPI, pydantic, the routes, the
+# metrics: seconds of imports that would otherwise come before the core is even started). This module stays
+# light because the core process imports it too (multiprocessing's spawn re-imports the main module).
+_SERVER_MODULES = ("server.app", "server.metrics", "server.serving")
 
 logger = logging.getLogger("minivllm.server")
 
@@ -289,12 +296,17 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         limits = limits_from_args(args)
-        engine = AsyncEngine.launch(engine_config_from_args(args), args.max_waiting_requests, args.log_level)
+        engine = AsyncEngine.launch(engine_config_from_args(args), args.max_waiting_requests, args.log_level,
+                                    while_loading=_import_server_modules)
     except (ConfigError, EngineStartupError, OSError, ValueError) as exc:  # a bad flag or model: say so, no traceback
         logger.debug("the engine could not start", exc_info=True)
         print(f"minivllm serve: error: {exc}", file=sys.stderr)
         return 2
     try:
+        from server.app import build_app
+        from server.metrics import ServerMetrics
+        from server.serving import ServedModel, ServingContext
+
         parser = args.tool_call_parser
         if parser == "auto":
             parser = parser_for_template(getattr(engine.tokenizer, "chat_template", None))
@@ -319,6 +331,11 @@ def serve(args: argparse.Namespace) -> int:
         return 0 if server.started else 1
     finally:
         engine.shutdown()
+
+
+def _import_server_modules() -> None:
+    for name in _SERVER_MODULES:
+        importlib.import_module(name)
 
 
 def ready_line(args: argparse.Namespace, ctx: ServingContext, engine: AsyncEngine) -> str:

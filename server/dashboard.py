@@ -22,7 +22,7 @@ from fastapi.responses import HTMLResponse
 from prometheus_client import Counter
 from pydantic import BaseModel
 
-from engine.llm_engine import EngineStats
+from engine.outputs import EngineStats
 from kvcache.block_pool import STATE_CACHED_FREE, STATE_FREE, STATE_IN_USE, STATE_NULL, STATE_SHARED
 from server.serving import ServingContext
 

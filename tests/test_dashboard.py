@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 pytest.register_assert_rewrite("tests.server_helpers")
-from engine.llm_engine import EngineStats  # noqa: E402
+from engine.outputs import EngineStats  # noqa: E402
 from kvcache.metrics import KVCacheStats  # noqa: E402
 from server.dashboard import STATE_NAMES, snapshot_from_stats  # noqa: E402
 from tests.server_helpers import (  # noqa: E402

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
-from kvcache.paged_cache import FP8_DTYPE, quantize_fp8
+from kvcache.paged_cache import FP8_DTYPE, fp8_to_float32, quantize_fp8
 
 KVScales = tuple[torch.Tensor, torch.Tensor]  # an FP8 cache's (k_scales, v_scales), [num_blocks, block_size, kvh]
 
@@ -51,7 +51,7 @@ def _gather_context(
         blocks = cache.index_select(0, ids)  # [n * nb, bs, kvh, hd]
     else:
         raw = cache.view(torch.uint8).index_select(0, ids).view(FP8_DTYPE)
-        blocks = (raw.float() * scales.index_select(0, ids)[..., None]).to(dtype)
+        blocks = (fp8_to_float32(raw) * scales.index_select(0, ids)[..., None]).to(dtype)
     return blocks.view(n, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 

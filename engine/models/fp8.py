@@ -13,7 +13,8 @@ for block weights), the FP8 operands are multiplied with float32 accumulation, a
 applied to the result. On a GPU with FP8 tensor cores (compute capability 8.9+) per-channel layers run
 through ``torch._scaled_mm`` and block layers through the Triton kernel below. Elsewhere (the CPU) the
 same arithmetic runs as dequantize-then-matmul: activations are rounded through FP8 exactly as the GPU
-path rounds them, so CPU accuracy tests measure what the GPU computes.
+path rounds them, so CPU accuracy tests measure what the GPU computes. The CPU layers widen their FP8
+values to float32 once and keep them (``Fp8Weights``): CPUs have no FP8 arithmetic to save memory with.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed import tp_size
-from kvcache.paged_cache import FP8_DTYPE, quantize_fp8
+from kvcache.paged_cache import FP8_DTYPE, fp8_to_float32, quantize_fp8
 
 
 
@@ -91,19 +92,6 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[in
     return (w32 * full).to(dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _fp8_values(device: torch.device) -> torch.Tensor:
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).float().to(device)
-
-
-def fp8_to_float32(x: torch.Tensor) -> torch.Tensor:
-    """``x.float()`` for a float8_e4m3 tensor; on the CPU through a 256-entry table, about twice as fast as the
-    element-wise conversion there."""
-    if x.device.type != "cpu":
-        return x.float()
-    return torch.take(_fp8_values(x.device), x.view(torch.uint8).long())
-
-
 # ------------------------------------------------------------------------------------------ the product
 
 
@@ -120,28 +108,38 @@ def fp8_gemm_available(device: torch.device) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-               block: tuple[int, int] | None = None) -> torch.Tensor:
-    """``x @ W^T + bias`` for an FP8 ``weight`` [out, in] with its scales; ``x`` [..., in] in the compute dtype."""
+               block: tuple[int, int] | None = None, widened: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T + bias`` for an FP8 ``weight`` [out, in] with its scales; ``x`` [..., in] in the compute dtype.
+
+    ``widened`` is ``widen_weight``'s result for this weight, kept by the caller so that the reference path
+    does not convert the FP8 values again on every call."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if fp8_gemm_available(x.device) and rows.shape[0] > 0:
         out = _gpu_fp8_linear(rows, weight, scale, block)
     else:
-        out = _reference_fp8_linear(rows, weight, scale, block)
+        out = _reference_fp8_linear(rows, weight, scale, block, widened)
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], weight.shape[0])
 
 
+def widen_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """The float32 operand the reference product multiplies: the FP8 values (per-channel scales are applied to
+    the product) or, with block scales, the dequantized weight. Exact: every float8_e4m3 value is a float32."""
+    return fp8_to_float32(weight) if block is None else dequantize_weight(weight, scale, block, torch.float32)
+
+
 def _reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                          block: tuple[int, int] | None) -> torch.Tensor:
+                          block: tuple[int, int] | None, widened: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize-then-matmul, with the activations rounded through FP8 as the GPU path rounds them: the FP8
     values multiplied in float32, the per-row and per-channel scales applied to the product."""
     values, x_scales = quantize_rows(x, block[1] if block else None)
+    w = widened if widened is not None else widen_weight(weight, scale, block)
     if block is None:
-        return (F.linear(fp8_to_float32(values), fp8_to_float32(weight)) * x_scales * scale).to(x.dtype)
+        return (F.linear(fp8_to_float32(values), w) * x_scales * scale).to(x.dtype)
     xq = fp8_to_float32(values) * x_scales.repeat_interleave(block[1], 1)[:, : x.shape[1]]
-    return F.linear(xq, dequantize_weight(weight, scale, block, torch.float32)).to(x.dtype)
+    return F.linear(xq, w).to(x.dtype)
 
 
 def _gpu_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
