@@ -136,7 +136,9 @@ def test_prompt_logprobs_and_beam_search_on_cuda_match_transformers(tmp_path):
 def test_sliding_window_gemma_and_experts_on_cuda_match_transformers(tmp_path):
     """Mistral's sliding window, Gemma 2's soft-capping and query scale, Gemma 3's local RoPE base and q/k norms
     through the Triton kernels, and Qwen3-MoE's fused Triton experts, all under CUDA graphs, in float32 against
-    transformers on the same GPU."""
+    transformers on the same GPU; start-up compiled every MoE kernel variant the steps pick."""
+    from engine.models import moe_kernels
+
     small = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     configs = {
@@ -159,7 +161,9 @@ def test_sliding_window_gemma_and_experts_on_cuda_match_transformers(tmp_path):
         hf = hf.cuda()
         llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=128)
         assert llm.engine.runner.graphs is not None, name
+        compiled = _compiled_variants(moe_kernels._grouped_gemm_kernel)
         got = _greedy(llm, prompts, 20)
+        assert _compiled_variants(moe_kernels._grouped_gemm_kernel) == compiled, "an MoE kernel compiled mid-run"
         for prompt, tokens in zip(prompts, got):
             ids = torch.tensor([prompt]).cuda()
             expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,

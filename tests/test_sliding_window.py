@@ -85,3 +85,18 @@ def test_gemma_configs_are_read_as_gemma(tmp_path):
     model = load_model(gemma2, torch.float32, "cpu")
     logits = PagedRunner(model).step([(0, prompts([30])[0])])[0]
     assert logits.abs().max() <= 5.0 and logits.abs().max() > 4.0  # capped, and the cap is reached
+
+
+def test_the_start_up_log_says_what_one_block_table_costs(tmp_path, caplog):
+    """Windowed layers keep every token's KV (one block table for all layers): the log says how much of a
+    full-length request's KV lies outside every window, here Gemma 2's one windowed layer in two, 16 of 256
+    tokens: (256 - 16) / (2 * 256) = 47%."""
+    from engine.model_runner import kv_outside_windows
+
+    assert kv_outside_windows((1024,) * 5 + (0,), 32768) == pytest.approx(5 / 6 * (1 - 1024 / 32768))  # Gemma 3
+    assert kv_outside_windows((0, 0), 4096) == 0 and kv_outside_windows((8192,), 4096) == 0
+    path = save_checkpoint(WINDOW_CONFIGS["gemma2-window-16-capped"](), tmp_path / "g2")
+    with caplog.at_level("INFO", logger="minivllm"):
+        LLM(str(path), max_model_len=256, num_kvcache_blocks=20).engine.close()
+    assert "sliding windows on 1 of 2 layers (16 tokens)" in caplog.text
+    assert "at 256 tokens 47% of the KV a request holds is never read (older than its layer's window)" in caplog.text

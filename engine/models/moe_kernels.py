@@ -193,6 +193,28 @@ def choose_blocks(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEBl
     return MoEBlocks(128, 128, 64, num_warps=8, num_stages=3)
 
 
+def _routing_block(num_pairs: int) -> int:
+    """The routing kernels' ``BLOCK``: pairs scanned per iteration (a compile-time size, so a few variants)."""
+    return min(max(triton.next_power_of_2(num_pairs), 128), 1024)
+
+
+def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int) -> int:
+    """Compile every kernel variant ``fused_moe`` can pick for 1 to ``max_tokens`` tokens on these experts' shapes
+    (tile configurations and routing block sizes), so that no step compiles one mid-run. Returns the number of
+    calls made (one per distinct variant)."""
+    num_experts, hidden = w13.shape[0], w13.shape[2]
+    seen: dict[tuple, int] = {}
+    for num_tokens in range(1, max_tokens + 1):
+        pairs = num_tokens * top_k
+        seen.setdefault((choose_blocks(pairs, num_experts, w13.dtype), _routing_block(pairs)), num_tokens)
+    generator = torch.Generator(device=w13.device).manual_seed(0)
+    for num_tokens in seen.values():
+        x = torch.randn(num_tokens, hidden, device=w13.device, dtype=w13.dtype, generator=generator)
+        top_ids = torch.randint(0, num_experts, (num_tokens, top_k), device=w13.device, generator=generator)
+        fused_moe(x, w13, w2, top_ids, torch.full(top_ids.shape, 1.0 / top_k, device=w13.device))
+    return len(seen)
+
+
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static bound on the padded length of ``align_routing``'s layout, a whole number of blocks."""
     bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
@@ -215,7 +237,7 @@ def align_routing(top_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
     counts = torch.empty(num_experts, dtype=torch.int32, device=device)
     sorted_pairs = torch.empty(num_rows, dtype=torch.int32, device=device)
     block_experts = torch.empty(num_rows // block_m, dtype=torch.int32, device=device)
-    block = min(max(triton.next_power_of_2(num_pairs), 128), 1024)
+    block = _routing_block(num_pairs)
     _count_kernel[(num_experts,)](ids, counts, num_pairs, BLOCK=block, num_warps=4)
     _align_kernel[(num_experts,)](ids, counts, sorted_pairs, block_experts, num_pairs, num_experts, num_rows,
                                   BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts), BLOCK=block,
