@@ -33,6 +33,7 @@ from engine.config import EngineConfig
 from engine.core import AbortRequests, AddRequests, CoreRequest, Shutdown, make_encoder, output_decoder, run_engine_core
 from engine.default_model import resolve_model_path
 from engine.model_info import ModelInfo
+from engine.multimodal import ImageInput
 from engine.output_processor import ChoiceDelta, MetricsRecorder, OutputProcessor, RequestState
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
@@ -261,11 +262,16 @@ class AsyncEngine:
         free_seats = max(0, self.config.max_num_seqs - stats.num_running - stats.num_waiting)
         return stats.num_waiting + max(0, in_transit - free_seats)
 
-    def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
+    def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 mm_inputs: list[list[ImageInput] | None] | None = None) -> RequestStream:
         """Start a request: ``params.n`` choices for each prompt, already checked against the model.
 
-        The deltas arrive on the returned stream; closing it early aborts the request.
+        ``mm_inputs``: per prompt, its images (``engine.multimodal.ImageInput``s from ``MultiModalProcessor``,
+        checked with ``ModelInfo.check_request(..., mm_inputs)``) or None. The deltas arrive on the returned
+        stream; closing it early aborts the request.
         """
+        if mm_inputs is not None and len(mm_inputs) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but images for {len(mm_inputs)}")
         self.check_accepting(len(prompts) * params.n)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -273,7 +279,10 @@ class AsyncEngine:
         stream.state, children = self.processor.add_request(request_id, prompts, params, stream)
         self._streams[request_id] = stream
         arrival = stream.state.arrival_s
-        self._send(AddRequests([CoreRequest(c.request_id, c.prompt_token_ids, c.params, arrival) for c in children]))
+        self._send(AddRequests([
+            CoreRequest(c.request_id, c.prompt_token_ids, c.params, arrival,
+                        (mm_inputs[c.prompt_index] or None) if mm_inputs is not None else None)
+            for c in children]))
         self._num_sent += len(children)
         return stream
 

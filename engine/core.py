@@ -34,6 +34,7 @@ import numpy as np
 import zmq
 
 from engine.config import EngineConfig
+from engine.multimodal import ImageInput
 from engine.outputs import EngineOutput, EngineStats
 from engine.sampling_params import SamplingParams
 
@@ -57,6 +58,8 @@ class CoreRequest(msgspec.Struct, array_like=True, gc=False):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic() in the API server (the same clock in every process)
+    # The prompt's images, by offset: placeholder spans, content hashes and pixel values as raw bytes.
+    mm_inputs: list[ImageInput] | None = None
 
 
 class AddRequests(msgspec.Struct, tag="add", array_like=True, gc=False):
@@ -173,7 +176,7 @@ class EngineCore:
                     self._num_added += 1
                     try:
                         self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, req.arrival_time,
-                                                checked=True)
+                                                checked=True, mm_inputs=req.mm_inputs)
                     except Exception as exc:  # noqa: BLE001 - refuse this request, keep serving the rest
                         logger.exception("engine core: request %s refused", req.request_id)
                         self._failed.append((req.request_id, str(exc)))

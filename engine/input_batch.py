@@ -7,6 +7,8 @@ vectorised numpy gathers over the scheduled rows, instead of per-token Python wo
             block_table[r, :num_blocks[r]]    its KV blocks, in order
             num_computed[r]                   tokens whose KV is in the pool
             temperature[r], top_p[r], ...     sampling parameters
+
+    mm_inputs[request id]                     the images of a request whose prefill has not passed them all
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class InputBatch:
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids int64, biases float32)
         self.allowed: dict[int, np.ndarray] = {}  # row -> the token ids it may sample (int64)
         self.generators: dict[int, torch.Generator] = {}
+        # Requests with images still ahead of their prefill: their ImageInputs (engine/multimodal.py), by offset.
+        self.mm_inputs: dict[str, list] = {}
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -64,6 +68,8 @@ class InputBatch:
         self.num_computed[row] = data.num_computed_tokens
         self.num_blocks[row] = 0
         self._append_blocks(row, data.block_ids)
+        if data.mm_inputs and data.num_computed_tokens < data.mm_inputs[-1].end:
+            self.mm_inputs[data.request_id] = data.mm_inputs
         p = data.sampling_params
         self.temperature[row] = p.temperature
         self.top_p[row] = p.top_p
@@ -112,6 +118,7 @@ class InputBatch:
         row = self.row_of.pop(request_id, None)
         if row is None:
             return
+        self.mm_inputs.pop(request_id, None)
         self.generators.pop(row, None)
         self.banned_until_min.pop(row, None)
         self.logit_bias.pop(row, None)

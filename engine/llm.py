@@ -1,4 +1,13 @@
-"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``."""
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``.
+
+A model that takes images (``LLM.accepts_images``) takes them as vLLM does, per prompt::
+
+    llm.generate({"prompt": "USER: <image>\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": image}})
+    llm.chat([{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "..."}]}])
+
+The model's Hugging Face processor resizes each image and expands its ``<image>`` placeholder into the
+model's number of image tokens (``engine/multimodal.py``).
+"""
 
 from __future__ import annotations
 
@@ -63,6 +72,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._mm_processor = None  # the model's HF processor (MultiModalProcessor), loaded with the first image
+
+    @property
+    def accepts_images(self) -> bool:
+        return self.engine.model_info.accepts_images
 
     def generate(
         self,
@@ -70,9 +84,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt, in order. Prompts are strings or ``{"prompt_token_ids": [...]}``."""
+        """One ``RequestOutput`` per prompt, in order.
+
+        Prompts are strings, ``{"prompt_token_ids": [...]}`` or ``{"prompt": text}``; with a model that takes
+        images, either dict may have ``"multi_modal_data": {"image": image or [images]}`` (PIL images or data
+        URLs), one ``<image>`` placeholder per image in the prompt, in order.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        return self._generate([self._tokenize(prompt) for prompt in prompts], sampling_params, use_tqdm)
+
+    def _generate(self, prompts: list[tuple[str | None, list[int], list | None]],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool
+                  ) -> list[RequestOutput]:
+        """Generate for tokenized prompts: (text, token ids, images)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = (
@@ -83,14 +108,13 @@ class LLM:
 
         # Every prompt is checked before any request starts, so a bad one leaves nothing behind.
         checked = []
-        for prompt, params in zip(prompts, params_list):
-            text, token_ids = self._tokenize(prompt)
-            checked.append((text, token_ids, self.engine.validate_request(token_ids, params)))
+        for (text, token_ids, mm_inputs), params in zip(prompts, params_list):
+            checked.append((text, token_ids, self.engine.validate_request(token_ids, params, mm_inputs), mm_inputs))
         bar = tqdm(total=sum(params.n for params in params_list), desc="generating", unit="req",
                    disable=not use_tqdm)
         results: list[RequestOutput] = []
         states = []
-        for text, token_ids, params in checked:
+        for text, token_ids, params, mm_inputs in checked:
             result = RequestOutput(str(next(self._ids)), text, token_ids, outputs=[
                 CompletionOutput(index=j, text="", token_ids=[], logprobs=[] if params.logprobs is not None else None)
                 for j in range(params.n)])
@@ -100,7 +124,8 @@ class LLM:
             result.metrics = RequestMetrics(arrival_time=state.arrival_s)
             states.append(state)
             for child in children:
-                self.engine.add_request(child.request_id, child.prompt_token_ids, child.params, checked=True)
+                self.engine.add_request(child.request_id, child.prompt_token_ids, child.params, checked=True,
+                                        mm_inputs=mm_inputs)
         try:
             while self.engine.has_unfinished_requests():
                 to_abort = self.processor.process(self.engine.step())
@@ -119,19 +144,52 @@ class LLM:
         """SamplingParams with the model's generation-config defaults (see ``generation_config``)."""
         return SamplingParams(**self.engine.model_info.sampling_defaults)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], list | None]:
+        """(text, token ids, images as ImageInputs or None) of one prompt."""
         if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise RequestError("a dict prompt needs 'prompt_token_ids'", param="prompt")
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            images = (prompt.get("multi_modal_data") or {}).get("image")
+            if images is not None:
+                images = list(images) if isinstance(images, (list, tuple)) else [images]
+            if "prompt_token_ids" in prompt:
+                ids = list(prompt["prompt_token_ids"])
+                if not images:
+                    return prompt.get("prompt"), ids, None
+                ids, mm_inputs = self._images().process_token_ids(ids, images)
+                return prompt.get("prompt"), ids, mm_inputs
+            if "prompt" not in prompt:
+                raise RequestError("a dict prompt needs 'prompt_token_ids' or 'prompt'", param="prompt")
+            if images:
+                ids, mm_inputs = self._images().process_text(prompt["prompt"], images)
+                return prompt["prompt"], ids, mm_inputs
+            prompt = prompt["prompt"]
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer: give prompts as {'prompt_token_ids': [...]}",
                                param="prompt")
-        return prompt, self.tokenizer.encode(prompt)
+        return prompt, self.tokenizer.encode(prompt), None
+
+    def _images(self):
+        """The model's processor for prompts with images (RequestError for a model that takes none)."""
+        if not self.accepts_images:
+            raise RequestError(f"{self.engine.model_info.architecture} does not take images",
+                               param="multi_modal_data")
+        if self._mm_processor is None:
+            from engine.multimodal import MultiModalProcessor
+
+            info = self.engine.model_info
+            self._mm_processor = MultiModalProcessor.from_pretrained(info.model_path, info.image_token_id)
+        return self._mm_processor
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> RequestOutput:
-        """Render one conversation with the tokenizer's chat template and generate the reply."""
+        """Render one conversation with the tokenizer's chat template and generate the reply.
+
+        With images (content parts ``{"type": "image", "image": PIL image}`` or ``{"type": "image_url",
+        "image_url": {"url": "data:..."}}``), the model's processor renders it with its own chat template.
+        """
+        if any(isinstance(m.get("content"), list) and any(p.get("type") in ("image", "image_url", "image_pil")
+                                                         for p in m["content"]) for m in messages):
+            ids, mm_inputs = self._images().process_chat(messages)
+            return self._generate([(None, ids, mm_inputs)], sampling_params, use_tqdm)[0]
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer, so it has no chat template", param="messages")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -67,6 +67,9 @@ def check_tensor_parallel(model_config: ModelConfig, tp: int) -> None:
     for what, size in splits.items():
         if size % tp:
             raise ConfigError(f"tensor_parallel_size={tp} does not divide the model's {what} ({size})")
+    if model_config.multimodal is not None:
+        raise ConfigError(f"{model_config.architecture} runs on one GPU for now: tensor parallelism does not "
+                          f"split its vision encoder")
     kv = model_config.num_key_value_heads
     if kv % tp and tp % kv:
         raise ConfigError(f"tensor_parallel_size={tp} neither divides nor is a multiple of the model's "
@@ -100,6 +103,9 @@ class LLMEngine:
         self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        images = bool(getattr(self.runner.model, "accepts_images", False))
+        # A step encodes at most as many image tokens as it computes tokens; no image may take more.
+        max_encoder_tokens = config.max_num_batched_tokens if images else 0
         self.model_info = ModelInfo(
             model_path=self.model_path, tokenizer_path=config.tokenizer or self.model_path,
             architecture=self.model_config.architecture, max_model_len=self.max_model_len,
@@ -107,6 +113,9 @@ class LLMEngine:
             num_kv_blocks=num_blocks, kv_block_size=config.kvcache_block_size, device=str(self.runner.device),
             sampling_defaults=load_sampling_defaults(config.generation_config, self.model_path),
             max_logprobs=config.max_logprobs, max_num_seqs=config.max_num_seqs,
+            input_modalities=("text", "image") if images else ("text",),
+            image_token_id=self.model_config.multimodal.image_token_id if images else None,
+            max_tokens_per_image=max_encoder_tokens or None,
         )
         if self.model_info.sampling_defaults:
             logger.info("sampling defaults from the generation config (requests override them; "
@@ -129,6 +138,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            max_num_encoder_tokens=max_encoder_tokens,
         )
         logger.info(
             "engine ready in %.1f s: %s, max_model_len=%d, max_num_seqs=%d, max_num_batched_tokens=%d, "
@@ -194,17 +204,22 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, checked: bool = False) -> Request:
+                    arrival_time: float | None = None, checked: bool = False, mm_inputs: list | None = None
+                    ) -> Request:
         """Queue a request. Raises RequestError for input that cannot be served.
 
         ``checked``: the caller already ran ``validate_request`` (the API server does, before
-        the request crosses to the engine process), so it is not checked twice.
+        the request crosses to the engine process), so it is not checked twice; the images'
+        pixel sizes, which only the model knows how to read, are checked here in any case.
+        ``mm_inputs``: the prompt's images (``engine.multimodal.ImageInput``), by offset.
         """
         if not checked:
-            params = self.validate_request(prompt_token_ids, params)
+            params = self.validate_request(prompt_token_ids, params, mm_inputs)
+        elif mm_inputs:
+            self._check_image_sizes(mm_inputs)
         if params.use_beam_search:
-            return self._add_beam_search(request_id, prompt_token_ids, params, arrival_time)
-        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
+            return self._add_beam_search(request_id, prompt_token_ids, params, arrival_time, mm_inputs)
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time, mm_inputs)
         if params.structured_outputs is not None:
             request.grammar = self._grammar_manager().attach(params.structured_outputs)
         self.scheduler.add_request(request)
@@ -213,7 +228,7 @@ class LLMEngine:
         return request
 
     def _add_beam_search(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                         arrival_time: float | None) -> Request:
+                         arrival_time: float | None, mm_inputs: list | None = None) -> Request:
         """A beam search: one group (``request_id``) whose first beam prefills the prompt."""
         if request_id in self.scheduler.beam_groups or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -223,7 +238,8 @@ class LLMEngine:
         # Each beam reports its top candidates' raw logprobs; the group chooses the tokens.
         beam_params = dataclasses.replace(params, n=1, use_beam_search=False, temperature=0.0,
                                           logprobs=group.num_candidates)
-        first = Request(group.new_beam_id(), prompt_token_ids, beam_params, self.eos_token_ids, arrival_time)
+        first = Request(group.new_beam_id(), prompt_token_ids, beam_params, self.eos_token_ids, arrival_time,
+                        mm_inputs)
         first.beam = group
         group.beams[first.request_id] = 0.0
         self.scheduler.add_request(first)
@@ -289,9 +305,28 @@ class LLMEngine:
                                            self.config.max_num_seqs)
         return self.grammars
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Check a prompt against the model and the context; return params with max_tokens resolved."""
-        return self.model_info.check_request(prompt_token_ids, params)
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                         mm_inputs: list | None = None) -> SamplingParams:
+        """Check a prompt (and its images) against the model and the context; return params with max_tokens
+        resolved."""
+        params = self.model_info.check_request(prompt_token_ids, params, mm_inputs)
+        if mm_inputs:
+            self._check_image_sizes(mm_inputs)
+        return params
+
+    def _check_image_sizes(self, mm_inputs: list) -> None:
+        """Each image's pixel values are what the vision encoder takes, and make as many embeddings as the
+        image has placeholder tokens (a mismatch would fail the step of every request in it)."""
+        if not self.model_info.accepts_images:
+            raise RequestError(f"{self.model_config.architecture} does not take images", param="multi_modal_data")
+        for i, mm in enumerate(mm_inputs):
+            try:
+                expected = self.runner.model.num_image_tokens(tuple(mm.pixel_values.shape))
+            except ValueError as exc:
+                raise RequestError(f"image {i}: {exc}", param="multi_modal_data") from None
+            if expected != mm.length:
+                raise RequestError(f"image {i} has {mm.length} placeholder tokens, but the model makes {expected} "
+                                   f"embeddings of its pixel values", param="multi_modal_data")
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         self._grammar_requests.difference_update(request_ids)
@@ -390,6 +425,8 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """Check the KV manager's tables against its pool (~1 us per block): for idle moments only."""
         self.kv_manager.check_invariants()
+        if self.scheduler.encoder_cache is not None:
+            self.scheduler.encoder_cache.check_invariants()
 
     def _launch_next(self, in_flight=None) -> tuple:
         start = time.perf_counter()

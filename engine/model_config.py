@@ -3,6 +3,10 @@
 Everything downstream (model classes, loader, KV cache sizing) reads this dataclass,
 never the raw Hugging Face config, so the differences between transformers 4.x
 (``rope_theta`` + ``rope_scaling``) and 5.x (``rope_parameters``) are handled here only.
+
+A vision-language model (LLaVA) nests its language model's config (``text_config``) and its
+vision tower's (``vision_config``): the text part fills the ordinary fields, as a Llama's
+would, and ``multimodal`` carries the rest.
 """
 
 from __future__ import annotations
@@ -44,6 +48,25 @@ class GemmaConfig:
 
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
+# Vision-language model types, and the vision towers (transformers' own modules) they may use.
+MULTIMODAL_MODEL_TYPES = ("llava",)
+VISION_TOWER_TYPES = ("clip_vision_model", "siglip_vision_model")
+
+
+@dataclass(frozen=True)
+class MultiModalConfig:
+    """What a vision-language model adds to its language model: the vision tower, the projector and the
+    image placeholder token."""
+
+    model_type: str  # "llava"
+    image_token_id: int  # the placeholder token; the processor expands each image into a run of them
+    vision_model_type: str  # one of VISION_TOWER_TYPES
+    image_size: int  # the tower's input: [3, image_size, image_size] pixel values
+    patch_size: int
+    vision_feature_layer: int | tuple[int, ...]  # the tower layer(s) whose hidden states feed the projector
+    vision_feature_select_strategy: str  # "default": drop the CLS position; "full": keep every position
+    hf_config: Any  # the whole transformers config: the vision tower and projector are built from it
+
 
 @dataclass
 class ModelConfig:
@@ -74,6 +97,7 @@ class ModelConfig:
     # How the checkpoint's weights are quantized (its ``quantization_config``); None for plain weights.
     quantization_config: dict[str, Any] | None = None
     gemma: GemmaConfig | None = None  # Gemma 2 / Gemma 3's extras; None for other families
+    multimodal: MultiModalConfig | None = None  # a vision-language model's vision side; None for text models
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
@@ -89,6 +113,9 @@ class ModelConfig:
         architectures = getattr(hf_config, "architectures", None) or []
         if not architectures:
             raise ValueError(f"config of {model_path} has no 'architectures' entry; cannot pick a model class")
+        outer, multimodal = hf_config, _read_multimodal(hf_config)
+        if multimodal is not None:
+            hf_config = hf_config.get_text_config()  # the language model's fields, as a text model has them
         hidden_size = _require(hf_config, "hidden_size")
         num_heads = _require(hf_config, "num_attention_heads")
         head_dim = getattr(hf_config, "head_dim", None) or hidden_size // num_heads
@@ -109,17 +136,19 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=_require(hf_config, "max_position_embeddings"),
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)
+                                     or getattr(outer, "tie_word_embeddings", False)),
             # Qwen2's config has no attention_bias field: its q/k/v projections always carry a bias.
             attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             eos_token_ids=_read_eos_token_ids(hf_config, model_path),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
-            dtype=_read_dtype(hf_config),
+            dtype=_read_dtype(outer) or _read_dtype(hf_config),
             sliding_window=_read_sliding_window(hf_config),
             moe=_read_moe(hf_config, model_type),
-            quantization_config=_read_quantization(hf_config),
+            quantization_config=_read_quantization(outer),
             gemma=_read_gemma(hf_config, model_type, local_rope),
+            multimodal=multimodal,
         )
         config.layer_windows = _layer_windows(hf_config, config)
         _check_unsupported_features(hf_config)
@@ -137,6 +166,41 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+
+
+def _read_multimodal(hf_config: Any) -> MultiModalConfig | None:
+    """A vision-language config's vision side (None for a text model); ValueError for what is not supported."""
+    model_type = getattr(hf_config, "model_type", "")
+    vision = getattr(hf_config, "vision_config", None)
+    if vision is None:
+        return None
+    if model_type not in MULTIMODAL_MODEL_TYPES:
+        raise ValueError(f"vision-language model type {model_type!r} is not supported; supported: "
+                         f"{', '.join(MULTIMODAL_MODEL_TYPES)}")
+    vision_type = getattr(vision, "model_type", "")
+    if vision_type not in VISION_TOWER_TYPES:
+        raise ValueError(f"vision tower {vision_type!r} is not supported; supported: {', '.join(VISION_TOWER_TYPES)}")
+    strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ValueError(f"vision_feature_select_strategy must be 'default' or 'full', got {strategy!r}")
+    text = hf_config.get_text_config()
+    if getattr(text, "model_type", "") not in ("llama", "mistral"):
+        raise ValueError(f"LLaVA with a {getattr(text, 'model_type', '?')!r} language model is not supported "
+                         f"(llama and mistral are)")
+    layer = getattr(hf_config, "vision_feature_layer", -2)
+    image_token_id = getattr(hf_config, "image_token_id", None)
+    if image_token_id is None:
+        image_token_id = _require(hf_config, "image_token_index")
+    return MultiModalConfig(
+        model_type=model_type,
+        image_token_id=int(image_token_id),
+        vision_model_type=vision_type,
+        image_size=int(_require(vision, "image_size")),
+        patch_size=int(_require(vision, "patch_size")),
+        vision_feature_layer=layer if isinstance(layer, int) else tuple(int(i) for i in layer),
+        vision_feature_select_strategy=strategy,
+        hf_config=hf_config,
+    )
 
 
 def _check_unsupported_features(hf_config: Any) -> None:

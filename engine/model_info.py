@@ -40,9 +40,20 @@ class ModelInfo:
     sampling_defaults: dict = field(default_factory=dict)
     max_logprobs: int = 20  # the most logprobs a token may ask for; -1: the whole vocabulary
     max_num_seqs: int = 256
+    # What prompts may carry: ("text",) or ("text", "image"). A model that takes images has the token id of
+    # its image placeholders, and encodes images of at most max_tokens_per_image tokens.
+    input_modalities: tuple[str, ...] = ("text",)
+    image_token_id: int | None = None
+    max_tokens_per_image: int | None = None
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Check a prompt against the vocabulary and the context; return params with max_tokens resolved."""
+    @property
+    def accepts_images(self) -> bool:
+        return "image" in self.input_modalities
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      mm_inputs: list | None = None) -> SamplingParams:
+        """Check a prompt (and its images, ``engine.multimodal.ImageInput``s) against the vocabulary and the
+        context; return params with max_tokens resolved."""
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty: it must contain at least one token", param="prompt")
@@ -68,11 +79,19 @@ class ModelInfo:
             from engine.structured_output import check_structured_outputs
 
             check_structured_outputs(params.structured_outputs)
+        if mm_inputs:
+            from engine.multimodal import check_image_inputs
+
+            check_image_inputs(prompt_token_ids, mm_inputs, self.image_token_id, self.max_tokens_per_image)
         room = self.max_model_len - n
         if room < 1:
+            images = ""
+            if mm_inputs:
+                images = (f" ({sum(mm.length for mm in mm_inputs)} of them for {len(mm_inputs)} "
+                          f"image{'s' if len(mm_inputs) > 1 else ''})")
             raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} tokens "
-                f"and at least one token must be generated", param="prompt", code="context_length_exceeded")
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} tokens"
+                f"{images} and at least one token must be generated", param="prompt", code="context_length_exceeded")
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=room)
         elif params.max_tokens > room:

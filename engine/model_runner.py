@@ -4,6 +4,12 @@ The runner never sees a ``Request``: it keeps its own per-request rows (``InputB
 updated from the scheduler's ``SchedulerOutput``, and builds the flat step inputs from
 them with vector operations. The model sees only tensors and the step's attention
 metadata. The one host sync of a step is reading the sampled tokens back.
+
+A model that takes images gets them at prefill only: the step first encodes the images the
+scheduler names into the encoder cache (embeddings by content hash), then the tokens of the
+step that are image placeholders take their rows of those embeddings in place of the token
+embeddings; their K/V go into the ordinary blocks. Such steps run eagerly; decode steps never
+see an image, so they keep their CUDA graphs.
 """
 
 from __future__ import annotations
@@ -72,6 +78,9 @@ class StepInputs:
     placeholder_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     placeholder_request_ids: list[str] = field(default_factory=list)
     prompt_logprobs: "PromptLogprobsPlan | None" = None
+    # Image embeddings for some of the step's tokens: (their positions in the flat tokens [K] int64 on the
+    # device, their embeddings [K, hidden]); None when the step has no image token.
+    image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +159,8 @@ class ModelRunner:
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.buffers = StepBuffers(max_tokens, config.max_num_seqs, max_blocks, self.device)
         self.graphs: DecodeGraphs | None = None
+        # Encoded images, by content hash: [image tokens, hidden] each (the scheduler decides what stays).
+        self.encoder_cache: dict[str, torch.Tensor] = {}
         pin = self.device.type == "cuda"
         self._sampled_host = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._sampled_turn = 0
@@ -307,6 +318,11 @@ class ModelRunner:
             min_p=None,
         )
         self.sampler(logits, st)
+        if getattr(self.model, "accepts_images", False):  # the largest encoder batch a step may run
+            shape = self.model.image_input_shape
+            per_image = self.model.num_image_tokens(shape)
+            num_images = max(1, self.config.max_num_batched_tokens // per_image)
+            self.model.encode_images(torch.zeros(num_images, *shape, dtype=self.dtype, device=self.device))
 
     def _dummy_metadata(self, lens: list[int]) -> AttentionMetadata:
         max_len = max(lens)
@@ -341,7 +357,10 @@ class ModelRunner:
         self._update_states(sched)
         if sched.block_copies:  # forked beams' partial blocks, before anything writes to them
             self.kv_cache.copy_blocks(sched.block_copies)
+        if sched.encoder_inputs:
+            self._encode_images(sched.encoder_inputs)
         if sched.is_empty:
+            self._free_encoder_outputs(sched.freed_encoder_hashes)
             return StepHandle()
         inputs = self._prepare_inputs(sched)
         if len(inputs.placeholder_tokens):
@@ -357,9 +376,15 @@ class ModelRunner:
             # Every row of a decode step is sampled, in order: a view instead of a gather.
             n = len(inputs.sampled_rows)
             logits = logits[:n] if inputs.samples_leading_rows else logits[inputs.logits_indices]
+        elif inputs.image_embeds is not None:
+            embeds = self.model.embed_input_ids(inputs.input_ids, *inputs.image_embeds)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs_embeds=embeds)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices]) if st is not None else None
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices]) if st is not None else None
+        if sched.freed_encoder_hashes:  # after the forward pass that read them is queued
+            self._free_encoder_outputs(sched.freed_encoder_hashes)
         handle = StepHandle(inputs=inputs, events=events, launched=time.perf_counter())
         if inputs.prompt_logprobs is not None:
             handle.prompt_logprobs = self._launch_prompt_logprobs(hidden, inputs.prompt_logprobs)
@@ -461,6 +486,55 @@ class ModelRunner:
             device_s = events[0].elapsed_time(events[1]) / 1e3
         self.last_timing = (launched, synced, device_s, inputs.graph_size is not None, int(inputs.meta.num_reqs))
 
+    def _encode_images(self, images: list) -> None:
+        """Run the vision encoder (and projector) on the step's new images, a batch per pixel shape, and keep
+        each image's embeddings in the encoder cache under its content hash."""
+        by_shape: dict[tuple[int, ...], list] = {}
+        for mm in images:
+            by_shape.setdefault(tuple(mm.pixel_values.shape), []).append(mm)
+        for group in by_shape.values():
+            pixels = self._upload(np.stack([mm.pixel_values.to_numpy() for mm in group])).to(self.dtype)
+            embeds = self.model.encode_images(pixels)  # [images, tokens per image, hidden]
+            for mm, rows in zip(group, embeds):
+                if rows.shape[0] != mm.length:
+                    raise RuntimeError(f"an image encoded to {rows.shape[0]} embeddings for {mm.length} tokens")
+                self.encoder_cache[mm.content_hash] = rows
+
+    def _free_encoder_outputs(self, content_hashes: list[str]) -> None:
+        for content_hash in content_hashes:
+            self.encoder_cache.pop(content_hash, None)
+
+    def _gather_image_embeds(self, rows: np.ndarray, counts: np.ndarray, ends: np.ndarray):
+        """(flat token positions, embeddings) of the step's image placeholder tokens, from the encoder cache;
+        None when it has none. A request whose prefill passes its last image leaves ``batch.mm_inputs``."""
+        b = self.batch
+        batch_index = {row: i for i, row in enumerate(rows.tolist())}
+        positions, pieces, done = [], [], []
+        for rid, images in b.mm_inputs.items():
+            i = batch_index.get(b.row_of[rid])
+            if i is None:
+                continue  # not in this step
+            lo = int(b.num_computed[rows[i]])
+            hi, first = lo + int(counts[i]), int(ends[i] - counts[i])  # its tokens and where they start
+            for mm in images:
+                if mm.offset >= hi:
+                    break
+                start, end = max(lo, mm.offset), min(hi, mm.end)
+                if start >= end:
+                    continue
+                embeds = self.encoder_cache.get(mm.content_hash)
+                if embeds is None:
+                    raise RuntimeError(f"request {rid}: image {mm.content_hash} is not in the encoder cache")
+                pieces.append(embeds[start - mm.offset : end - mm.offset])
+                positions.append(np.arange(first + start - lo, first + end - lo, dtype=np.int64))
+            if hi >= images[-1].end:
+                done.append(rid)
+        for rid in done:
+            del b.mm_inputs[rid]
+        if not pieces:
+            return None
+        return self._upload(np.concatenate(positions)), torch.cat(pieces)
+
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.freed_request_ids:
             self.batch.remove(rid)
@@ -496,7 +570,9 @@ class ModelRunner:
         prompt_lp = None
         if (b.num_prompt_logprobs[rows] >= 0).any():
             prompt_lp = self._plan_prompt_logprobs(rows, token_req, token_rows, positions, req_ids, order)
-        graph_size = None if prompt_lp is not None else self._graph_size(num_reqs, num_decodes)
+        image_embeds = self._gather_image_embeds(rows, counts, ends) if b.mm_inputs else None
+        eager = prompt_lp is not None or image_embeds is not None
+        graph_size = None if eager else self._graph_size(num_reqs, num_decodes)
         padded = graph_size or num_reqs
         padded_tokens = graph_size or num_tokens
         buf.input_ids.np[:num_tokens] = b.token_ids[token_rows, positions]
@@ -532,6 +608,7 @@ class ModelRunner:
             graph_size=graph_size,
             samples_leading_rows=bool(graph_size is not None and len(sampled) and sampled[-1] == len(sampled) - 1),
             prompt_logprobs=prompt_lp,
+            image_embeds=image_embeds,
         )
         unknown = np.nonzero(positions >= b.num_tokens[token_rows])[0]  # ids a step in flight is sampling
         if len(unknown):

@@ -86,6 +86,7 @@ class ChildRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    prompt_index: int = 0  # which of the request's prompts it is for (its images go with it)
 
 
 @dataclass
@@ -168,10 +169,11 @@ class OutputProcessor:
                 state.choices.append(choice)
                 if params.use_beam_search:  # one engine request per prompt; its n best beams are the choices
                     if sample_index == 0:
-                        children.append(ChildRequest(child_request_id(request_id, index), prompt, params))
+                        children.append(ChildRequest(child_request_id(request_id, index), prompt, params,
+                                                     prompt_index))
                         self._choices[children[-1].request_id] = choice
                     continue
-                children.append(ChildRequest(child_request_id(request_id, index), prompt, child_params))
+                children.append(ChildRequest(child_request_id(request_id, index), prompt, child_params, prompt_index))
                 self._choices[children[-1].request_id] = choice
         state.num_unfinished = len(state.choices)
         self.requests[request_id] = state

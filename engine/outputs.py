@@ -40,6 +40,8 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hit (or a beam's fork/resend: what is computed): these tokens' KV is already in the pool
     # Top-N logprobs to compute for each prompt token from here on (-1: all); None: none.
     prompt_logprobs: int | None = None
+    # The prompt's images (engine.multimodal.ImageInput), by offset; None without any.
+    mm_inputs: list | None = None
 
 
 @dataclass(slots=True)
@@ -62,6 +64,10 @@ class SchedulerOutput:
     num_preempted: int = 0
     # (source, destination) block pairs to copy before the step: a forked beam's last partial block.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Images to encode before the step's forward pass (one per content hash), into the encoder cache.
+    encoder_inputs: list = field(default_factory=list)
+    # Content hashes whose embeddings the runner drops after the step: no request needs them any more.
+    freed_encoder_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

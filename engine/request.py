@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from engine.multimodal import image_spans
 from engine.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
+        mm_inputs: list | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
@@ -56,6 +58,14 @@ class Request:
         self.beam = None  # its BeamGroup (engine/beam_search.py) when it is one beam of a beam search
         self.resend = False  # its tokens changed other than by a sampled token: the runner gets it anew
         self.grammar = None  # a RequestGrammar (engine/structured_output.py) when the output is constrained
+        self.set_images(mm_inputs)
+
+    def set_images(self, mm_inputs: list | None) -> None:
+        """The prompt's images (``engine.multimodal.ImageInput``s, by offset), and what follows from them."""
+        self.mm_inputs = list(mm_inputs) if mm_inputs else []
+        self.mm_spans = image_spans(self.mm_inputs)  # for the KV blocks' hashes
+        self.mm_end = max((mm.end for mm in self.mm_inputs), default=0)  # prefill past it: no image ahead
+        self.held_images: set[str] = set()  # content hashes it holds in the encoder cache
 
     @property
     def ready(self) -> bool:

@@ -9,6 +9,12 @@ and one step can mix them all.
 When the KV pool runs out, the newest running request is preempted by recompute: its
 blocks are freed and it goes back to the front of the queue with its generated tokens,
 to be prefilled again later (prefix caching usually makes that cheap).
+
+Images (a multimodal model's prompts) are encoded when a chunk first reaches their placeholder
+tokens: each step encodes at most ``max_num_encoder_tokens`` image tokens' worth of images (the
+same number as the token budget), into the encoder cache (``engine/encoder_cache.py``), which holds
+each image until every request that needs it has prefilled past it. A chunk that would reach an
+image the step cannot encode (budget spent, cache full) stops before it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from engine.encoder_cache import EncoderCacheManager
 from engine.outputs import (
     CachedRequestData,
     EngineOutput,
@@ -37,6 +44,7 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        max_num_encoder_tokens: int = 0,
     ):
         self.kv = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -52,6 +60,11 @@ class Scheduler:
         # Beams whose step gave their next-token logprobs: (request, Logprobs), for the engine to pick from.
         self.beam_reports: list = []
         self._block_copies: list[tuple[int, int]] = []  # forked beams' partial blocks, copied before the next step
+        # A model that takes images: the image tokens a step may encode, which is also the encoder cache's size.
+        self.max_num_encoder_tokens = max_num_encoder_tokens
+        self.encoder_cache = EncoderCacheManager(max_num_encoder_tokens) if max_num_encoder_tokens > 0 else None
+        self._encoder_budget = 0  # what is left of max_num_encoder_tokens in the step being planned
+        self._encoder_inputs: list = []  # the images the step being planned encodes
 
     # ----------------------------------------------------------------- public API
 
@@ -96,6 +109,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         num_preempted = 0
+        self._encoder_budget = self.max_num_encoder_tokens
 
         # 1. Running requests, oldest first. If one cannot get blocks, preempt from the newest end.
         i = 0
@@ -105,8 +119,10 @@ class Scheduler:
                 i += 1  # its last token is already being sampled; it finishes when that arrives
                 continue
             num_new = min(request.num_tokens_ahead - request.num_computed_tokens, budget)
+            if request.mm_end > request.num_computed_tokens:  # images ahead: the chunk may stop before one
+                num_new = self._fit_images(request, request.num_computed_tokens, num_new)
             if num_new == 0:
-                i += 1  # a beam that waits for its group to choose its next token
+                i += 1  # a beam that waits for its group to choose its next token, or an image that waits
                 continue
             new_block_ids, preempted = self._allocate_or_preempt(request, num_new)
             num_preempted += preempted
@@ -118,6 +134,8 @@ class Scheduler:
             else:
                 cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
             num_scheduled[request.request_id] = num_new
+            if request.mm_end > request.num_computed_tokens:
+                self._take_images(request, num_new)
             self._advance(request, num_new)
             budget -= num_new
             i += 1
@@ -133,7 +151,7 @@ class Scheduler:
 
         freed, self._freed_ids = self._freed_ids, set()
         copies, self._block_copies = self._block_copies, []
-        return SchedulerOutput(
+        out = SchedulerOutput(
             new_requests=new_reqs,
             cached_requests=cached_reqs,
             num_scheduled_tokens=num_scheduled,
@@ -142,6 +160,12 @@ class Scheduler:
             num_preempted=num_preempted,
             block_copies=copies,
         )
+        if self.encoder_cache is not None:
+            # Images no request holds now: passed by this step's chunks, or let go of by requests preempted here
+            # or finished since the last step (one that a request of this step took again stays, not encoded anew).
+            out.freed_encoder_hashes = self.encoder_cache.collect()
+            out.encoder_inputs, self._encoder_inputs = self._encoder_inputs, []
+        return out
 
     def update_from_output(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineOutput]:
         """Append the sampled tokens (resolving their placeholders) and finish what stopped.
@@ -197,6 +221,8 @@ class Scheduler:
             new_data, num_new = scheduled
             new_reqs.append(new_data)
             num_scheduled[request.request_id] = num_new
+            if request.mm_end > request.num_computed_tokens:
+                self._take_images(request, num_new)
             self._advance(request, num_new)
             budget -= num_new
         return budget
@@ -244,7 +270,8 @@ class Scheduler:
         num_preempted = 0
         while True:
             new_block_ids = self.kv.allocate_slots(
-                request.request_id, request.all_token_ids, request.num_computed_tokens, num_new
+                request.request_id, request.all_token_ids, request.num_computed_tokens, num_new,
+                mm_spans=request.mm_spans,
             )  # a placeholder's block is hashed once its token is known
             if new_block_ids is not None:
                 return new_block_ids, num_preempted
@@ -263,13 +290,19 @@ class Scheduler:
         cached_blocks, num_cached = [], 0
         if not request.wants_prompt_logprobs:
             cached_blocks, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids,
-                                                                    record=False)
+                                                                    record=False, mm_spans=request.mm_spans)
         num_new = request.num_tokens - num_cached
         if num_new > budget and not self.enable_chunked_prefill:
             return None
         num_new = min(num_new, budget)
+        if request.mm_end > num_cached:
+            fitted = self._fit_images(request, num_cached, num_new)
+            if fitted == 0 or (fitted < num_new and not self.enable_chunked_prefill):
+                return None  # its next image cannot be encoded this step
+            num_new = fitted
         new_block_ids = self.kv.allocate_slots(
-            request.request_id, request.all_token_ids, num_cached, num_new, new_computed_blocks=cached_blocks
+            request.request_id, request.all_token_ids, num_cached, num_new, new_computed_blocks=cached_blocks,
+            mm_spans=request.mm_spans,
         )
         if new_block_ids is None:
             return None
@@ -293,7 +326,52 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(request.request_id),
             num_computed_tokens=num_computed,
             prompt_logprobs=request.sampling_params.prompt_logprobs if request.wants_prompt_logprobs else None,
+            mm_inputs=request.mm_inputs or None,
         )
+
+    # ------------------------------------------------------------------ images
+
+    def _fit_images(self, request: Request, start: int, num_new: int) -> int:
+        """How many of the ``num_new`` tokens from ``start`` this step can compute given the images they reach:
+        one not in the encoder cache is encoded this step if the step's encoder budget and the cache's free
+        space allow it; otherwise the chunk stops just before it (0: the request waits for a later step)."""
+        end, cost, counted = start + num_new, 0, set()
+        for mm in request.mm_inputs:
+            if mm.offset >= end:
+                break
+            if mm.end <= start or mm.content_hash in self.encoder_cache or mm.content_hash in counted:
+                continue
+            cost += mm.length
+            if cost > self._encoder_budget or not self.encoder_cache.has_room(cost):
+                return max(0, mm.offset - start)
+            counted.add(mm.content_hash)
+        return num_new
+
+    def _take_images(self, request: Request, num_new: int) -> None:
+        """The request's next ``num_new`` tokens run this step: it holds each image they reach (the step
+        encodes the ones not in the cache yet) and lets go of the ones it has now prefilled past."""
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        cache, held = self.encoder_cache, request.held_images
+        for mm in request.mm_inputs:
+            if mm.offset >= end:
+                break
+            if mm.end <= start or mm.content_hash in held:
+                continue
+            if cache.acquire(mm.content_hash, request.request_id, mm.length):
+                self._encoder_inputs.append(mm)
+                self._encoder_budget -= mm.length
+            held.add(mm.content_hash)
+        if held:
+            ahead = {mm.content_hash for mm in request.mm_inputs if mm.end > end}
+            for content_hash in held - ahead:
+                cache.release(content_hash, request.request_id)
+            held &= ahead
+
+    def _release_images(self, request: Request) -> None:
+        """A preempted or finished request holds no image (a preempted one takes them again when it resumes)."""
+        for content_hash in request.held_images:
+            self.encoder_cache.release(content_hash, request.request_id)
+        request.held_images.clear()
 
     # ------------------------------------------------------------------ beams
 
@@ -338,7 +416,7 @@ class Scheduler:
         """A new beam: the parent's tokens plus ``token_id``. With the parent's KV in the pool, it shares the
         full blocks and copies the partial one; otherwise (the parent was preempted) it is recomputed."""
         child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_ids,
-                        parent.arrival_time)
+                        parent.arrival_time, parent.mm_inputs)
         child.all_token_ids = parent.all_token_ids + [token_id]
         child.beam = parent.beam
         child.first_scheduled_time, child.num_cached_tokens = parent.first_scheduled_time, parent.num_cached_tokens
@@ -365,6 +443,8 @@ class Scheduler:
     def _preempt(self, request: Request, queue_at: int = 0) -> None:
         """Recompute preemption: drop the KV, keep the tokens, requeue (at the front)."""
         self.kv.free(request.request_id)
+        if request.held_images:
+            self._release_images(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -375,6 +455,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request.request_id)
+        if request.held_images:
+            self._release_images(request)
         del self.requests[request.request_id]
         self._freed_ids.add(request.request_id)
 

@@ -35,13 +35,17 @@ STATE_SHARED = 3  # ref > 1
 STATE_NULL = 4  # the reserved null block
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chained hash of one block: its parent block's hash and its own token ids.
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
+                      extra_keys: Sequence[bytes] = ()) -> BlockHash:
+    """Chained hash of one block: its parent block's hash, its own token ids and its extra keys.
 
     Two blocks have equal hashes only if their whole prefixes are equal, so a hash
-    lookup finds a block whose KV is valid for this position. The encoding is
-    unambiguous (a tag byte, the fixed-width parent digest, then little-endian int64
-    token ids) and hashlib is deterministic across processes, unlike ``hash()``.
+    lookup finds a block whose KV is valid for this position. ``extra_keys`` are what
+    else the block's KV depends on: the content hash of every image whose placeholder
+    tokens it holds (the tokens are the same for any image). The encoding is
+    unambiguous (a tag byte, the fixed-width parent digest, little-endian int64 token
+    ids, then each extra key with its length) and hashlib is deterministic across
+    processes, unlike ``hash()``.
     """
     h = hashlib.blake2b(digest_size=16)
     if parent_hash is None:
@@ -50,6 +54,10 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
         h.update(b"\x01")
         h.update(parent_hash)
     h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    for key in extra_keys:
+        h.update(b"\x02")
+        h.update(len(key).to_bytes(4, "little"))
+        h.update(key)
     return h.digest()
 
 

@@ -16,6 +16,10 @@ and token ``i`` lives in slot ``block_ids[i // block_size] * block_size + i % bl
 Only full blocks are cached, so only full blocks are ever shared between requests.
 Token ids of a request only grow (prompt, then generated tokens), so the chained
 hashes of its full blocks never change once computed and are kept per request.
+
+A prompt with images passes ``mm_spans``, (offset, length, key) per image: a block
+holding any of an image's placeholder tokens hashes the image's key too, so the same
+placeholders with another image are another prefix.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from dataclasses import dataclass, field
 
 from kvcache.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
 from kvcache.metrics import KVCacheStats
+
+# (offset, length, key) of each image in a request's tokens, by offset: see the module docstring.
+MMSpans = Sequence[tuple[int, int, bytes]]
 
 
 # Slots may be allocated for one token not known yet: the token a step in flight is sampling,
@@ -84,7 +91,7 @@ class KVCacheManager:
         return len(self._tables)
 
     def get_computed_blocks(
-        self, request_id: str, token_ids: Sequence[int], record: bool = True
+        self, request_id: str, token_ids: Sequence[int], record: bool = True, mm_spans: MMSpans | None = None
     ) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of ``token_ids``, in full blocks, and its length in tokens.
 
@@ -92,12 +99,12 @@ class KVCacheManager:
         blocks, so at least the last token is computed and yields logits. Takes no
         references; pass the blocks to ``allocate_slots`` to keep them. ``record=False``
         leaves the hit counters alone: a caller that may retry the lookup calls
-        ``record_prefix_lookup`` once the lookup is used.
+        ``record_prefix_lookup`` once the lookup is used. ``mm_spans``: the request's images.
         """
         if not self.enable_prefix_caching:
             return [], 0
         max_blocks = max(0, (len(token_ids) - 1) // self.block_size)
-        hashes = self._hashes_upto(request_id, token_ids, max_blocks)
+        hashes = self._hashes_upto(request_id, token_ids, max_blocks, mm_spans)
         blocks: list[KVCacheBlock] = []
         for block_hash in hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
@@ -122,13 +129,15 @@ class KVCacheManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        mm_spans: MMSpans | None = None,
     ) -> list[int] | None:
         """Grow the request's table to hold ``num_computed_tokens + num_new_tokens`` tokens.
 
         ``new_computed_blocks`` is a prefix hit from ``get_computed_blocks``, allowed only
         on the first allocation; ``num_computed_tokens`` already counts its tokens.
         ``token_ids`` are all known tokens of the request. Blocks that become full are
-        cached under their chained hash (their KV is written this step, before any read).
+        cached under their chained hash (their KV is written this step, before any read);
+        ``mm_spans`` are the request's images, as for ``get_computed_blocks``.
 
         Returns the ids of the newly allocated blocks, in table order, or None, with
         nothing changed, if there are not enough free blocks.
@@ -162,7 +171,7 @@ class KVCacheManager:
         self._append_blocks(table, new_blocks)
         table.num_tokens = max(table.num_tokens, num_tokens)
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request_id, table, token_ids)
+            self._cache_full_blocks(request_id, table, token_ids, mm_spans)
         return [block.block_id for block in new_blocks]
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
@@ -285,22 +294,26 @@ class KVCacheManager:
         table.blocks.extend(blocks)
         table.block_ids.extend(block.block_id for block in blocks)
 
-    def _hashes_upto(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
+    def _hashes_upto(self, request_id: str, token_ids: Sequence[int], num_blocks: int,
+                     mm_spans: MMSpans | None = None) -> list[BlockHash]:
         """The request's chained block hashes, extended to at least ``num_blocks`` entries."""
         hashes = self._block_hashes.setdefault(request_id, [])
         bs = self.block_size
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            start, end = i * bs, (i + 1) * bs
+            keys = [key for offset, n, key in mm_spans if offset < end and offset + n > start] if mm_spans else ()
+            parent = hash_block_tokens(parent, token_ids[start:end], keys)
             hashes.append(parent)
         return hashes
 
-    def _cache_full_blocks(self, request_id: str, table: _BlockTable, token_ids: Sequence[int]) -> None:
+    def _cache_full_blocks(self, request_id: str, table: _BlockTable, token_ids: Sequence[int],
+                           mm_spans: MMSpans | None = None) -> None:
         # A block whose last token is still being sampled is cached by a later call, once it is known.
         num_full_blocks = min(table.num_tokens, len(token_ids)) // self.block_size
         if num_full_blocks <= table.num_cached_blocks:
             return
-        hashes = self._hashes_upto(request_id, token_ids, num_full_blocks)
+        hashes = self._hashes_upto(request_id, token_ids, num_full_blocks, mm_spans)
         for i in range(table.num_cached_blocks, num_full_blocks):
             self.pool.cache_full_block(table.blocks[i], hashes[i])
         table.num_cached_blocks = num_full_blocks

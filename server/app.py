@@ -20,7 +20,7 @@ from fastapi.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server import __version__
-from server.chat import create_chat_completion
+from server.chat import create_chat_completion, render_chat_request
 from server.completions import create_completion
 from server.dashboard import dashboard_router
 from server.errors import SERVER_ERROR, APIError, bad_request, install_error_handlers
@@ -37,7 +37,7 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.serving import ServingContext
-from server.tokenization import ChatTemplateOptions, check_token_ids, decode, encode, render_chat, require_tokenizer
+from server.tokenization import ChatTemplateOptions, check_token_ids, decode, encode, require_tokenizer
 
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
 
@@ -98,7 +98,8 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         raise bad_request("give 'messages' (a chat completion) or 'prompt' (a completion)", param="messages")
 
     def card() -> ModelCard:
-        return ModelCard(id=ctx.model.name, root=ctx.model.path, max_model_len=ctx.model.max_model_len)
+        return ModelCard(id=ctx.model.name, root=ctx.model.path, max_model_len=ctx.model.max_model_len,
+                         input_modalities=list(ctx.model.input_modalities))
 
     @app.get("/v1/models", responses=error_responses(401))
     async def models() -> ModelList:
@@ -125,7 +126,7 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
             options = ChatTemplateOptions(body.add_generation_prompt, body.continue_final_message,
                                           body.chat_template, body.chat_template_kwargs)
-            token_ids = await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, body.messages, options, tools)
+            token_ids = (await render_chat_request(ctx, body.messages, options, tools)).prompt_token_ids
         else:
             tokenizer = require_tokenizer(ctx.tokenizer, "prompt", "text cannot be tokenized")
             add_special = True if body.add_special_tokens is None else body.add_special_tokens

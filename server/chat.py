@@ -17,6 +17,7 @@ from fastapi import Request
 from engine.outputs import Logprobs
 from server.errors import bad_request
 from server.generation import Generation
+from server.media import fetch_images
 from server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -25,6 +26,7 @@ from server.protocol import (
     ChatLogprobs,
     ChatLogprobToken,
     ChatMessage,
+    ChatMessageParam,
     ChatStreamChoice,
     DeltaFunctionCall,
     DeltaMessage,
@@ -43,7 +45,16 @@ from server.serving import (
     respond,
     usage_info,
 )
-from server.tokenization import ChatTemplateOptions, TokenizedPrompt, render_chat, token_text, truncate_prompt
+from server.tokenization import (
+    ChatTemplateOptions,
+    RenderedChat,
+    TokenizedPrompt,
+    chat_image_parts,
+    check_chat,
+    render_chat,
+    token_text,
+    truncate_prompt,
+)
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, ctx: ServingContext):
@@ -65,8 +76,14 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     tools = ToolPlan.of(body, get_parser(ctx.model.tool_parser))
     options = ChatTemplateOptions(body.add_generation_prompt, body.continue_final_message, body.chat_template,
                                   body.chat_template_kwargs)
-    prompt_ids = await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, body.messages, options,
-                                               tools.template_tools)
+    rendered = await render_chat_request(ctx, body.messages, options, tools.template_tools)
+    prompt_ids, mm_inputs = rendered.prompt_token_ids, None
+    if rendered.images:  # the model's processor: each image's pixels, its placeholder expanded to its tokens
+        if body.truncate_prompt_tokens is not None:
+            raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", param="truncate_prompt_tokens")
+        prompt_ids, images = await ctx.in_tokenizer_thread(ctx.model.image_processor.process_text, rendered.prompt,
+                                                           [image.image for image in rendered.images], False)
+        mm_inputs = [images]
     thinking = thinking_state(ctx.tokenizer, prompt_ids) if ctx.model.reasoning_parser else "closed"
     reasoning = None if thinking == "closed" else thinking  # where constraints start (after the thinking)
     tool_grammar = tools.grammar(parallel=body.parallel_tool_calls is not False, reasoning=reasoning)
@@ -74,9 +91,21 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
                                      tool_grammar=tool_grammar, skip_special_tokens=tools.skip_special_tokens,
                                      reasoning=reasoning)
     prompt = truncate_prompt(TokenizedPrompt(prompt_ids), body.truncate_prompt_tokens, ctx.model.max_model_len)
-    generation = ctx.start_generation("chatcmpl", [prompt], params)
+    generation = ctx.start_generation("chatcmpl", [prompt], params, mm_inputs)
     view = _ChatView(ctx, body, generation, tools, thinking)
     return await respond(raw_request, bool(body.stream), view.chunks, view.response, headers)
+
+
+async def render_chat_request(ctx: ServingContext, messages: list[ChatMessageParam], options: ChatTemplateOptions,
+                              tools: list[dict] | None) -> RenderedChat:
+    """A request's conversation rendered, with its images: everything that can be refused without
+    I/O is (the conversation, then each part, and images for a model that does not take them), then
+    the images are fetched and decoded (server/media.py), then the template runs in the tokenizer thread."""
+    check_chat(ctx.tokenizer, messages, options)
+    refs = chat_image_parts(messages, ctx.model.name, ctx.model.accepts_images, ctx.media.max_images_per_request)
+    images = await fetch_images(refs, ctx.media) if refs else []
+    return await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, messages, options, tools, images,
+                                         ctx.model.accepts_images)
 
 
 class _ChatView:

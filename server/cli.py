@@ -184,6 +184,7 @@ def _add_server_args(group) -> None:
     group.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 503 when this many requests already wait to be scheduled; default: no limit")
     _add_limit_args(group)
+    _add_media_args(group)
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -205,6 +206,56 @@ def _add_limit_args(group) -> None:
                        help="seconds a request gets to send its body (408 after)")
     group.add_argument("--timeout-keep-alive", type=float, default=5.0,
                        help="seconds an idle keep-alive connection stays open")
+
+
+def _add_media_args(group) -> None:
+    # The defaults are server.media.MediaLimits' (not imported here: it brings PIL and httpx; a test keeps them equal).
+    group.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN",
+                       help="hosts that image URLs in chat requests may be fetched from, space- or comma-separated (a "
+                            "domain also allows its subdomains; '*': any host); default: none, remote images are "
+                            "refused (data: URLs always work)")
+    group.add_argument("--allow-private-media-addresses", action="store_true",
+                       help="also fetch images from loopback, private and link-local addresses (refused by default, "
+                            "even for allowed domains)")
+    group.add_argument("--max-image-mb", type=float, default=20.0,
+                       help="largest image accepted, encoded (a data: URL's bytes or a fetched body; 400 beyond)")
+    group.add_argument("--max-image-megapixels", type=float, default=50.0,
+                       help="most pixels (width x height) an image may have, checked before it is decoded")
+    group.add_argument("--max-images-per-request", type=int, default=16, help="most images one chat request may carry")
+    group.add_argument("--media-fetch-timeout", type=float, default=10.0,
+                       help="seconds to fetch one image URL, redirects and body included")
+
+
+def check_media_args(args: argparse.Namespace) -> None:
+    """The image flags' values, checked before the engine starts (MediaLimits itself is built later)."""
+    if not (args.max_image_mb > 0 and args.max_image_megapixels > 0 and args.media_fetch_timeout > 0):
+        raise ConfigError("--max-image-mb, --max-image-megapixels and --media-fetch-timeout must be positive")
+    if args.max_images_per_request < 0:
+        raise ConfigError("--max-images-per-request must be at least 0")
+    for domain in _media_domains(args):
+        if "/" in domain or "@" in domain or any(c.isspace() for c in domain):
+            raise ConfigError(f"--allowed-media-domains: {domain!r} is not a host or a domain (give names like "
+                              "'example.com', without scheme or path)")
+
+
+def media_limits_from_args(args: argparse.Namespace):
+    """server.media.MediaLimits from the flags. It imports the HTTP side's image code (PIL, httpx), so
+    serve() calls it once the engine core is starting, after check_media_args."""
+    from server.media import MediaLimits
+
+    check_media_args(args)
+    try:
+        return MediaLimits(max_image_bytes=int(args.max_image_mb * 2**20),
+                           max_image_pixels=int(args.max_image_megapixels * 1_000_000),
+                           fetch_timeout_s=args.media_fetch_timeout, max_images_per_request=args.max_images_per_request,
+                           allowed_domains=_media_domains(args),
+                           allow_private=args.allow_private_media_addresses)
+    except ValueError as exc:
+        raise ConfigError(f"--allowed-media-domains: {exc}") from None
+
+
+def _media_domains(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(d for entry in args.allowed_media_domains or () for d in entry.split(",") if d.strip())
 
 
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
@@ -296,6 +347,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         limits = limits_from_args(args)
+        check_media_args(args)
         engine = AsyncEngine.launch(engine_config_from_args(args), args.max_waiting_requests, args.log_level,
                                     while_loading=_import_server_modules)
     except (ConfigError, EngineStartupError, OSError, ValueError) as exc:  # a bad flag or model: say so, no traceback
@@ -310,11 +362,19 @@ def serve(args: argparse.Namespace) -> int:
         parser = args.tool_call_parser
         if parser == "auto":
             parser = parser_for_template(getattr(engine.tokenizer, "chat_template", None))
+        modalities = engine.model.input_modalities  # ("text", "image") for a model that takes images
+        image_processor = None
+        if engine.model.accepts_images:
+            from engine.multimodal import MultiModalProcessor
+
+            image_processor = MultiModalProcessor.from_pretrained(engine.model.model_path, engine.model.image_token_id)
         model = ServedModel(served_model_name(args), engine.model, engine.tokenizer, tool_parser=parser,
-                            reasoning_parser=args.reasoning_parser)
+                            reasoning_parser=args.reasoning_parser, input_modalities=modalities,
+                            image_processor=image_processor)
         metrics = ServerMetrics(engine, prefix=args.metrics_prefix)
         engine.attach_metrics(metrics)
-        ctx = ServingContext(engine, model, metrics, limits, force_include_usage=args.enable_force_include_usage,
+        ctx = ServingContext(engine, model, metrics, limits, media=media_limits_from_args(args),
+                             force_include_usage=args.enable_force_include_usage,
                              api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
         uvicorn_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port, uds=args.uds,
                                         root_path=args.root_path, log_level=args.log_level,

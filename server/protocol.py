@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
 
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from engine.structured_output import check_structured_outputs
@@ -247,11 +247,32 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
 
 
+class ImageURL(RequestModel):
+    """An ``image_url`` part's image: a ``data:`` URL or an ``http(s)://`` one (server/media.py)."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # None: "auto"; passed along to the engine
+
+
 class ContentPart(RequestModel):
-    # Other part types (images, audio) carry fields of their own; the type is what answers them (a 400).
+    """A part of a message's content: ``text``, or ``image_url`` (for a model that takes images). Other
+    part types (audio, video, files) carry fields of their own; the type is what answers them (a 400)."""
+
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
+
+
+def _content_kind(value: Any) -> str:
+    return "list[ContentPart]" if isinstance(value, list) else "str"
+
+
+# A message's content: a string or a list of parts. Told apart by the value's own type, so a bad part is
+# answered by what is wrong with it ("messages.0.content.1.image_url.detail: ...") rather than by the string
+# branch's "Input should be a valid string"; the tags are type names, which error locations leave out.
+MessageContent = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[ContentPart], Tag("list[ContentPart]")]],
+                           Discriminator(_content_kind)]
 
 
 class FunctionCallParam(RequestModel):
@@ -267,7 +288,7 @@ class ToolCallParam(RequestModel):
 
 class ChatMessageParam(RequestModel):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: MessageContent | None = None
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool's answer: which call it answers
@@ -503,6 +524,8 @@ class ModelCard(BaseModel):
     owned_by: str = "minivllm"
     root: str | None = None
     max_model_len: int | None = None
+    # What prompts may carry: ["text"], or ["text", "image"] for a model that takes images.
+    input_modalities: list[str] = Field(default_factory=lambda: ["text"])
 
 
 class ModelList(BaseModel):

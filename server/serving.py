@@ -28,6 +28,7 @@ from engine.sampling_params import SamplingParams
 from server.errors import APIError, INVALID_REQUEST, as_api_error, bad_request
 from server.generation import Generation
 from server.limits import ServerLimits
+from server.media import MediaLimits
 from server.metrics import ServerMetrics
 from server.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, UsageInfo
 from server.streaming import (
@@ -55,6 +56,14 @@ class ServedModel:
     tokenizer: object | None  # the Hugging Face tokenizer, or None for a model without one
     tool_parser: str = "hermes"  # server/tool_parsers.py: how tool calls are read out of the text
     reasoning_parser: str | None = None  # server/reasoning.py: None when the thinking is not split off
+    # What its prompts may carry: ("text",), or ("text", "image") for a model that takes images.
+    input_modalities: tuple[str, ...] = ("text",)
+    # engine.multimodal.MultiModalProcessor of a model that takes images: the images' pixels and tokens.
+    image_processor: object | None = None
+
+    @property
+    def accepts_images(self) -> bool:
+        return "image" in self.input_modalities
 
     @property
     def path(self) -> str:
@@ -77,6 +86,7 @@ class ServingContext:
     model: ServedModel
     metrics: ServerMetrics
     limits: ServerLimits = field(default_factory=ServerLimits)
+    media: MediaLimits = field(default_factory=MediaLimits)  # what images may be, and where they may come from
     api_key: str | None = None
     force_include_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
     # Tokenization and chat templates run here, off the event loop: one thread, so the tokenizer
@@ -97,16 +107,18 @@ class ServingContext:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model.name!r}",
                            INVALID_REQUEST, param="model", code="model_not_found")
 
-    def start_generation(self, prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams) -> Generation:
+    def start_generation(self, prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams,
+                         mm_inputs: list[list] | None = None) -> Generation:
         """Admit a request: every prompt is checked before anything reaches the engine, so a bad
-        prompt (or a full queue) answers a plain error instead of a half-started stream."""
+        prompt (or a full queue) answers a plain error instead of a half-started stream. ``mm_inputs``: per
+        prompt, its images (``engine.multimodal.ImageInput``s)."""
         if params.stop and self.tokenizer is None:
             raise bad_request("stop strings need a tokenizer, and this model has none", param="stop")
         self.limits.check(len(prompts), params)
-        for prompt in prompts:
-            self.model.info.check_request(prompt.token_ids, params)
+        for i, prompt in enumerate(prompts):
+            self.model.info.check_request(prompt.token_ids, params, mm_inputs[i] if mm_inputs else None)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        stream = self.engine.generate(request_id, [p.token_ids for p in prompts], params)
+        stream = self.engine.generate(request_id, [p.token_ids for p in prompts], params, mm_inputs=mm_inputs)
         return Generation(request_id, prompts, params, stream)
 
 

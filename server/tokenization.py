@@ -1,16 +1,20 @@
 """Text to token ids and back: completion prompts, chat templates, and per-token strings.
 
 A model directory without a tokenizer still serves token-id prompts; everything that
-needs text answers a 400 there.
+needs text answers a 400 there. A chat's images are found here (``chat_image_parts``,
+before anything is fetched) and rendered as the template's ``{"type": "image"}`` parts;
+fetching and decoding them is server/media.py's.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from server.errors import bad_request
-from server.protocol import ChatMessageParam
+from server.media import DecodedImage, ImageRef
+from server.protocol import ChatMessageParam, ContentPart
 
 
 @dataclass
@@ -77,11 +81,19 @@ class ChatTemplateOptions:
     template_kwargs: dict | None = None  # extra template variables (chat_template_kwargs)
 
 
-def render_chat(tokenizer, messages: list[ChatMessageParam], options: ChatTemplateOptions = ChatTemplateOptions(),
-                tools: list[dict] | None = None) -> list[int]:
-    """The conversation rendered by the chat template (with the tools, and any extra template
-    variables the request gave), as token ids."""
-    template_kwargs = options.template_kwargs
+@dataclass
+class RenderedChat:
+    """A conversation as the engine takes it: the template's text, its token ids, and the images its
+    ``image_url`` parts gave, in message order (each with its content hash and ``detail``)."""
+
+    prompt_token_ids: list[int]
+    prompt: str = ""  # the template's text
+    images: list[DecodedImage] = field(default_factory=list)
+
+
+def check_chat(tokenizer, messages: list[ChatMessageParam], options: ChatTemplateOptions) -> None:
+    """What makes a conversation unrenderable whatever it holds (no tokenizer or template, no
+    messages, options that exclude each other): checked before any image is fetched."""
     require_tokenizer(tokenizer, "messages", "it has no chat template")
     if not messages:
         raise bad_request("messages must contain at least one message", param="messages")
@@ -93,42 +105,100 @@ def render_chat(tokenizer, messages: list[ChatMessageParam], options: ChatTempla
                               "add_generation_prompt to false", param="continue_final_message")
         if messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs an assistant message last", param="messages")
-    reserved = sorted(set(template_kwargs or ()) & _RESERVED_TEMPLATE_KWARGS)
+    reserved = sorted(set(options.template_kwargs or ()) & _RESERVED_TEMPLATE_KWARGS)
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
-    conversation = [_plain_message(i, m) for i, m in enumerate(messages)]
+
+
+def chat_image_parts(messages: list[ChatMessageParam], model_name: str, accepts_images: bool,
+                     max_images: int) -> list[ImageRef]:
+    """The conversation's ``image_url`` parts, in order. Every message is checked first as rendering
+    checks it (roles, parts, tool calls), and a model that does not take images refuses them here, as
+    does a request with more images than the server allows: such requests fetch nothing."""
+    refs = []
+    for i, message in enumerate(messages):
+        _plain_message(i, message, multimodal=True)
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            if part.type != "image_url":
+                continue
+            if not accepts_images:
+                raise bad_request(f"messages.{i}.content.{j}: the model {model_name!r} does not accept images (it "
+                                  "takes text only); send text content parts", param=f"messages.{i}.content")
+            refs.append(ImageRef(part.image_url.url, part.image_url.detail or "auto",
+                                 f"messages.{i}.content.{j}.image_url"))
+    if len(refs) > max_images:
+        raise bad_request(f"this request has {len(refs)} images; the server accepts at most {max_images} per request "
+                          "(--max-images-per-request)", param="messages")
+    return refs
+
+
+def render_chat(tokenizer, messages: list[ChatMessageParam], options: ChatTemplateOptions = ChatTemplateOptions(),
+                tools: list[dict] | None = None, images: Sequence[DecodedImage] = (),
+                multimodal: bool = False) -> RenderedChat:
+    """The conversation rendered by the chat template (with the tools, and any extra template
+    variables the request gave), as text and token ids.
+
+    ``multimodal``: the model takes images. A message whose content is a list of parts then reaches
+    the template as that list, in Hugging Face's multimodal shape (``{"type": "text", "text": ...}``
+    and ``{"type": "image"}``), and ``images`` are the decoded images of its ``image_url`` parts, in
+    order (server/media.py). For a text-only model, parts are joined into one string (text parts
+    only: an image part is a 400)."""
+    check_chat(tokenizer, messages, options)
+    image_parts = [p for m in messages if isinstance(m.content, list) for p in m.content if p.type == "image_url"]
+    if multimodal and len(image_parts) != len(images):
+        raise ValueError(f"{len(image_parts)} image parts but {len(images)} images were given")
+    conversation = [_plain_message(i, m, multimodal) for i, m in enumerate(messages)]
     try:
         text = tokenizer.apply_chat_template(conversation, tools=tools or None, chat_template=options.chat_template,
                                              add_generation_prompt=options.add_generation_prompt,
                                              continue_final_message=options.continue_final_message,
-                                             tokenize=False, **(template_kwargs or {}))
+                                             tokenize=False, **(options.template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - a template may raise anything on input it rejects
         raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") from exc
-    return encode(tokenizer, text, add_special_tokens=False, param="messages")
+    token_ids = encode(tokenizer, text, add_special_tokens=False, param="messages")
+    return RenderedChat(token_ids, text, list(images) if multimodal else [])
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CONTENT_PART_TYPES = ("text", "image_url")
 
 
-def _plain_message(index: int, message: ChatMessageParam) -> dict:
+def _check_part(index: int, position: int, part: ContentPart) -> None:
+    """A content part of a known type, carrying its own field and not the other's."""
+    param = f"messages.{index}.content"
+    if part.type not in CONTENT_PART_TYPES:
+        raise bad_request(f"messages.{index}.content.{position}: content parts of type {part.type!r} are not "
+                          f"supported; only 'text' and 'image_url' are", param=param)
+    if part.type == "text" and part.text is None:
+        raise bad_request("a content part of type 'text' needs a 'text' string", param=param)
+    if part.type == "image_url" and part.image_url is None:
+        raise bad_request("a content part of type 'image_url' needs an 'image_url' object with a 'url'",
+                          param=param)
+    other = "image_url" if part.type == "text" else "text"
+    if getattr(part, other) is not None:
+        raise bad_request(f"a content part of type {part.type!r} cannot carry {other!r}", param=param)
+
+
+def _plain_message(index: int, message: ChatMessageParam, multimodal: bool = False) -> dict:
     if message.role not in CHAT_ROLES:
         raise bad_request(f"messages.{index}.role must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}",
                           param=f"messages.{index}.role")
     content = message.content
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.type != "text":
-                raise bad_request(f"content parts of type {part.type!r} are not supported; only 'text' is",
-                                  param=f"messages.{index}.content")
-            if part.text is None:
-                raise bad_request("a content part of type 'text' needs a 'text' string",
-                                  param=f"messages.{index}.content")
-            texts.append(part.text)
-        content = "\n".join(texts)
+        for position, part in enumerate(content):
+            _check_part(index, position, part)
+            if part.type == "image_url" and not multimodal:
+                raise bad_request(f"messages.{index}.content.{position}: this model does not accept images (it takes "
+                                  "text only)", param=f"messages.{index}.content")
+        if multimodal:  # Hugging Face's multimodal templates read the parts themselves
+            content = [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"} for p in content]
+        else:
+            content = "\n".join(part.text for part in content)
     # OpenAI's "developer" messages are system messages for models whose templates predate the name.
     role = "system" if message.role == "developer" else message.role
-    plain = {"role": role, "content": content or ""}
+    plain = {"role": role, "content": content if isinstance(content, list) else content or ""}
     if message.name is not None:
         plain["name"] = message.name
     if message.tool_calls:

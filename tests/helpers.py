@@ -39,10 +39,12 @@ class PagedRunner:
         self.block_tables: dict[int, list[int]] = {}
         self.num_computed: dict[int, int] = {}
 
-    def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+    def step(self, chunks: list[tuple[int, list[int]]], inputs_embeds: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Run one step: ``chunks`` is [(request id, new token ids)], decodes (one token) first.
 
-        Returns the float32 logits of every new token, one [query_len, vocab] tensor per chunk.
+        ``inputs_embeds`` [num new tokens, hidden], in the chunks' order, replaces the tokens' embeddings (a
+        vision model's images in them). Returns the float32 logits of every new token, one [query_len, vocab]
+        tensor per chunk.
         """
         input_ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
         for req_id, tokens in chunks:
@@ -60,7 +62,8 @@ class PagedRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         with torch.no_grad():
-            logits = self.model.compute_logits(self.model(ids, pos, meta)).float()  # [num_tokens, vocab]
+            hidden = self.model(ids, pos, meta) if inputs_embeds is None else self.model(ids, pos, meta, inputs_embeds)
+            logits = self.model.compute_logits(hidden).float()  # [num_tokens, vocab]
         return list(logits.split(query_lens))
 
     def _grow_table(self, req_id: int, seq_len: int) -> list[int]:

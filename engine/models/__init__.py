@@ -6,6 +6,7 @@ from torch import nn
 
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
@@ -20,6 +21,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    # A vision tower and projector (transformers' modules) in front of the Llama above; takes images.
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 

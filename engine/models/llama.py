@@ -141,8 +141,10 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        # [num_tokens, hidden_size]: the token embeddings, or the caller's (a vision model's prompt images in them)
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
@@ -175,9 +177,10 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size], in place of the ids' embeddings
     ) -> torch.Tensor:
         """Final-normed hidden states, [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype for the given hidden rows: [n, hidden_size] -> [n, vocab_size].
