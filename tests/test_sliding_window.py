@@ -100,3 +100,41 @@ def test_the_start_up_log_says_what_one_block_table_costs(tmp_path, caplog):
         LLM(str(path), max_model_len=256, num_kvcache_blocks=20).engine.close()
     assert "sliding windows on 1 of 2 layers (16 tokens)" in caplog.text
     assert "at 256 tokens 47% of the KV a request holds is never read (older than its layer's window)" in caplog.text
+
+
+# Gemma's template writes <bos> itself, as Gemma's tokenizer also does for plain text.
+GEMMA_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_a_template_that_writes_bos_gives_one_bos(tmp_path, default_model_path):
+    """With a tokenizer that adds BOS to text and a chat template that writes it too (Gemma's pair), a chat
+    prompt starts with exactly one BOS, the template's, offline and through the server's renderer; a plain
+    completion prompt gets the tokenizer's."""
+    from tokenizers.processors import TemplateProcessing
+
+    from server.protocol import ChatMessageParam
+    from server.tokenization import render_chat
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path)
+    tokenizer.bos_token = "<|endoftext|>"
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", pair="<|endoftext|> $A <|endoftext|> $B", special_tokens=[("<|endoftext|>", bos)])
+    tokenizer.chat_template = GEMMA_STYLE_TEMPLATE
+    config = transformers.Gemma2Config(**{**SMALL_CONFIG, "vocab_size": len(tokenizer)}, head_dim=16,
+                                       sliding_window=16)
+    path = save_checkpoint(config, tmp_path / "gemma")
+    tokenizer.save_pretrained(path)
+    llm = LLM(str(path), max_model_len=128, num_kvcache_blocks=16)
+    assert llm.tokenizer("Hi")["input_ids"][0] == bos, "the tokenizer should add BOS to text"
+    messages = [{"role": "user", "content": "Hi"}]
+    reply = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert reply.prompt_token_ids[0] == bos and reply.prompt_token_ids.count(bos) == 1
+    rendered = render_chat(llm.tokenizer, [ChatMessageParam(**m) for m in messages])
+    assert list(getattr(rendered, "prompt_token_ids", rendered)) == reply.prompt_token_ids
+    completion = llm.generate(["Hi"], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert completion.prompt_token_ids[0] == bos and completion.prompt_token_ids.count(bos) == 1
+    llm.engine.close()
