@@ -134,7 +134,7 @@ def test_a_template_that_writes_bos_gives_one_bos(tmp_path, default_model_path):
     reply = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
     assert reply.prompt_token_ids[0] == bos and reply.prompt_token_ids.count(bos) == 1
     rendered = render_chat(llm.tokenizer, [ChatMessageParam(**m) for m in messages])
-    assert list(getattr(rendered, "prompt_token_ids", rendered)) == reply.prompt_token_ids
+    assert rendered.prompt_token_ids == reply.prompt_token_ids
     completion = llm.generate(["Hi"], SamplingParams(max_tokens=1), use_tqdm=False)[0]
     assert completion.prompt_token_ids[0] == bos and completion.prompt_token_ids.count(bos) == 1
     llm.engine.close()
