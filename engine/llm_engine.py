@@ -458,6 +458,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions_total,
             kv=self.kv_manager.get_stats(),
             block_states=self.kv_manager.pool.block_states(),
+            visual_blocks=self.kv_manager.pool.visual_blocks(),
             num_waiting_for_grammar=sum(1 for r in self.scheduler.waiting if not r.ready),
         )
 

@@ -135,3 +135,5 @@ class EngineStats:
     # snapshot, so the dashboard's map always agrees with ``kv`` (a memcpy: ~5 us for 100k blocks).
     block_states: np.ndarray = field(compare=False, repr=False)
     num_waiting_for_grammar: int = 0  # of num_waiting: held back while their grammar compiles
+    # int8 [num_blocks], BlockPool.visual_blocks(): 1 for the blocks holding image tokens.
+    visual_blocks: np.ndarray | None = field(default=None, compare=False, repr=False)

@@ -170,6 +170,8 @@ class BlockPool:
         # Kept up to date on every change so a dashboard can read it without a Python loop.
         self._states = np.zeros(num_blocks, dtype=np.int8)
         self._states[NULL_BLOCK_ID] = STATE_NULL
+        # 1 where a block holds an image's tokens (its KV came from a vision encoder), until it is reused.
+        self._visual = np.zeros(num_blocks, dtype=np.int8)
 
     # ------------------------------------------------------------------ public API
 
@@ -209,6 +211,7 @@ class BlockPool:
                 self._evict(block)
             block.ref_cnt = 1
             self._states[block.block_id] = STATE_IN_USE
+            self._visual[block.block_id] = 0
             blocks.append(block)
         return blocks
 
@@ -260,6 +263,14 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
         self._states[block.block_id] = self._state_of(block)
+
+    def mark_visual(self, block_ids: Iterable[int]) -> None:
+        """These blocks hold image tokens (for the dashboard), until they are handed out again."""
+        self._visual[list(block_ids)] = 1
+
+    def visual_blocks(self) -> np.ndarray:
+        """int8 [num_blocks]: 1 for the blocks that hold image tokens, in use or cached."""
+        return self._visual.copy()
 
     def block_states(self) -> np.ndarray:
         """int8 [num_blocks]: 0 free, 1 in use, 2 cached and free, 3 shared, 4 the null block."""

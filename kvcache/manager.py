@@ -170,6 +170,10 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         self._append_blocks(table, new_blocks)
         table.num_tokens = max(table.num_tokens, num_tokens)
+        if mm_spans:
+            bs = self.block_size
+            self.pool.mark_visual(table.block_ids[i] for offset, n, _ in mm_spans
+                                  for i in range(offset // bs, min(-(-(offset + n) // bs), len(table.block_ids))))
         if self.enable_prefix_caching:
             self._cache_full_blocks(request_id, table, token_ids, mm_spans)
         return [block.block_id for block in new_blocks]

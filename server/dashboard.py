@@ -40,7 +40,8 @@ class BlockCounts(BaseModel):
     free: int  # ref 0, cached or not: by_state free + cached_free
     used: int  # ref >= 1: by_state in_use + shared
     cached: int  # findable by prefix hash, in use or free
-    by_state: dict[str, int]  # cells of each color on the map, keyed by STATE_NAMES
+    by_state: dict[str, int]  # blocks in each state, keyed by STATE_NAMES
+    visual: int = 0  # of the used and cached blocks, those holding an image's tokens (their own color on the map)
 
 
 class DashboardSnapshot(BaseModel):
@@ -51,6 +52,8 @@ class DashboardSnapshot(BaseModel):
     states_encoding: str  # STATES_ENCODING: base64 of one int8 per block, in block id order
     states: str
     state_names: list[str]  # STATE_NAMES: the name of each state value
+    # Same encoding, one int8 per block: 1 where the block holds image tokens (a vision model's KV), else 0.
+    visual: str = ""
     counts: BlockCounts
     num_running: int
     num_waiting: int
@@ -95,6 +98,10 @@ def snapshot_from_stats(
     states = stats.block_states
     # Five vectorized compares beat np.bincount here: it would first widen the int8s to intp.
     by_state = {name: int(np.count_nonzero(states == value)) for value, name in enumerate(STATE_NAMES)}
+    visual = stats.visual_blocks
+    if visual is None:
+        visual = np.zeros(len(states), dtype=np.int8)
+    num_visual = int(np.count_nonzero((visual != 0) & (states != STATE_FREE) & (states != STATE_NULL)))
     return DashboardSnapshot(
         time=time.time(),
         engine_status=engine_status,
@@ -103,9 +110,10 @@ def snapshot_from_stats(
         states_encoding=STATES_ENCODING,
         states=base64.b64encode(states.astype(np.int8, copy=False).tobytes()).decode("ascii"),
         state_names=list(STATE_NAMES),
+        visual=base64.b64encode(visual.astype(np.int8, copy=False).tobytes()).decode("ascii"),
         counts=BlockCounts(
             total=kv.num_total_blocks, free=kv.num_free_blocks, used=kv.num_used_blocks,
-            cached=kv.num_cached_blocks, by_state=by_state,
+            cached=kv.num_cached_blocks, by_state=by_state, visual=num_visual,
         ),
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,

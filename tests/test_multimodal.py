@@ -430,3 +430,39 @@ def test_the_server_answers_images_as_the_offline_engine(llava_dir, llm, tmp_pat
     finally:
         server.stop()
         site.httpd.shutdown()
+
+
+def test_the_dashboard_marks_the_blocks_holding_image_tokens(llm):
+    """The pool marks every block that holds one of an image's tokens (in use, or cached after), the dashboard's
+    snapshot carries that mask and counts the marked blocks that are not free; a block handed out again is no
+    longer marked."""
+    from kvcache.block_pool import STATE_CACHED_FREE, STATE_FREE, BlockPool
+    from server.dashboard import snapshot_from_stats
+
+    engine = llm.engine
+    ids, mm = llm._images().process_text("USER: two pictures <image> and <image> thanks", [image(60, 30, 30),
+                                                                                          image(61, 33, 20)])
+    engine.add_request("marked", ids, GREEDY, mm_inputs=mm)
+    while engine.scheduler.requests["marked"].num_computed_tokens < len(ids):
+        engine.step()
+    bs = engine.kv_manager.block_size
+    table = engine.kv_manager.get_block_ids("marked")
+    with_images = {table[i] for m in mm for i in range(m.offset // bs, (m.end - 1) // bs + 1)}
+    marked = set(np.flatnonzero(engine.kv_manager.pool.visual_blocks()).tolist())
+    assert with_images <= marked and not (set(table) - with_images) & marked
+    states = engine.kv_manager.pool.block_states()
+    assert all(states[b] in (STATE_CACHED_FREE, STATE_FREE) for b in marked - with_images)  # earlier requests'
+    snap = snapshot_from_stats(engine.stats(), "ok", 0, 0)
+    assert set(np.flatnonzero(np.frombuffer(base64.b64decode(snap.visual), np.int8)).tolist()) == marked
+    assert snap.counts.visual == sum(1 for b in marked if states[b] != STATE_FREE)
+    engine.abort_requests(["marked"])
+    engine.step()
+    assert snapshot_from_stats(engine.stats(), "ok", 0, 0).counts.visual >= len(with_images) - 2  # cached
+
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(3)
+    pool.mark_visual(b.block_id for b in blocks[:2])
+    assert pool.visual_blocks().tolist() == [0, 1, 1, 0, 0]
+    pool.free_blocks(blocks)
+    pool.get_new_blocks(4)  # every block handed out again: no mark is left
+    assert not pool.visual_blocks().any()
