@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcache import KVCacheManager, KVCacheStats, hash_block_tokens
+from kvcache.block_pool import hash_block_tokens
+from kvcache.manager import KVCacheManager
+from kvcache.metrics import KVCacheStats
 
 
 def snapshot(mgr: KVCacheManager, request_ids: list[str]) -> tuple:
@@ -403,7 +405,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
     the partial last one, whose KV the cache copies; both grow apart, and freeing both frees everything."""
     import torch
 
-    from kvcache import PagedKVCache
+    from kvcache.paged_cache import PagedKVCache
 
     mgr = KVCacheManager(num_blocks=16, block_size=8)
     cache = PagedKVCache(num_layers=2, num_blocks=16, block_size=8, num_kv_heads=2, head_dim=4, dtype=torch.float32,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache import PagedKVCache
+from kvcache.paged_cache import PagedKVCache
 
 DIMS = dict(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)
 
