@@ -4,7 +4,8 @@ A decode-only step of ``n`` requests is padded to the next captured size and rep
 the whole forward pass and the logits are one graph launch instead of hundreds of kernel
 launches from Python. Padding rows have sequence length 0 (attention writes zeros for
 them) and write their K/V into the null block, so they change nothing that is read.
-Mixed and prefill steps run eagerly.
+Mixed and prefill steps run eagerly. An M-RoPE model's graphs read its [3, size] positions
+(``StepBuffers.model_positions``), filled before each replay like every other input.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         b = self.buffers
-        hidden = self.model(b.input_ids.device[:size], b.positions.device[:size], self.metadata(size))
+        hidden = self.model(b.input_ids.device[:size], b.model_positions(size), self.metadata(size))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

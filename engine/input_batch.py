@@ -9,6 +9,9 @@ vectorised numpy gathers over the scheduled rows, instead of per-token Python wo
             temperature[r], top_p[r], ...     sampling parameters
 
     mm_inputs[request id]                     the images of a request whose prefill has not passed them all
+    mrope_delta[r], mrope_tables[request id]  M-RoPE models: the position delta of every token past the
+                                              last image, and the [3, n] positions up to it (engine/mrope.py)
+                                              of a request whose prefill has not passed it
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class InputBatch:
         self.generators: dict[int, torch.Generator] = {}
         # Requests with images still ahead of their prefill: their ImageInputs (engine/multimodal.py), by offset.
         self.mm_inputs: dict[str, list] = {}
+        self.mrope_delta = np.zeros(max_num_reqs, dtype=np.int64)  # 0 for a prompt without images
+        self.mrope_tables: dict[str, np.ndarray] = {}
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -70,6 +75,9 @@ class InputBatch:
         self._append_blocks(row, data.block_ids)
         if data.mm_inputs and data.num_computed_tokens < data.mm_inputs[-1].end:
             self.mm_inputs[data.request_id] = data.mm_inputs
+        self.mrope_delta[row] = data.mrope.delta if data.mrope is not None else 0
+        if data.mrope is not None and data.num_computed_tokens < data.mrope.end:
+            self.mrope_tables[data.request_id] = data.mrope.table
         p = data.sampling_params
         self.temperature[row] = p.temperature
         self.top_p[row] = p.top_p
@@ -119,6 +127,7 @@ class InputBatch:
         if row is None:
             return
         self.mm_inputs.pop(request_id, None)
+        self.mrope_tables.pop(request_id, None)
         self.generators.pop(row, None)
         self.banned_until_min.pop(row, None)
         self.logit_bias.pop(row, None)

@@ -23,6 +23,7 @@ from engine.generation_defaults import load_sampling_defaults
 from engine.model_config import ModelConfig
 from engine.model_info import ModelInfo, RequestError
 from engine.model_runner import ModelRunner
+from engine.mrope import MRopePositions, mrope_positions
 from engine.outputs import EngineOutput, EngineStats, FinishReason
 from engine.request import Request
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -217,9 +218,10 @@ class LLMEngine:
             params = self.validate_request(prompt_token_ids, params, mm_inputs)
         elif mm_inputs:
             self._check_image_sizes(mm_inputs)
+        mrope = self._mrope_positions(mm_inputs)
         if params.use_beam_search:
-            return self._add_beam_search(request_id, prompt_token_ids, params, arrival_time, mm_inputs)
-        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time, mm_inputs)
+            return self._add_beam_search(request_id, prompt_token_ids, params, arrival_time, mm_inputs, mrope)
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time, mm_inputs, mrope)
         if params.structured_outputs is not None:
             request.grammar = self._grammar_manager().attach(params.structured_outputs)
         self.scheduler.add_request(request)
@@ -228,7 +230,8 @@ class LLMEngine:
         return request
 
     def _add_beam_search(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                         arrival_time: float | None, mm_inputs: list | None = None) -> Request:
+                         arrival_time: float | None, mm_inputs: list | None = None,
+                         mrope: MRopePositions | None = None) -> Request:
         """A beam search: one group (``request_id``) whose first beam prefills the prompt."""
         if request_id in self.scheduler.beam_groups or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -239,7 +242,7 @@ class LLMEngine:
         beam_params = dataclasses.replace(params, n=1, use_beam_search=False, temperature=0.0,
                                           logprobs=group.num_candidates)
         first = Request(group.new_beam_id(), prompt_token_ids, beam_params, self.eos_token_ids, arrival_time,
-                        mm_inputs)
+                        mm_inputs, mrope)
         first.beam = group
         group.beams[first.request_id] = 0.0
         self.scheduler.add_request(first)
@@ -321,12 +324,19 @@ class LLMEngine:
             raise RequestError(f"{self.model_config.architecture} does not take images", param="multi_modal_data")
         for i, mm in enumerate(mm_inputs):
             try:
-                expected = self.runner.model.num_image_tokens(tuple(mm.pixel_values.shape))
+                expected = self.runner.model.num_image_tokens(tuple(mm.pixel_values.shape), mm.grid_thw)
             except ValueError as exc:
                 raise RequestError(f"image {i}: {exc}", param="multi_modal_data") from None
             if expected != mm.length:
                 raise RequestError(f"image {i} has {mm.length} placeholder tokens, but the model makes {expected} "
                                    f"embeddings of its pixel values", param="multi_modal_data")
+
+    def _mrope_positions(self, mm_inputs: list | None) -> MRopePositions | None:
+        """An M-RoPE model's positions of a prompt with images, computed once per request (None: every token is
+        at its index, as for any prompt of a text model)."""
+        if not mm_inputs or self.model_config.mrope_section is None:
+            return None
+        return mrope_positions(mm_inputs, self.model_config.multimodal.spatial_merge_size)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         self._grammar_requests.difference_update(request_ids)

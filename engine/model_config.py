@@ -4,9 +4,10 @@ Everything downstream (model classes, loader, KV cache sizing) reads this datacl
 never the raw Hugging Face config, so the differences between transformers 4.x
 (``rope_theta`` + ``rope_scaling``) and 5.x (``rope_parameters``) are handled here only.
 
-A vision-language model (LLaVA) nests its language model's config (``text_config``) and its
-vision tower's (``vision_config``): the text part fills the ordinary fields, as a Llama's
-would, and ``multimodal`` carries the rest.
+A vision-language model (LLaVA, Qwen2.5-VL) nests its language model's config (``text_config``)
+and its vision tower's (``vision_config``): the text part fills the ordinary fields, as a Llama's
+or a Qwen2's would, and ``multimodal`` carries the rest. Qwen2.5-VL's text model rotates by three
+positions per token (M-RoPE): ``mrope_section`` says which rotary frequencies take which.
 """
 
 from __future__ import annotations
@@ -48,9 +49,12 @@ class GemmaConfig:
 
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
-# Vision-language model types, and the vision towers (transformers' own modules) they may use.
-MULTIMODAL_MODEL_TYPES = ("llava",)
-VISION_TOWER_TYPES = ("clip_vision_model", "siglip_vision_model")
+# Vision-language model types, the vision towers (transformers' own modules) each may use, and the
+# model types of the language models they may have.
+MULTIMODAL_MODEL_TYPES = ("llava", "qwen2_5_vl")
+VISION_TOWER_TYPES = {"llava": ("clip_vision_model", "siglip_vision_model"),
+                      "qwen2_5_vl": ("qwen2_5_vl_vision", "qwen2_5_vl")}  # transformers 4.x names it as the model
+_LANGUAGE_MODEL_TYPES = {"llava": ("llama", "mistral", "qwen2"), "qwen2_5_vl": ("qwen2_5_vl_text",)}
 
 
 @dataclass(frozen=True)
@@ -58,14 +62,19 @@ class MultiModalConfig:
     """What a vision-language model adds to its language model: the vision tower, the projector and the
     image placeholder token."""
 
-    model_type: str  # "llava"
+    model_type: str  # "llava" or "qwen2_5_vl"
     image_token_id: int  # the placeholder token; the processor expands each image into a run of them
-    vision_model_type: str  # one of VISION_TOWER_TYPES
-    image_size: int  # the tower's input: [3, image_size, image_size] pixel values
+    vision_model_type: str  # one of VISION_TOWER_TYPES[model_type]
     patch_size: int
-    vision_feature_layer: int | tuple[int, ...]  # the tower layer(s) whose hidden states feed the projector
-    vision_feature_select_strategy: str  # "default": drop the CLS position; "full": keep every position
     hf_config: Any  # the whole transformers config: the vision tower and projector are built from it
+    # LLaVA: a fixed-size input, [3, image_size, image_size] pixel values, and the tower layer(s) whose
+    # hidden states feed the projector ("default" strategy: drop the CLS position; "full": keep every one).
+    image_size: int = 0
+    vision_feature_layer: int | tuple[int, ...] = -2
+    vision_feature_select_strategy: str = "default"
+    # Qwen2.5-VL: each image is a grid of patches (any size); the merger makes one embedding of each
+    # spatial_merge_size x spatial_merge_size square of them.
+    spatial_merge_size: int = 1
 
 
 @dataclass
@@ -98,6 +107,9 @@ class ModelConfig:
     quantization_config: dict[str, Any] | None = None
     gemma: GemmaConfig | None = None  # Gemma 2 / Gemma 3's extras; None for other families
     multimodal: MultiModalConfig | None = None  # a vision-language model's vision side; None for text models
+    # M-RoPE (Qwen2.5-VL): positions are [3, num_tokens] (temporal, height, width), and the head_dim // 2 rotary
+    # frequencies split into runs of these lengths, one per position row. None: one position per token.
+    mrope_section: tuple[int, int, int] | None = None
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
@@ -121,6 +133,7 @@ class ModelConfig:
         head_dim = getattr(hf_config, "head_dim", None) or hidden_size // num_heads
         model_type = getattr(hf_config, "model_type", "")
         rope_theta, rope_scaling, local_rope = _read_rope(hf_config)
+        mrope_section = _read_mrope_section(hf_config)
         config = cls(
             model_path=str(model_path),
             architecture=architectures[0],
@@ -138,8 +151,10 @@ class ModelConfig:
             max_position_embeddings=_require(hf_config, "max_position_embeddings"),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)
                                      or getattr(outer, "tie_word_embeddings", False)),
-            # Qwen2's config has no attention_bias field: its q/k/v projections always carry a bias.
-            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            # Qwen2's config (and Qwen2.5-VL's text config) has no attention_bias field: its q/k/v projections
+            # always carry a bias.
+            attention_bias=(model_type in ("qwen2", "qwen2_5_vl_text")
+                            or bool(getattr(hf_config, "attention_bias", False))),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             eos_token_ids=_read_eos_token_ids(hf_config, model_path),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
@@ -149,6 +164,7 @@ class ModelConfig:
             quantization_config=_read_quantization(outer),
             gemma=_read_gemma(hf_config, model_type, local_rope),
             multimodal=multimodal,
+            mrope_section=mrope_section,
         )
         config.layer_windows = _layer_windows(hf_config, config)
         _check_unsupported_features(hf_config)
@@ -166,6 +182,13 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.mrope_section is not None and (len(self.mrope_section) != 3 or min(self.mrope_section) < 0
+                                               or sum(self.mrope_section) != self.head_dim // 2):
+            raise ValueError(f"mrope_section must be three lengths adding up to head_dim // 2 = {self.head_dim // 2}, "
+                             f"got {list(self.mrope_section)}")
+        if (self.mrope_section is None) != (self.multimodal is None or self.multimodal.model_type != "qwen2_5_vl"):
+            raise ValueError(f"{self.architecture}: M-RoPE (rope_parameters.mrope_section) goes with Qwen2.5-VL, "
+                             f"and Qwen2.5-VL needs it")
 
 
 def _read_multimodal(hf_config: Any) -> MultiModalConfig | None:
@@ -178,29 +201,37 @@ def _read_multimodal(hf_config: Any) -> MultiModalConfig | None:
         raise ValueError(f"vision-language model type {model_type!r} is not supported; supported: "
                          f"{', '.join(MULTIMODAL_MODEL_TYPES)}")
     vision_type = getattr(vision, "model_type", "")
-    if vision_type not in VISION_TOWER_TYPES:
-        raise ValueError(f"vision tower {vision_type!r} is not supported; supported: {', '.join(VISION_TOWER_TYPES)}")
-    strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
-    if strategy not in ("default", "full"):
-        raise ValueError(f"vision_feature_select_strategy must be 'default' or 'full', got {strategy!r}")
-    text = hf_config.get_text_config()
-    if getattr(text, "model_type", "") not in ("llama", "mistral"):
-        raise ValueError(f"LLaVA with a {getattr(text, 'model_type', '?')!r} language model is not supported "
-                         f"(llama and mistral are)")
-    layer = getattr(hf_config, "vision_feature_layer", -2)
+    if vision_type not in VISION_TOWER_TYPES[model_type]:
+        raise ValueError(f"vision tower {vision_type!r} is not supported; supported: "
+                         f"{', '.join(VISION_TOWER_TYPES[model_type])}")
+    text_type = getattr(hf_config.get_text_config(), "model_type", "?")
+    if text_type not in _LANGUAGE_MODEL_TYPES[model_type]:
+        raise ValueError(f"{model_type} with a {text_type!r} language model is not supported "
+                         f"({' and '.join(_LANGUAGE_MODEL_TYPES[model_type])} are)")
     image_token_id = getattr(hf_config, "image_token_id", None)
     if image_token_id is None:
         image_token_id = _require(hf_config, "image_token_index")
+    common = dict(model_type=model_type, image_token_id=int(image_token_id), vision_model_type=vision_type,
+                  patch_size=int(_require(vision, "patch_size")), hf_config=hf_config)
+    if model_type == "qwen2_5_vl":
+        return MultiModalConfig(**common, spatial_merge_size=int(_require(vision, "spatial_merge_size")))
+    strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ValueError(f"vision_feature_select_strategy must be 'default' or 'full', got {strategy!r}")
+    layer = getattr(hf_config, "vision_feature_layer", -2)
     return MultiModalConfig(
-        model_type=model_type,
-        image_token_id=int(image_token_id),
-        vision_model_type=vision_type,
+        **common,
         image_size=int(_require(vision, "image_size")),
-        patch_size=int(_require(vision, "patch_size")),
         vision_feature_layer=layer if isinstance(layer, int) else tuple(int(i) for i in layer),
         vision_feature_select_strategy=strategy,
-        hf_config=hf_config,
     )
+
+
+def _read_mrope_section(hf_config: Any) -> tuple[int, int, int] | None:
+    """``mrope_section`` of the rope parameters (transformers 5) or of rope_scaling (4.x); None without."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    section = params.get("mrope_section") if isinstance(params, dict) else None
+    return tuple(int(n) for n in section) if section else None
 
 
 def _check_unsupported_features(hf_config: Any) -> None:
@@ -274,8 +305,11 @@ def normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | N
         return None
     if "full_attention" in scaling or "sliding_attention" in scaling:
         raise ValueError("per-layer-type rope parameters are not supported")
-    # Older configs spell the key "type"; "default" (transformers 5 always writes a dict) means no scaling.
+    # Older configs spell the key "type"; "default" (transformers 5 always writes a dict) means no scaling, as
+    # does "mrope" (Qwen2-VL's older name: its sections are ModelConfig.mrope_section, the frequencies the default).
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "mrope":
+        rope_type = "default"
     if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
     if rope_type == "default":

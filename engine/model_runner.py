@@ -10,6 +10,12 @@ scheduler names into the encoder cache (embeddings by content hash), then the to
 step that are image placeholders take their rows of those embeddings in place of the token
 embeddings; their K/V go into the ordinary blocks. Such steps run eagerly; decode steps never
 see an image, so they keep their CUDA graphs.
+
+An M-RoPE model (Qwen2.5-VL) takes three positions per token, not the token's index: the runner
+writes them into the step buffers' [3, tokens] positions from each request's own (the scheduler
+hands them over with the request, engine/mrope.py): a table up to the end of its last image
+(chunked prefill and prefix-cache hits read their part of it), the index plus the request's
+delta from there, which is every decode token. Decode graphs read the same buffer.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ class StepInputs:
     """The flat tensors of one step, plus which rows get a sampled token."""
 
     input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64; [3, num_tokens] for an M-RoPE model
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] int64: last token of each sampled request
     sampled_request_ids: list[str]  # requests that get a token, in logits order
@@ -157,7 +163,8 @@ class ModelRunner:
         max_blocks = -(-max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, max_model_len, max_blocks, model_config.vocab_size, self.device)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.buffers = StepBuffers(max_tokens, config.max_num_seqs, max_blocks, self.device)
+        self.buffers = StepBuffers(max_tokens, config.max_num_seqs, max_blocks, self.device,
+                                   mrope=model_config.mrope_section is not None)
         self.graphs: DecodeGraphs | None = None
         # Encoded images, by content hash: [image tokens, hidden] each (the scheduler decides what stays).
         self.encoder_cache: dict[str, torch.Tensor] = {}
@@ -319,10 +326,8 @@ class ModelRunner:
         )
         self.sampler(logits, st)
         if getattr(self.model, "accepts_images", False):  # the largest encoder batch a step may run
-            shape = self.model.image_input_shape
-            per_image = self.model.num_image_tokens(shape)
-            num_images = max(1, self.config.max_num_batched_tokens // per_image)
-            self.model.encode_images(torch.zeros(num_images, *shape, dtype=self.dtype, device=self.device))
+            self.model.encode_images(*self.model.dummy_images(self.config.max_num_batched_tokens, self.dtype,
+                                                              self.device))
 
     def _dummy_metadata(self, lens: list[int]) -> AttentionMetadata:
         max_len = max(lens)
@@ -487,15 +492,21 @@ class ModelRunner:
         self.last_timing = (launched, synced, device_s, inputs.graph_size is not None, int(inputs.meta.num_reqs))
 
     def _encode_images(self, images: list) -> None:
-        """Run the vision encoder (and projector) on the step's new images, a batch per pixel shape, and keep
-        each image's embeddings in the encoder cache under its content hash."""
+        """Run the vision encoder (and projector) on the step's new images and keep each image's embeddings in
+        the encoder cache under its content hash. Images of one size (LLaVA) go in a batch per pixel shape;
+        images with a patch grid (Qwen2.5-VL) all at once, their patches concatenated, with their grids."""
         by_shape: dict[tuple[int, ...], list] = {}
         for mm in images:
-            by_shape.setdefault(tuple(mm.pixel_values.shape), []).append(mm)
+            key = () if mm.grid_thw is not None else tuple(mm.pixel_values.shape)  # images with grids: one batch
+            by_shape.setdefault(key, []).append(mm)
         for group in by_shape.values():
-            pixels = self._upload(np.stack([mm.pixel_values.to_numpy() for mm in group])).to(self.dtype)
-            embeds = self.model.encode_images(pixels)  # [images, tokens per image, hidden]
-            for mm, rows in zip(group, embeds):
+            pixels = [mm.pixel_values.to_numpy() for mm in group]
+            if group[0].grid_thw is None:
+                embeds = self.model.encode_images(self._upload(np.stack(pixels)).to(self.dtype))
+            else:
+                grids = self._upload(np.array([mm.grid_thw for mm in group], dtype=np.int64))
+                embeds = self.model.encode_images(self._upload(np.concatenate(pixels)).to(self.dtype), grids)
+            for mm, rows in zip(group, embeds):  # [tokens of the image, hidden] each
                 if rows.shape[0] != mm.length:
                     raise RuntimeError(f"an image encoded to {rows.shape[0]} embeddings for {mm.length} tokens")
                 self.encoder_cache[mm.content_hash] = rows
@@ -534,6 +545,34 @@ class ModelRunner:
         if not pieces:
             return None
         return self._upload(np.concatenate(positions)), torch.cat(pieces)
+
+    def _fill_mrope_positions(self, rows: np.ndarray, counts: np.ndarray, ends: np.ndarray, positions: np.ndarray,
+                              token_rows: np.ndarray, padded_tokens: int) -> None:
+        """The step's [3, tokens] M-RoPE positions: each token's index plus its request's delta in all three rows,
+        then, for the requests whose chunk reaches into the positions before the end of their last image, those
+        from their table. A request whose prefill passes its last image leaves ``batch.mrope_tables``."""
+        b = self.batch
+        out = self.buffers.mrope_positions.np
+        num_tokens = len(positions)
+        out[:, :num_tokens] = positions + b.mrope_delta[token_rows]
+        out[:, num_tokens:padded_tokens] = 0  # a decode graph's padding rows
+        if not b.mrope_tables:
+            return
+        batch_index = {row: i for i, row in enumerate(rows.tolist())}
+        done = []
+        for rid, table in b.mrope_tables.items():
+            i = batch_index.get(b.row_of[rid])
+            if i is None:
+                continue  # not in this step
+            lo = int(b.num_computed[rows[i]])
+            hi, first = lo + int(counts[i]), int(ends[i] - counts[i])  # its tokens and where they start
+            end = min(hi, table.shape[1])
+            if lo < end:
+                out[:, first : first + end - lo] = table[:, lo:end]
+            if hi >= table.shape[1]:
+                done.append(rid)
+        for rid in done:
+            del b.mrope_tables[rid]
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.freed_request_ids:
@@ -589,6 +628,9 @@ class ModelRunner:
                 getattr(buf, name).np[num_reqs:padded] = 0
             buf.query_start_loc.np[num_reqs + 1 : padded + 1] = ends[-1]
 
+        if buf.mrope_positions is not None:  # M-RoPE: the model reads three positions per token
+            self._fill_mrope_positions(rows, counts, ends, positions, token_rows, padded_tokens)
+
         num_decode_rows = padded if graph_size is not None else num_decodes  # padding rows: length 0, last
         buf.decode_order.np[:num_decode_rows] = np.argsort(-buf.seq_lens.np[:num_decode_rows], kind="stable")
         shape = StepShape(num_reqs=num_reqs, num_decodes=num_decodes, padded=padded, padded_tokens=padded_tokens,
@@ -641,7 +683,7 @@ class ModelRunner:
             decode_order=buf.decode_order.copy_to_device(shape.num_decode_rows) if shape.num_decode_rows else None,
         )
         input_ids = buf.input_ids.copy_to_device(padded_tokens)
-        positions = buf.positions.copy_to_device(padded_tokens)
+        positions = buf.model_positions_to_device(padded_tokens)
         logits_indices = buf.logits_indices.copy_to_device(shape.num_logits)
         if self.device.type == "cuda":
             self._inputs_copied = torch.cuda.Event()

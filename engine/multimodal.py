@@ -6,7 +6,12 @@ them. An image is a run of placeholder tokens in the prompt, written once at pre
 
     prompt ids:  ... 9814 <img> <img> ... <img> 665 ...      the processor expands each <image>
                          ^offset     length tokens ^          into the model's count (LLaVA-1.5: 576)
-    ImageInput:  offset, length, content_hash, pixel_values (bytes + shape + dtype)
+    ImageInput:  offset, length, content_hash, pixel_values (bytes + shape + dtype), grid_thw
+
+LLaVA's images are all one size ([3, 336, 336] pixel values). Qwen2.5-VL's keep their aspect
+ratio: an image is a grid of ``t x h x w`` patches (``grid_thw``; t = 1 for a still image),
+flattened into [t*h*w, channels*temporal*patch*patch] pixel values, and takes t*h*w / merge^2
+tokens, between ``<|vision_start|>`` and ``<|vision_end|>``.
 
 ``content_hash`` names the image's pixels (``image_content_hash``): the encoder cache is keyed by it,
 and a KV block holding any of the image's tokens has it in its prefix-cache hash, so two prompts with
@@ -23,6 +28,7 @@ import binascii
 import contextlib
 import hashlib
 import io
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +36,8 @@ import msgspec
 import numpy as np
 
 from engine.model_info import RequestError
+
+logger = logging.getLogger("minivllm")
 
 _HASH_BYTES = 32
 
@@ -61,6 +69,9 @@ class ImageInput(msgspec.Struct, array_like=True, gc=False):
     length: int  # how many placeholder tokens it has: the number of embeddings the model makes of it
     content_hash: str  # image_content_hash() of the source image (hex)
     pixel_values: TensorData  # the processor's output for this image, e.g. [3, 336, 336] float32
+    # The image's patch grid (temporal, height, width) when the model takes images of any size (Qwen2.5-VL:
+    # pixel_values [t*h*w, patch values]); None for a model of one image size (LLaVA).
+    grid_thw: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -169,9 +180,11 @@ def load_image(source: Any):
 class MultiModalProcessor:
     """A model's Hugging Face processor (``AutoProcessor``), giving prompts with images the engine's inputs.
 
-    The HF processor resizes and normalizes each image into pixel values and expands each ``<image>``
-    placeholder of the text into the model's number of image tokens; this class finds those tokens
-    (one run per image, in order) and returns the ``ImageInput``s that go with the token ids.
+    The HF processor resizes and normalizes each image into pixel values and expands each image
+    placeholder of the text (LLaVA's ``<image>``, Qwen2.5-VL's ``<|image_pad|>``) into the model's
+    number of image tokens; this class finds those tokens (one run per image, in order) and returns
+    the ``ImageInput``s that go with the token ids. A processor that gives ``image_grid_thw``
+    (Qwen2.5-VL) concatenates the images' patches: each image's are its grid's t*h*w rows.
     """
 
     def __init__(self, hf_processor: Any, image_token_id: int):
@@ -180,18 +193,16 @@ class MultiModalProcessor:
 
     @classmethod
     def from_pretrained(cls, path: str, image_token_id: int) -> MultiModalProcessor:
-        from transformers import AutoProcessor
-
-        return cls(AutoProcessor.from_pretrained(str(path)), image_token_id)
+        return cls(load_hf_processor(path), image_token_id)
 
     def process_text(self, text: str, images: Sequence[Any], add_special_tokens: bool = True
                      ) -> tuple[list[int], list[ImageInput]]:
-        """Tokenize ``text`` (one ``<image>`` per image, in order) with its images."""
+        """Tokenize ``text`` (one image placeholder per image, in order) with its images."""
         images = [load_image(image) for image in images]
         with _refused_by_processor():
             out = self.hf(text=text, images=images or None, return_tensors="np", add_special_tokens=add_special_tokens)
         ids = [int(t) for t in out["input_ids"][0]]
-        return ids, self._image_inputs(ids, images, out.get("pixel_values"))
+        return ids, self._image_inputs(ids, images, *_per_image(out))
 
     def process_token_ids(self, token_ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], list[ImageInput]]:
         """Token ids with one image token per image (expanded here), or already expanded as the processor does."""
@@ -200,8 +211,8 @@ class MultiModalProcessor:
         if not images:
             return ids, []
         with _refused_by_processor():
-            pixels = self.hf.image_processor(images, return_tensors="np")["pixel_values"]
-        counts = self._token_counts(ids, pixels)
+            pixels, grids = _per_image(self.hf.image_processor(images, return_tensors="np"))
+        counts = self._token_counts(ids, pixels, grids)
         num_placeholders = sum(1 for t in ids if t == self.image_token_id)
         if num_placeholders == len(images) and sum(counts) != len(images):
             expanded, k = [], 0
@@ -212,7 +223,7 @@ class MultiModalProcessor:
                 else:
                     expanded.append(t)
             ids = expanded
-        return ids, self._image_inputs(ids, images, pixels, counts)
+        return ids, self._image_inputs(ids, images, pixels, grids, counts)
 
     def process_chat(self, messages: list[dict], chat_template: str | None = None, **template_kwargs
                      ) -> tuple[list[int], list[ImageInput]]:
@@ -244,16 +255,25 @@ class MultiModalProcessor:
             out = self.hf.apply_chat_template(conversation, chat_template=chat_template, add_generation_prompt=True,
                                               tokenize=True, return_dict=True, return_tensors="np", **template_kwargs)
         ids = [int(t) for t in out["input_ids"][0]]
-        return ids, self._image_inputs(ids, images, out.get("pixel_values"))
+        return ids, self._image_inputs(ids, images, *_per_image(out))
+
+    @property
+    def chat_template(self) -> str | None:
+        """The processor's chat template (the one that knows image parts), if it has one."""
+        return getattr(self.hf, "chat_template", None)
 
     # ------------------------------------------------------------------ internals
 
-    def _token_counts(self, ids: list[int], pixels: np.ndarray | None) -> list[int]:
-        """Each image's number of tokens: from its pixel size with LLaVA's processor (patches, plus CLS,
-        less the one that the "default" strategy drops), else from the runs of image tokens in ``ids``."""
+    def _token_counts(self, ids: list[int], pixels: list | None, grids: list | None) -> list[int]:
+        """Each image's number of tokens: from its grid with Qwen2.5-VL's processor (t*h*w / merge^2), from its
+        pixel size with LLaVA's (patches, plus CLS, less the one that the "default" strategy drops), else from
+        the runs of image tokens in ``ids``."""
         if pixels is None:
             return []
         hf = self.hf
+        if grids is not None:
+            merge = int(hf.image_processor.merge_size)
+            return [t * h * w // merge**2 for t, h, w in grids]
         patch = getattr(hf, "patch_size", None)
         if patch:
             extra = int(getattr(hf, "num_additional_image_tokens", 0) or 0)
@@ -265,7 +285,7 @@ class MultiModalProcessor:
                                param="multi_modal_data")
         return [length for _, length in runs]
 
-    def _image_inputs(self, ids: list[int], images: list, pixels: np.ndarray | None,
+    def _image_inputs(self, ids: list[int], images: list, pixels: list | None, grids: list | None,
                       counts: list[int] | None = None) -> list[ImageInput]:
         if not images:
             if any(t == self.image_token_id for t in ids):
@@ -273,8 +293,9 @@ class MultiModalProcessor:
             return []
         if pixels is None or len(pixels) != len(images):
             raise RequestError(f"the processor made {0 if pixels is None else len(pixels)} pixel tensors of "
-                               f"{len(images)} images (one <image> per image in the prompt?)", param="multi_modal_data")
-        counts = counts if counts is not None else self._token_counts(ids, pixels)
+                               f"{len(images)} images (one placeholder per image in the prompt?)",
+                               param="multi_modal_data")
+        counts = counts if counts is not None else self._token_counts(ids, pixels, grids)
         inputs, cursor = [], 0
         for k, (image, count) in enumerate(zip(images, counts)):
             try:
@@ -285,12 +306,59 @@ class MultiModalProcessor:
             if ids[offset:offset + count] != [self.image_token_id] * count:
                 raise RequestError(f"image {k} needs {count} image tokens in a row at position {offset}",
                                    param="multi_modal_data")
-            inputs.append(ImageInput(offset, count, image_content_hash(image), TensorData.from_array(pixels[k])))
+            inputs.append(ImageInput(offset, count, image_content_hash(image), TensorData.from_array(pixels[k]),
+                                     grids[k] if grids is not None else None))
             cursor = offset + count
         if self.image_token_id in ids[cursor:]:
             raise RequestError(f"the prompt has more image tokens than its {len(images)} images take",
                                param="multi_modal_data")
         return inputs
+
+
+def _per_image(out: Any) -> tuple[list[np.ndarray] | None, list[tuple[int, int, int]] | None]:
+    """An HF processor's output split by image: (each image's pixel values, each image's patch grid or None).
+
+    With ``image_grid_thw`` the pixel values of all images come as one [patches, values] array, an image's
+    patches the next t*h*w rows; without, the first dim is the image.
+    """
+    pixels, grids = out.get("pixel_values"), out.get("image_grid_thw")
+    if pixels is None:
+        return None, None
+    if grids is None:
+        return list(pixels), None
+    grids = [(int(t), int(h), int(w)) for t, h, w in grids]
+    ends = np.cumsum([t * h * w for t, h, w in grids])
+    if len(grids) and ends[-1] != len(pixels):
+        raise RequestError(f"the processor made {len(pixels)} patches for image grids of {ends[-1]}",
+                           param="multi_modal_data")
+    return np.split(pixels, ends[:-1]), grids
+
+
+def load_hf_processor(path: str) -> Any:
+    """``AutoProcessor.from_pretrained(path)``; for a processor whose video processor cannot be built here
+    (transformers' Qwen2-VL family builds it with torchvision, which serving images does not need), the same
+    processor class without its video processor: the text, chat template and image processing are the class's
+    own."""
+    import inspect
+
+    from transformers import AutoConfig, AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(str(path))
+    except ImportError:
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+
+        processor_class = PROCESSOR_MAPPING.get(type(AutoConfig.from_pretrained(str(path))), None)
+        if processor_class is None or "video_processor" not in inspect.signature(processor_class.__init__).parameters:
+            raise
+    logger.info("%s without its video processor (it needs torchvision): images and text only", processor_class.__name__)
+
+    class ImagesOnlyProcessor(processor_class):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                             chat_template=chat_template, **kwargs)
+
+    return ImagesOnlyProcessor.from_pretrained(str(path))
 
 
 @contextlib.contextmanager

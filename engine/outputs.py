@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from engine.mrope import MRopePositions
 from engine.sampling_params import SamplingParams
 from kvcache.metrics import KVCacheStats
 
@@ -42,6 +43,8 @@ class NewRequestData:
     prompt_logprobs: int | None = None
     # The prompt's images (engine.multimodal.ImageInput), by offset; None without any.
     mm_inputs: list | None = None
+    # An M-RoPE model's positions of the prompt (engine.mrope.MRopePositions); None: each token's index.
+    mrope: MRopePositions | None = None
 
 
 @dataclass(slots=True)

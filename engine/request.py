@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from engine.mrope import MRopePositions
 from engine.multimodal import image_spans
 from engine.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
         mm_inputs: list | None = None,
+        mrope: MRopePositions | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
@@ -59,6 +61,9 @@ class Request:
         self.resend = False  # its tokens changed other than by a sampled token: the runner gets it anew
         self.grammar = None  # a RequestGrammar (engine/structured_output.py) when the output is constrained
         self.set_images(mm_inputs)
+        # M-RoPE models: the prompt's three positions per token (engine/mrope.py); None when every token's
+        # position is its index (a text model, or a prompt without images).
+        self.mrope = mrope
 
     def set_images(self, mm_inputs: list | None) -> None:
         """The prompt's images (``engine.multimodal.ImageInput``s, by offset), and what follows from them."""

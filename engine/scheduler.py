@@ -327,6 +327,7 @@ class Scheduler:
             num_computed_tokens=num_computed,
             prompt_logprobs=request.sampling_params.prompt_logprobs if request.wants_prompt_logprobs else None,
             mm_inputs=request.mm_inputs or None,
+            mrope=request.mrope,
         )
 
     # ------------------------------------------------------------------ images
@@ -416,7 +417,7 @@ class Scheduler:
         """A new beam: the parent's tokens plus ``token_id``. With the parent's KV in the pool, it shares the
         full blocks and copies the partial one; otherwise (the parent was preempted) it is recomputed."""
         child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_ids,
-                        parent.arrival_time, parent.mm_inputs)
+                        parent.arrival_time, parent.mm_inputs, parent.mrope)
         child.all_token_ids = parent.all_token_ids + [token_id]
         child.beam = parent.beam
         child.first_scheduled_time, child.num_cached_tokens = parent.first_scheduled_time, parent.num_cached_tokens

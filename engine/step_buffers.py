@@ -4,6 +4,9 @@ A step writes its inputs into the host side with numpy, then each buffer is copi
 the device with one asynchronous copy of the rows in use. The device side never moves,
 so CUDA graphs captured on it see each step's new inputs on replay. On the CPU the
 two sides are the same tensor and nothing is copied.
+
+An M-RoPE model (Qwen2.5-VL) reads three positions per token, ``mrope_positions`` [3, tokens],
+instead of ``positions``; ``model_positions`` is whichever of the two the model reads.
 """
 
 from __future__ import annotations
@@ -33,12 +36,28 @@ class HostDeviceBuffer:
 class StepBuffers:
     """The flat inputs of one step, sized for the largest step the engine can schedule."""
 
-    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device):
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device,
+                 mrope: bool = False):
         self.input_ids = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
         self.positions = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
+        # M-RoPE: rows t, h, w; the shape is fixed, so a decode graph reads each step's positions from it.
+        self.mrope_positions = HostDeviceBuffer((3, max_num_tokens), torch.int64, device) if mrope else None
         self.slot_mapping = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
         self.seq_lens = HostDeviceBuffer((max_num_reqs,), torch.int32, device)
         self.query_start_loc = HostDeviceBuffer((max_num_reqs + 1,), torch.int32, device)
         self.block_tables = HostDeviceBuffer((max_num_reqs, max_blocks_per_req), torch.int32, device)
         self.logits_indices = HostDeviceBuffer((max_num_reqs,), torch.int64, device)
         self.decode_order = HostDeviceBuffer((max_num_reqs,), torch.int32, device)
+
+    def model_positions_to_device(self, num_tokens: int) -> torch.Tensor:
+        """Copy the positions the model reads of the first ``num_tokens`` tokens to the device; return the device
+        view: [num_tokens], or [3, num_tokens] (rows ``max_num_tokens`` apart) for M-RoPE."""
+        if self.mrope_positions is None:
+            return self.positions.copy_to_device(num_tokens)
+        return self.mrope_positions.copy_to_device(3, num_tokens)[:, :num_tokens]
+
+    def model_positions(self, num_tokens: int) -> torch.Tensor:
+        """The device view of the positions the model reads, without a copy (what a captured graph reads)."""
+        if self.mrope_positions is None:
+            return self.positions.device[:num_tokens]
+        return self.mrope_positions.device[:, :num_tokens]

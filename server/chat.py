@@ -8,6 +8,7 @@ plan reads tool calls out of the answer (server/reasoning.py, server/tools.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -100,7 +101,10 @@ async def render_chat_request(ctx: ServingContext, messages: list[ChatMessagePar
                               tools: list[dict] | None) -> RenderedChat:
     """A request's conversation rendered, with its images: everything that can be refused without
     I/O is (the conversation, then each part, and images for a model that does not take them), then
-    the images are fetched and decoded (server/media.py), then the template runs in the tokenizer thread."""
+    the images are fetched and decoded (server/media.py), then the template runs in the tokenizer thread.
+    A request that gives no template of its own gets the model's (``ServedModel.chat_template``)."""
+    if options.chat_template is None and ctx.model.chat_template is not None:
+        options = dataclasses.replace(options, chat_template=ctx.model.chat_template)
     check_chat(ctx.tokenizer, messages, options)
     refs = chat_image_parts(messages, ctx.model.name, ctx.model.accepts_images, ctx.media.max_images_per_request)
     images = await fetch_images(refs, ctx.media) if refs else []

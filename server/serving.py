@@ -66,6 +66,12 @@ class ServedModel:
         return "image" in self.input_modalities
 
     @property
+    def chat_template(self) -> str | None:
+        """The chat template of a request that gives none: a model that takes images has its processor's, the one
+        that renders image parts (as Hugging Face's ``processor.apply_chat_template`` does); None: the tokenizer's."""
+        return getattr(self.image_processor, "chat_template", None)
+
+    @property
     def path(self) -> str:
         return self.info.model_path
 

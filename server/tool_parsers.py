@@ -13,7 +13,6 @@ name of a call still being written) is read with ``partial-json-parser``.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any

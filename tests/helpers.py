@@ -39,14 +39,17 @@ class PagedRunner:
         self.block_tables: dict[int, list[int]] = {}
         self.num_computed: dict[int, int] = {}
 
-    def step(self, chunks: list[tuple[int, list[int]]], inputs_embeds: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def step(self, chunks: list[tuple[int, list[int]]], inputs_embeds: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Run one step: ``chunks`` is [(request id, new token ids)], decodes (one token) first.
 
         ``inputs_embeds`` [num new tokens, hidden], in the chunks' order, replaces the tokens' embeddings (a
-        vision model's images in them). Returns the float32 logits of every new token, one [query_len, vocab]
+        vision model's images in them); ``positions`` (e.g. [3, num new tokens] M-RoPE positions) replaces the
+        tokens' indices as their positions. Returns the float32 logits of every new token, one [query_len, vocab]
         tensor per chunk.
         """
-        input_ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
+        given, positions = positions, []
+        input_ids, slots, query_lens, seq_lens = [], [], [], []
         for req_id, tokens in chunks:
             start = self.num_computed.get(req_id, 0)
             seq_len = start + len(tokens)
@@ -60,7 +63,7 @@ class PagedRunner:
             self.num_computed[req_id] = seq_len
         meta = self._metadata([req for req, _ in chunks], slots, query_lens, seq_lens)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device) if given is None else given.to(self.device)
         with torch.no_grad():
             hidden = self.model(ids, pos, meta) if inputs_embeds is None else self.model(ids, pos, meta, inputs_embeds)
             logits = self.model.compute_logits(hidden).float()  # [num_tokens, vocab]

@@ -9,6 +9,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
+from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -23,6 +24,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     # A vision tower and projector (transformers' modules) in front of the Llama above; takes images.
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    # transformers' Qwen2.5-VL vision tower in front of the Qwen2 above, whose rope takes three positions a token.
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 

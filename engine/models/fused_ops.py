@@ -8,6 +8,8 @@ group is one kernel:
 * ``rms_norm`` / ``fused_add_rms_norm``: one program per row, the whole row in registers.
 * ``rotary`` / ``qk_norm_rotary``: neox-style rope (rotate-half) of q and k, optionally after
   Qwen3's per-head RMSNorm; grid ``(num_tokens, 2)``, one program per token for q, one for k.
+  With an ``mrope_section`` (Qwen2.5-VL's M-RoPE) a token has three positions, and each rotary
+  frequency takes its cos/sin from the position of the section it falls in.
 * ``silu_and_mul``: SwiGLU on a fused ``[gate | up]`` projection.
 
 Numerics: every kernel rounds where the torch code in ``engine.models.layers`` rounds
@@ -101,15 +103,23 @@ def _norm_rope_heads(
 @triton.jit
 def _rope_kernel(
     positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr,
-    eps, num_q_heads, num_k_heads, stride_p,
+    eps, num_q_heads, num_k_heads, stride_p, stride_pr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_c,
     HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, MROPE: tl.constexpr, SECTION_1: tl.constexpr, SECTION_2: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok * stride_p).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
     d_mask = offs_d < HEAD_DIM // 2
+    if MROPE:
+        # Rows t, h, w of the [3, num_tokens] positions; frequency i reads row 0 below SECTION_1,
+        # row 1 below SECTION_2, row 2 from there: one table row per frequency.
+        p_t = tl.load(positions_ptr + tok * stride_p).to(tl.int64)
+        p_h = tl.load(positions_ptr + stride_pr + tok * stride_p).to(tl.int64)
+        p_w = tl.load(positions_ptr + 2 * stride_pr + tok * stride_p).to(tl.int64)
+        pos = tl.where(offs_d < SECTION_1, p_t, tl.where(offs_d < SECTION_2, p_h, p_w))  # [HALF_PAD]
+    else:
+        pos = tl.load(positions_ptr + tok * stride_p).to(tl.int64)
     # Table row: [cos | sin], float32; rounded to the activation dtype first, as torch does.
     row_ptr = cos_sin_ptr + pos * stride_c
     cos = _round(tl.load(row_ptr + offs_d, mask=d_mask, other=0.0), q_out_ptr)[None, :]
@@ -210,7 +220,8 @@ def fused_add_rms_norm(
 
 
 def rotary(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+    mrope_section: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding of q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim].
 
@@ -218,8 +229,12 @@ def rotary(
     second; ``positions`` [tokens] int32/int64, any order, each below max_position (not checked:
     that would need a host sync). q and k may be strided views (e.g. of a fused qkv output).
     Returns new contiguous tensors ``(q_out, k_out)``.
+
+    ``mrope_section`` (M-RoPE, Qwen2.5-VL): ``positions`` is [3, tokens] (temporal, height, width;
+    any strides), and the ``head_dim // 2`` rotary frequencies split into three runs of these
+    lengths, the first reading row 0, the second row 1, the third row 2.
     """
-    return _rope("rotary", positions, q, k, cos_sin_cache, None, None, 0.0)
+    return _rope("rotary", positions, q, k, cos_sin_cache, None, None, 0.0, mrope_section)
 
 
 def qk_norm_rotary(
@@ -230,9 +245,27 @@ def qk_norm_rotary(
     k_weight: torch.Tensor,
     eps: float,
     cos_sin_cache: torch.Tensor,
+    mrope_section: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's per-head RMSNorm of q and k (over head_dim), then ``rotary``; one kernel, out of place."""
-    return _rope("qk_norm_rotary", positions, q, k, cos_sin_cache, q_weight, k_weight, eps)
+    return _rope("qk_norm_rotary", positions, q, k, cos_sin_cache, q_weight, k_weight, eps, mrope_section)
+
+
+def _check_positions(name: str, positions: torch.Tensor, num_tokens: int, head_dim: int,
+                     mrope_section: tuple[int, int, int] | None) -> tuple[int, int, int, int]:
+    """(token stride, row stride, end of section 0, end of section 1) of valid positions for the kernel."""
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: positions must be int32/int64, got {positions.dtype}")
+    if mrope_section is None:
+        if positions.shape != (num_tokens,):
+            raise ValueError(f"{name}: positions must have shape ({num_tokens},), got {tuple(positions.shape)}")
+        return positions.stride(0), 0, 0, 0
+    if len(mrope_section) != 3 or min(mrope_section) < 0 or sum(mrope_section) != head_dim // 2:
+        raise ValueError(f"{name}: mrope_section must be three lengths adding up to head_dim // 2 = "
+                         f"{head_dim // 2}, got {tuple(mrope_section)}")
+    if positions.shape != (3, num_tokens):
+        raise ValueError(f"{name}: M-RoPE positions must have shape (3, {num_tokens}), got {tuple(positions.shape)}")
+    return positions.stride(1), positions.stride(0), mrope_section[0], mrope_section[0] + mrope_section[1]
 
 
 def _rope(
@@ -244,6 +277,7 @@ def _rope(
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
+    mrope_section: tuple[int, int, int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_activation(name, "q", q, 3)
     _check_activation(name, "k", k, 3)
@@ -253,9 +287,7 @@ def _rope(
                          f"got {tuple(k.shape)} {k.dtype} on {k.device}")
     if head_dim % 2 != 0:
         raise ValueError(f"{name}: head_dim must be even, got {head_dim}")
-    if positions.shape != (num_tokens,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: positions must be int32/int64 of shape ({num_tokens},), "
-                         f"got {tuple(positions.shape)} {positions.dtype}")
+    stride_p, stride_pr, section_1, section_2 = _check_positions(name, positions, num_tokens, head_dim, mrope_section)
     if (cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.dtype != torch.float32
             or cos_sin_cache.stride(1) != 1):
         raise ValueError(f"{name}: cos_sin_cache must be [max_position, {head_dim}] float32 with a contiguous "
@@ -275,13 +307,14 @@ def _rope(
     heads_per_tile = max(_ROPE_TILE // half_pad, 1)
     _rope_kernel[(num_tokens, 2)](
         positions, q, k, q_out, k_out, q_weight if has_norm else q, k_weight if has_norm else k, cos_sin_cache,
-        float(eps), num_q_heads, k.shape[1], positions.stride(0),
+        float(eps), num_q_heads, k.shape[1], stride_p, stride_pr,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
         HEAD_DIM=head_dim, HALF_PAD=half_pad,
         BLOCK_HQ=min(triton.next_power_of_2(num_q_heads), heads_per_tile),
         BLOCK_HK=min(triton.next_power_of_2(max(k.shape[1], 1)), heads_per_tile),
-        HAS_NORM=has_norm, num_warps=4, enable_fp_fusion=False,
+        HAS_NORM=has_norm, MROPE=mrope_section is not None, SECTION_1=section_1, SECTION_2=section_2,
+        num_warps=4, enable_fp_fusion=False,
     )
     return q_out, k_out
 

@@ -13,6 +13,7 @@ torch otherwise; ``set_use_triton`` forces one path on a whole model.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
@@ -101,9 +102,17 @@ class RotaryEmbedding(nn.Module):
 
     Qwen3 passes its per-head ``q_norm``/``k_norm`` to ``forward``, which applies them first:
     on the Triton path, norms and rope are one kernel for q and k together.
+
+    With ``mrope_section`` (M-RoPE, Qwen2.5-VL) every token has three positions, [3, num_tokens]
+    (temporal, height, width: equal for text), and the ``head_dim // 2`` frequencies split into
+    three runs of those lengths: frequency i turns by the position of the run it is in::
+
+        frequency   0 .. s0-1 | s0 .. s0+s1-1 | s0+s1 .. head_dim/2-1
+        position    row 0 (t) | row 1 (h)     | row 2 (w)
     """
 
-    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor):
+    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor,
+                 mrope_section: tuple[int, int, int] | None = None):
         super().__init__()
         self.head_dim = head_dim
         # Built on the CPU in float32, like Hugging Face, then moved to wherever the model is being built.
@@ -114,11 +123,19 @@ class RotaryEmbedding(nn.Module):
         target_device = torch.empty(0).device
         # Not persistent: it is derived from the config, never read from a checkpoint.
         self.register_buffer("cos_sin_cache", cache.to(target_device), persistent=False)
+        self.mrope_section = tuple(mrope_section) if mrope_section is not None else None
+        if self.mrope_section is not None:
+            if len(self.mrope_section) != 3 or sum(self.mrope_section) != head_dim // 2:
+                raise ValueError(f"mrope_section must be three lengths adding up to head_dim // 2 = {head_dim // 2}, "
+                                 f"got {self.mrope_section}")
+            # The position row each column of the table reads: [head_dim], cos columns then sin columns.
+            rows = torch.repeat_interleave(torch.arange(3), torch.tensor(self.mrope_section)).repeat(2)
+            self.register_buffer("mrope_rows", rows.to(target_device), persistent=False)
         self.use_triton: bool | None = None  # see the module docstring
 
     def forward(
         self,
-        positions: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64; [3, num_tokens] with mrope_section
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]; rows may be strided (a view of qkv)
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         q_norm: RMSNorm | None = None,  # per-head norms applied before rope, both or neither
@@ -126,15 +143,19 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if _use_triton(self.use_triton, q):
             if q_norm is None:
-                return _fused_ops().rotary(positions, q, k, self.cos_sin_cache)
+                return _fused_ops().rotary(positions, q, k, self.cos_sin_cache, self.mrope_section)
             # Both norms are built from the same config eps (LlamaAttention), so one eps serves both.
             return _fused_ops().qk_norm_rotary(
-                positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos_sin_cache
+                positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos_sin_cache, self.mrope_section
             )
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
+        if self.mrope_section is None:
+            cos_sin = self.cos_sin_cache[positions]  # [num_tokens, head_dim]
+        else:  # column j of token t: the table's row positions[mrope_rows[j], t]
+            cos_sin = self.cos_sin_cache.gather(0, positions[self.mrope_rows].T)
         # The table stays float32; cos/sin are rounded to the activation dtype as Hugging Face does.
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # [num_tokens, head_dim // 2] each
+        cos, sin = cos_sin.to(q.dtype).chunk(2, dim=-1)  # [num_tokens, head_dim // 2] each
         cos, sin = cos[:, None, :], sin[:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -142,6 +163,18 @@ class RotaryEmbedding(nn.Module):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)  # [num_tokens, heads, head_dim // 2] each
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@contextlib.contextmanager
+def without_transformers_init():
+    """Build transformers modules (a vision-language model's vision tower) without their random initialisation:
+    every weight is loaded after."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        from transformers.modeling_utils import no_init_weights
+    with no_init_weights():
+        yield
 
 
 def set_use_triton(model: nn.Module, enabled: bool | None) -> None:
@@ -152,9 +185,11 @@ def set_use_triton(model: nn.Module, enabled: bool | None) -> None:
 
 
 def get_rope(
-    head_dim: int, max_position: int, theta: float, rope_scaling: dict[str, Any] | None = None
+    head_dim: int, max_position: int, theta: float, rope_scaling: dict[str, Any] | None = None,
+    mrope_section: tuple[int, int, int] | None = None,
 ) -> RotaryEmbedding:
-    """Rotary embedding for a normalised ``ModelConfig.rope_scaling`` (None, linear or llama3)."""
+    """Rotary embedding for a normalised ``ModelConfig.rope_scaling`` (None, linear or llama3), M-RoPE with
+    an ``mrope_section`` (``ModelConfig.mrope_section``)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponents)  # [head_dim // 2]
     rope_type = rope_scaling["rope_type"] if rope_scaling else None
@@ -164,7 +199,7 @@ def get_rope(
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
     elif rope_type is not None:
         raise ValueError(f"unsupported rope scaling type {rope_type!r}")
-    return RotaryEmbedding(head_dim, max_position, inv_freq)
+    return RotaryEmbedding(head_dim, max_position, inv_freq, mrope_section)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

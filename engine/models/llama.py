@@ -72,7 +72,7 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]; [3, num_tokens] for M-RoPE (ModelConfig.mrope_section)
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
@@ -134,7 +134,8 @@ class LlamaModel(nn.Module):
         make_mlp = make_mlp or (lambda config, layer_idx: LlamaMLP(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = get_rope(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
+            config.mrope_section,
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, spec, rotary_emb, i, make_mlp(config, i)) for i in range(config.num_hidden_layers)

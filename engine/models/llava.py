@@ -15,7 +15,6 @@ embeddings in which the image placeholder tokens carry the image embeddings, and
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Iterable, Iterator
 
@@ -25,7 +24,7 @@ from torch import nn
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.model_config import ModelConfig
-from engine.models.layers import load_checkpoint_weights
+from engine.models.layers import load_checkpoint_weights, without_transformers_init
 from engine.models.llama import LlamaForCausalLM
 
 # Checkpoint name prefixes, by where transformers puts them: in memory under transformers 5
@@ -68,7 +67,7 @@ class LlavaForConditionalGeneration(nn.Module):
                              f"layers")
         self._num_tower_layers = max(self._feature_indices)
         vision.num_hidden_layers = self._num_tower_layers
-        with _without_transformers_init():
+        with without_transformers_init():
             self.vision_tower = AutoModel.from_config(vision, attn_implementation="sdpa",
                                                       dtype=torch.get_default_dtype())
             self.multi_modal_projector = LlavaMultiModalProjector(hf)
@@ -79,13 +78,21 @@ class LlavaForConditionalGeneration(nn.Module):
 
     # ------------------------------------------------------------------ images
 
-    def num_image_tokens(self, pixel_shape: tuple[int, ...]) -> int:
+    def num_image_tokens(self, pixel_shape: tuple[int, ...], grid_thw: tuple[int, int, int] | None = None) -> int:
         """The embeddings one image of these pixel values makes; ValueError for a shape the tower does not take."""
+        if grid_thw is not None:
+            raise ValueError(f"an image with a patch grid {tuple(grid_thw)}, but LLaVA's images are all one size")
         if tuple(pixel_shape) != self.image_input_shape:
             raise ValueError(f"pixel values of shape {tuple(pixel_shape)}, but the vision tower takes "
                              f"{self.image_input_shape} (the model's processor makes them)")
         patches = (self.mm.image_size // self.mm.patch_size) ** 2
         return patches + int(self._has_cls) - int(self.mm.vision_feature_select_strategy == "default")
+
+    def dummy_images(self, max_tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor]:
+        """``encode_images``' arguments for its largest batch in a step of ``max_tokens`` image tokens (at least one
+        image), zeros: what the memory profile runs."""
+        num_images = max(1, max_tokens // self.num_image_tokens(self.image_input_shape))
+        return (torch.zeros(num_images, *self.image_input_shape, dtype=dtype, device=device),)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[images, 3, S, S] pixel values -> [images, tokens per image, hidden_size] embeddings for the prompt."""
@@ -140,14 +147,3 @@ class LlavaForConditionalGeneration(nn.Module):
                     continue  # past the last layer LLaVA reads
                 name = "vision_tower." + ("vision_model." if self._tower_has_vision_model else "") + rest
             yield name, tensor
-
-
-@contextlib.contextmanager
-def _without_transformers_init():
-    """Build transformers modules without their random initialisation: every weight is loaded after."""
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # older transformers
-        from transformers.modeling_utils import no_init_weights
-    with no_init_weights():
-        yield

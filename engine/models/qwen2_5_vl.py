@@ -1,0 +1,141 @@
+"""Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``): a vision tower with a patch merger, and Qwen2 with M-RoPE.
+
+    image ─ processor: resized to multiples of patch * merge (28), cut into 14 x 14 patches of 2 frames
+        ─ pixel values [t*h*w, 3*2*14*14], grid_thw (t, h, w)
+        ─ vision tower: window attention, full attention in the fullatt_block_indexes blocks
+        ─ merger: each merge x merge square of patches is one embedding ─ [t*h*w / merge^2, hidden]
+    prompt: text <|vision_start|> <|image_pad|> x tokens <|vision_end|> text
+        ─ token embeddings, the image rows replaced ─ Qwen2 (q/k/v biases), M-RoPE positions [3, num_tokens]
+
+The vision tower is transformers' own ``Qwen2_5_VisionTransformerPretrainedModel`` (window
+attention, the 2-D rotary embedding of the patches, the merger), so an image's embeddings are
+exactly transformers'. It takes any number of images of any sizes at once: their patches
+concatenated, one grid per image. The language model is the project's Qwen2 with paged
+attention; its rotary embedding reads three positions per token (``engine/mrope.py`` computes
+them per request), and its decode steps run as any Qwen2's, CUDA graphs included.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from engine.attention.layer import Attention
+from engine.attention.metadata import AttentionMetadata
+from engine.model_config import ModelConfig
+from engine.models.layers import load_checkpoint_weights, without_transformers_init
+from engine.models.qwen2 import Qwen2ForCausalLM
+
+# Checkpoint name prefixes: as transformers 5 holds them in memory (``model.language_model.*``,
+# ``model.visual.*``), and as saved and published (``model.*`` for the language model, ``visual.*``).
+_RENAMES = (
+    ("model.language_model.", "language_model.model."),
+    ("model.visual.", "visual."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.", "language_model.model."),
+)
+
+
+class Qwen2_5_VLForConditionalGeneration(nn.Module):
+    """Qwen2.5-VL over a flat token batch: ``encode_images`` for the prompts' images, then ``embed_input_ids``
+    and ``forward`` as a causal LM whose input embeddings carry them and whose positions are M-RoPE's."""
+
+    accepts_images = True
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        mm = config.multimodal
+        if mm is None or mm.model_type != "qwen2_5_vl" or config.mrope_section is None:
+            raise ValueError(f"{config.architecture} needs a Qwen2.5-VL config (a vision_config, M-RoPE sections)")
+        self.config = config
+        self.mm = mm
+        vision = mm.hf_config.vision_config
+        with without_transformers_init():
+            self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(
+                vision, attn_implementation="sdpa", dtype=torch.get_default_dtype())
+        self.language_model = Qwen2ForCausalLM(config)
+        self.merge_size = mm.spatial_merge_size
+        # One row of pixel values per patch: channels x frames x patch x patch.
+        self.patch_values = int(vision.in_channels) * int(vision.temporal_patch_size) * mm.patch_size**2
+
+    # ------------------------------------------------------------------ images
+
+    def num_image_tokens(self, pixel_shape: tuple[int, ...], grid_thw: tuple[int, int, int] | None = None) -> int:
+        """The embeddings one image of this patch grid makes (t*h*w / merge^2); ValueError for pixel values that
+        are not the grid's patches or a grid the merger cannot take."""
+        if grid_thw is None:
+            raise ValueError("Qwen2.5-VL needs each image's patch grid (grid_thw; the model's processor gives it)")
+        t, h, w = (int(n) for n in grid_thw)
+        m = self.merge_size
+        if min(t, h, w) < 1 or h % m or w % m:
+            raise ValueError(f"a patch grid of {t} x {h} x {w}: the merger takes heights and widths in multiples "
+                             f"of {m}")
+        if tuple(pixel_shape) != (t * h * w, self.patch_values):
+            raise ValueError(f"pixel values of shape {tuple(pixel_shape)}, but a {t} x {h} x {w} grid of patches is "
+                             f"{(t * h * w, self.patch_values)} (the model's processor makes them)")
+        return t * h * w // m**2
+
+    def dummy_images(self, max_tokens: int, dtype: torch.dtype, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``encode_images``' arguments for its largest input in a step of ``max_tokens`` image tokens: one image
+        of about that many tokens, as square as they come, zeros (what the memory profile runs)."""
+        rows = max(1, math.isqrt(max_tokens))
+        grid = (1, rows * self.merge_size, max(1, max_tokens // rows) * self.merge_size)
+        pixels = torch.zeros(math.prod(grid), self.patch_values, dtype=dtype, device=device)
+        return pixels, torch.tensor([grid], dtype=torch.int64, device=device)
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The images' patches concatenated [patches, patch values] and their grids [images, 3] -> each image's
+        embeddings, [t*h*w / merge^2, hidden_size]."""
+        out = self.visual(pixel_values, grid_thw=grid_thw)
+        merged = getattr(out, "pooler_output", out)  # [image tokens, hidden]; transformers 4.x returns it bare
+        return merged.split((grid_thw.prod(-1) // self.merge_size**2).tolist())
+
+    def embed_input_ids(self, input_ids: torch.Tensor, image_positions: torch.Tensor,
+                        image_embeds: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [num_tokens, hidden_size], the rows ``image_positions`` [K] replaced by ``image_embeds``
+        [K, hidden_size]."""
+        embeds = self.language_model.model.embed_tokens(input_ids)
+        return embeds.index_copy_(0, image_positions, image_embeds.to(embeds.dtype))
+
+    # ------------------------------------------------------------- language model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [3, num_tokens] int64 M-RoPE positions; [num_tokens]: text, in all three rows
+        meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]: embed_input_ids' with images
+    ) -> torch.Tensor:
+        """Final-normed hidden states, [num_tokens, hidden_size]."""
+        if positions.dim() == 1:
+            positions = positions.expand(3, -1)
+        return self.language_model(input_ids, positions, meta, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return self.language_model.attention_layers()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load a Qwen2.5-VL checkpoint in either of transformers' namings (see ``_RENAMES``); return the names
+        used."""
+        skip = {"language_model.lm_head.weight"} if self.config.tie_word_embeddings else set()
+        return load_checkpoint_weights(self, self._renamed(weights), skip)
+
+    @staticmethod
+    def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name.endswith("inv_freq"):
+                continue  # rotary buffers some checkpoints stored: derived from the config here
+            for old, new in _RENAMES:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
+            yield name, tensor
