@@ -5,6 +5,7 @@ These need a GPU, so they are deselected by default; run them with ``pytest -m g
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -381,3 +382,39 @@ def test_fused_moe_matches_the_torch_reference_in_bf16(num_tokens):
         x.copy_(torch.randn(num_tokens, hidden, generator=gen).cuda().bfloat16())
         graph.replay()
         assert torch.equal(replayed, fused_moe(x, experts.w13, experts.w2, top_ids, top_weights))
+
+
+def test_qwen2_vl_under_cuda_graphs_matches_transformers(tmp_path, tokenizer_dir):
+    """Qwen2.5-VL on CUDA (float32, Triton attention and rope, decode CUDA graphs): the M-RoPE positions reach the
+    rope kernel through the graphs' [3, tokens] buffer, and greedy tokens equal transformers' on the same GPU for
+    concurrent prompts with images of different sizes, chunks cutting through them."""
+    from PIL import Image
+
+    from tests.test_qwen2_vl import VISION, write_tiny_qwen2_vl
+
+    # head_dim 32, the smallest the Triton attention kernels take: 16 rotary frequencies in sections 4, 6, 6.
+    model_dir = write_tiny_qwen2_vl(tmp_path, tokenizer_dir, hidden_size=128, rope_parameters={
+        "rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0})
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", attention_backend="triton", max_model_len=160,
+              num_kvcache_blocks=128, kvcache_block_size=16, max_num_batched_tokens=32)
+    assert llm.engine.runner.graphs is not None, "CUDA graphs should be captured"
+
+    def picture(seed, height, width):
+        return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
+
+    prompts = [(f"see {VISION} and say", [picture(0, 112, 140)]),
+               (f"compare {VISION} to {VISION} please", [picture(1, 56, 56), picture(2, 112, 84)]),
+               (f"what is in {VISION}?", [picture(3, 56, 84)])]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm.engine.measure_steps(True)
+    outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts],
+                        params, use_tqdm=False)
+    assert any(t.graph for t in llm.engine.step_timings), "decode steps should replay graphs"
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    processor = transformers.AutoProcessor.from_pretrained(model_dir)
+    for (text, images), out in zip(prompts, outs):
+        inputs = processor(text=text, images=images, return_tensors="pt").to("cuda")
+        ref = hf.generate(**inputs, do_sample=False, max_new_tokens=32, min_new_tokens=32, eos_token_id=None,
+                          pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
+    assert llm.engine.kv_manager.get_stats().num_used_blocks == 0

@@ -56,10 +56,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory, default_model_path):
-    path = tmp_path_factory.mktemp("tiny-qwen2.5-vl")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path)
+def write_tiny_qwen2_vl(path, tokenizer_path, **text_overrides):
+    """A tiny random Qwen2.5-VL checkpoint in ``path`` with its processor's parts (the image processor, the
+    tokenizer at ``tokenizer_path`` plus the vision tokens, a chat template that knows image parts);
+    ``text_overrides`` change the language model's config (head_dim 16 unless they say otherwise)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_path)
     vision_tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": vision_tokens})
     start, end, pad, video = tokenizer.convert_tokens_to_ids(vision_tokens)
@@ -69,18 +70,26 @@ def qwen_dir(tmp_path_factory, default_model_path):
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                 eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                 rope_parameters={"rope_type": "default", "mrope_section": MROPE_SECTION, "rope_theta": 10000.0})
+    text.update(text_overrides)
+    vision["out_hidden_size"] = text["hidden_size"]  # the merger writes the language model's embeddings
     config = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=pad,
                                            video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
     torch.manual_seed(0)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
     spread_weights(model)
     model.save_pretrained(path)
-    # The processor's parts as a checkpoint has them: its image processor, the tokenizer, the chat template.
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(path)
-    transformers.Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 64).save_pretrained(path)
+    # transformers 5.2x has a PIL image processor beside the torchvision one; older releases only the one.
+    image_processor = getattr(transformers, "Qwen2VLImageProcessorPil", transformers.Qwen2VLImageProcessor)
+    image_processor(min_pixels=28 * 28, max_pixels=28 * 28 * 64).save_pretrained(path)
     (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
     return path
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory, default_model_path):
+    return write_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), default_model_path)
 
 
 @pytest.fixture(scope="module")
