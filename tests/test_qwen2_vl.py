@@ -41,6 +41,7 @@ TEMPLATE = (
     "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # four of these overfill the pool
 
 
 def image(seed: int, height: int, width: int) -> Image.Image:
@@ -99,8 +100,10 @@ def hf_model(qwen_dir):
 
 @pytest.fixture(scope="module")
 def llm(qwen_dir):
-    """Chunks of 24 tokens (images cut through now and then), prefix caching, room for a few requests at once."""
-    return LLM(str(qwen_dir), max_model_len=96, num_kvcache_blocks=48, kvcache_block_size=8, max_num_batched_tokens=24)
+    """Chunks of 24 tokens (images cut through now and then), prefix caching, and a pool of 20 blocks of 8 tokens,
+    too small for four requests of ~60 tokens at once: some are preempted and recomputed (images re-encoded,
+    their M-RoPE tables back in the batch)."""
+    return LLM(str(qwen_dir), max_model_len=96, num_kvcache_blocks=20, kvcache_block_size=8, max_num_batched_tokens=24)
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +224,9 @@ def test_mrope_kernel_matches_torch_and_transformers(dtype, with_norm):
 def test_greedy_tokens_equal_generate(llm, hf_model, processor, monkeypatch):
     """4 prompts at once, with decodes long enough that the tokens after the images (index + delta) matter: chunks
     of 24 tokens cut through images, the second prompt repeats the first (a prefix hit ending inside its image),
-    the third has two images of different sizes; nothing is left in the KV pool or the encoder cache."""
+    the third has two images of different sizes, and the pool is too small for all four (preempted requests are
+    recomputed: their images re-encoded, their M-RoPE tables back); nothing is left in the KV pool or the encoder
+    cache."""
     prompts = [
         (f"see {VISION}", [image(0, 112, 140)]),
         (f"see {VISION}", [image(0, 112, 140)]),
@@ -240,12 +245,13 @@ def test_greedy_tokens_equal_generate(llm, hf_model, processor, monkeypatch):
 
     monkeypatch.setattr(scheduler, "schedule", recording_schedule)
     outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts],
-                        GREEDY, use_tqdm=False)
+                        LONG, use_tqdm=False)
     assert cuts, "no chunk ended inside an image"
+    assert scheduler.num_preemptions_total > 0, "the pool should have been too small for all four at once"
     repeat_image = llm._images().process_text(*prompts[1])[1][0]
     assert repeat_image.offset < outs[1].num_cached_tokens < repeat_image.end
     for (text, images), out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf_model, processor, text, images, GREEDY.max_tokens)
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, processor, text, images, LONG.max_tokens)
     engine = llm.engine
     assert engine.kv_manager.get_stats().num_used_blocks == 0 and engine.kv_manager.num_requests == 0
     assert scheduler.encoder_cache.num_entries == 0 and scheduler.encoder_cache.num_used == 0
