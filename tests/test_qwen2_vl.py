@@ -326,3 +326,21 @@ def test_the_server_renders_a_chat_with_the_processors_template(llm, qwen_dir, p
     assert (ids, mm) == processor.process_chat([{"role": "user", "content": [{"type": "image", "image": picture},
                                                                              question]}])
     assert mm[0].grid_thw == (1, 6, 4)
+
+
+def test_vision_attention_stacks_runs_of_one_length():
+    """The tower's attention within runs (windows, images): runs of equal length stacked into one call give what
+    attending to each run alone gives, in the tokens' order; the cached gather indices serve the next call."""
+    from engine.models.qwen2_5_vl import attend_within_runs
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [16, 5, 16, 16, 0, 3, 5, 16]
+    bounds = torch.tensor([0] + np.cumsum(lengths).tolist())
+    q, k, v = (torch.randn(int(bounds[-1]), 2, 8, generator=gen) for _ in range(3))
+    expected = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(t[a:b].transpose(0, 1) for t in (q, k, v)), scale=0.3).transpose(0, 1)
+        for a, b in zip(bounds.tolist(), bounds[1:].tolist())])
+    runs = {}
+    for _ in range(2):
+        torch.testing.assert_close(attend_within_runs(q, k, v, bounds, 0.3, runs), expected, atol=1e-6, rtol=1e-6)
+    assert list(runs) == [tuple(bounds.tolist())] and [count for _, count in runs[tuple(bounds.tolist())]] == [4, 2, 1]

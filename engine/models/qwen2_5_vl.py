@@ -9,18 +9,21 @@
 
 The vision tower is transformers' own ``Qwen2_5_VisionTransformerPretrainedModel`` (window
 attention, the 2-D rotary embedding of the patches, the merger), so an image's embeddings are
-exactly transformers'. It takes any number of images of any sizes at once: their patches
-concatenated, one grid per image. The language model is the project's Qwen2 with paged
+transformers'; only its attention runs differently: without flash-attn transformers attends one
+window at a time, here the windows of one length go in one call (``attend_within_runs``). It
+takes any number of images of any sizes at once: their patches concatenated, one grid per image. The language model is the project's Qwen2 with paged
 attention; its rotary embedding reads three positions per token (``engine/mrope.py`` computes
 them per request), and its decode steps run as any Qwen2's, CUDA graphs included.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.layer import Attention
@@ -58,6 +61,11 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         with without_transformers_init():
             self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(
                 vision, attn_implementation="sdpa", dtype=torch.get_default_dtype())
+        # The tower's attention, batched: transformers runs it one window at a time unless flash-attn is installed.
+        attention, runs = _batched_vision_attention(), {}
+        for block in self.visual.blocks:
+            block.attn.__class__ = attention  # same parameters and names, another forward
+            block.attn.runs = runs
         self.language_model = Qwen2ForCausalLM(config)
         self.merge_size = mm.spatial_merge_size
         # One row of pixel values per patch: channels x frames x patch x patch.
@@ -139,3 +147,56 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
                     name = new + name[len(old):]
                     break
             yield name, tensor
+
+
+def attend_within_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+                       runs: dict) -> torch.Tensor:
+    """Attention of q, k, v [tokens, heads, head_dim] within each run ``cu_seqlens[i]:cu_seqlens[i + 1]`` (no mask
+    inside a run, nothing across runs): [tokens, heads, head_dim].
+
+    The vision tower's runs are its windows (a few lengths: full windows and the image's edges) or whole images.
+    Runs of one length are stacked into one ``scaled_dot_product_attention`` call, so a layer makes one call per
+    distinct length instead of one per window. ``runs`` caches the gather indices by boundaries: every windowed
+    layer of a forward has the same ones.
+    """
+    bounds = tuple(cu_seqlens.tolist())
+    groups = runs.get(bounds)
+    if groups is None:
+        starts_by_length: dict[int, list[int]] = {}
+        for start, end in zip(bounds, bounds[1:]):
+            if end > start:
+                starts_by_length.setdefault(end - start, []).append(start)
+        groups = []
+        for n, starts in starts_by_length.items():  # the rows of all runs of length n, run after run
+            rows = torch.tensor(starts, device=q.device)[:, None] + torch.arange(n, device=q.device)
+            groups.append((rows.reshape(-1), len(starts)))
+        if len(runs) >= 16:
+            runs.clear()
+        runs[bounds] = groups
+    heads, head_dim = q.shape[1:]
+    out = torch.empty_like(q)
+    for rows, count in groups:
+        stacked = [t[rows].view(count, -1, heads, head_dim).transpose(1, 2) for t in (q, k, v)]  # [runs, heads, n, d]
+        o = F.scaled_dot_product_attention(*stacked, scale=scale)
+        out[rows] = o.transpose(1, 2).reshape(-1, heads, head_dim)
+    return out
+
+
+@functools.cache
+def _batched_vision_attention() -> type:
+    """transformers' Qwen2.5-VL vision attention with ``attend_within_runs`` in place of its loop over windows."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
+
+    class BatchedVisionAttention(hf.Qwen2_5_VLVisionAttention):
+        def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, position_embeddings=None,
+                    rotary_pos_emb=None, **kwargs) -> torch.Tensor:
+            n = hidden_states.shape[0]
+            q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+            if position_embeddings is None:  # releases that pass the rotary angles instead of their cos/sin
+                angles = torch.cat((rotary_pos_emb, rotary_pos_emb), dim=-1)
+                position_embeddings = (angles.cos(), angles.sin())
+            q, k = hf.apply_rotary_pos_emb_vision(q, k, *position_embeddings)
+            out = attend_within_runs(q, k, v, cu_seqlens, self.scaling, self.runs)
+            return self.proj(out.reshape(n, -1))
+
+    return BatchedVisionAttention
