@@ -13,6 +13,7 @@ for a finished one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -65,16 +66,49 @@ def convert(gguf_path: Path, out_dir: Path, fix_tokenizer: Callable | None = Non
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("loading the tokenizer and chat template from %s", gguf_path.name)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    logger.info("dequantizing %s to float32", gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                 **{_dtype_keyword(): torch.float32})
+    with _parse_once():
+        logger.info("loading the tokenizer and chat template from %s", gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        logger.info("dequantizing %s to float32", gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                     **{_dtype_keyword(): torch.float32})
     if fix_tokenizer is not None:
         fix_tokenizer(tokenizer, model)
     logger.info("saving safetensors and tokenizer")
     save_plain_checkpoint(model, out_dir)
     tokenizer.save_pretrained(str(out_dir))
+
+
+@contextlib.contextmanager
+def _parse_once():
+    """Within a conversion, parse each GGUF file once and build each tensor-name map once.
+
+    transformers reads the file's metadata anew for the config, for the tokenizer and for the weights
+    (``gguf.GGUFReader`` walks every field in Python: seconds for a 49k-token vocabulary), and builds
+    gguf's name map of the architecture once per module of the model. Both are pure functions of their
+    arguments here, so the conversion shares one result of each: SmolLM2-135M converts 2-3x faster.
+    """
+    import gguf
+
+    readers, name_maps = {}, {}
+    make_reader, make_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = make_reader(path, mode)
+        return readers[key]
+
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = make_name_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_name_map
 
 
 def _dtype_keyword() -> str:
