@@ -148,6 +148,9 @@ def main() -> None:
         llm.generate([{"prompt_token_ids": p, "multi_modal_data": {"image": [img]}} for p, img, _ in warm],
                      SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         encoder = time_encoder(llm, requests)
+        for size, e in encoder.items():
+            print(f"vision tower {size}: {e['ms_per_image_batch1']:.2f} ms/image alone, "
+                  f"{e['ms_per_image_batch8']:.2f} ms/image in 8s", flush=True)
         processor_ms = time_processor(llm, requests)
         with_images = run(llm, [{"prompt_token_ids": p, "multi_modal_data": {"image": [img]}} for p, img, _ in requests],
                           args.output_len, "images + text")
