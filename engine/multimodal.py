@@ -90,6 +90,14 @@ def to_rgb(image: Any):
     return Image.alpha_composite(white, rgba).convert("RGB")
 
 
+def upright(image: Any):
+    """``image`` turned as its EXIF orientation tag says (a phone's portrait photo is stored sideways, with a
+    tag that viewers apply): the pixels the model sees are the picture the sender saw. Unchanged without one."""
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(image)
+
+
 def image_content_hash(image: Any) -> str:
     """blake2b-256 (hex) of an image's RGB pixels (``to_rgb``), with their mode and size: ``RGB:WxH:`` then
     the bytes.
@@ -148,7 +156,8 @@ def check_image_inputs(prompt_token_ids: Sequence[int], images: Sequence[ImageIn
 
 def load_image(source: Any):
     """An RGB PIL image (``to_rgb``) from a PIL image, a ``data:image/...;base64,`` URL, raw encoded bytes or
-    an ``[height, width, 3]`` uint8 array."""
+    an ``[height, width, 3]`` uint8 array. Encoded images are turned upright (``upright``); a PIL image is
+    taken as it is."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
@@ -170,6 +179,7 @@ def load_image(source: Any):
         try:
             image = Image.open(io.BytesIO(source))
             image.load()
+            image = upright(image)
         except Exception as exc:  # noqa: BLE001 - PIL raises several kinds for undecodable data
             raise RequestError(f"the image cannot be decoded: {exc}", param="image_url") from None
         return to_rgb(image)

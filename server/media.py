@@ -47,7 +47,7 @@ import httpx
 from PIL import Image
 
 from engine.multimodal import image_content_hash as content_hash
-from engine.multimodal import to_rgb
+from engine.multimodal import to_rgb, upright
 from server import __version__
 from server.errors import bad_request
 
@@ -187,7 +187,8 @@ def decode_image(data: bytes, limits: MediaLimits, *, param: str = "image_url",
                  detail: str = "auto") -> DecodedImage:
     """Encoded bytes to an RGB image and its hash. Only PNG, JPEG, WebP and GIF (first frame) decoders
     run; the pixel count is read from the header and checked before any pixel is decoded (a small
-    file may declare a huge image); transparent images are laid over white."""
+    file may declare a huge image); transparent images are laid over white; an EXIF orientation tag is
+    applied (``engine.multimodal.upright``)."""
     if len(data) > limits.max_image_bytes:
         raise _too_large(param, f"{len(data)} bytes", limits)
     try:
@@ -204,12 +205,13 @@ def decode_image(data: bytes, limits: MediaLimits, *, param: str = "image_url",
         raise _too_many_pixels(param, f"{width}x{height} = {width * height:,} pixels; more than", limits)
     if width < 1 or height < 1:
         raise bad_request(f"{param}: the image is empty ({width}x{height})", param=param)
+    image_format = image.format or ""
     try:
         image.load()  # a GIF or an animated WebP: its first frame
-        rgb = to_rgb(image)
+        rgb = to_rgb(upright(image))
     except Exception as exc:  # noqa: BLE001 - truncated data, a bad checksum, a broken stream...
         raise _corrupt(param, exc) from None
-    return DecodedImage(rgb, content_hash(rgb), detail, image.format or "")
+    return DecodedImage(rgb, content_hash(rgb), detail, image_format)
 
 
 def _corrupt(param: str, exc: Exception) -> Exception:

@@ -127,6 +127,25 @@ def test_transparency_is_laid_over_white_and_a_gif_gives_its_first_frame():
     assert image.format == "GIF" and image.image.getpixel((4, 4)) == (255, 0, 0)
 
 
+def test_an_exif_orientation_is_applied_by_the_server_and_the_offline_engine():
+    """A photo stored sideways with an EXIF orientation tag (6: turn 90 degrees clockwise to view) reaches the model
+    upright, as a viewer shows it, through the server's decoder and the offline ``load_image`` alike; the hash is
+    the upright pixels'."""
+    from engine.multimodal import image_content_hash, load_image
+
+    stored = picture(size=(48, 32))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    png = encoded(stored, "PNG", exif=exif)
+    upright = stored.transpose(Image.Transpose.ROTATE_270)  # 90 degrees clockwise: 32 wide, 48 high
+    image = load(data_url(png))
+    assert image.size == (32, 48) and image.image.tobytes() == upright.tobytes()
+    assert image.content_hash == content_hash(upright) == image_content_hash(upright)
+    offline = load_image(png)
+    assert offline.size == (32, 48) and offline.tobytes() == upright.tobytes()
+    assert load(data_url(encoded(stored, "PNG"))).size == (48, 32)  # no tag: as stored
+
+
 @pytest.mark.parametrize("url, says", [
     (data_url(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20), "corrupt"),
     (data_url(encoded(picture(), "PNG")[:300]), "corrupt"),  # truncated
