@@ -18,6 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class EncoderCacheStats:
+    """The encoder cache at one moment, and its counters since start (for /metrics)."""
+
+    capacity_tokens: int  # image embeddings it may hold at once
+    used_tokens: int
+    num_images: int  # images held now
+    num_encoded: int  # images encoded since start
+    num_reused: int  # times a request found an image it needed already encoded
+
+
 @dataclass
 class _Entry:
     num_tokens: int
@@ -69,6 +80,9 @@ class EncoderCacheManager:
         for h in gone:
             self.num_used -= self._entries.pop(h).num_tokens
         return gone
+
+    def stats(self) -> EncoderCacheStats:
+        return EncoderCacheStats(self.capacity, self.num_used, len(self._entries), self.num_encoded, self.num_reused)
 
     def check_invariants(self) -> None:
         assert self.num_used == sum(e.num_tokens for e in self._entries.values()), "encoder cache: used != entries"

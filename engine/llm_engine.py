@@ -470,6 +470,7 @@ class LLMEngine:
             block_states=self.kv_manager.pool.block_states(),
             visual_blocks=self.kv_manager.pool.visual_blocks(),
             num_waiting_for_grammar=sum(1 for r in self.scheduler.waiting if not r.ready),
+            encoder=self.scheduler.encoder_cache.stats() if self.scheduler.encoder_cache is not None else None,
         )
 
 

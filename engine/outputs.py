@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from engine.encoder_cache import EncoderCacheStats
 from engine.mrope import MRopePositions
 from engine.sampling_params import SamplingParams
 from kvcache.metrics import KVCacheStats
@@ -140,3 +141,4 @@ class EngineStats:
     num_waiting_for_grammar: int = 0  # of num_waiting: held back while their grammar compiles
     # int8 [num_blocks], BlockPool.visual_blocks(): 1 for the blocks holding image tokens.
     visual_blocks: np.ndarray | None = field(default=None, compare=False, repr=False)
+    encoder: EncoderCacheStats | None = None  # a model that takes images: its encoder cache

@@ -82,6 +82,20 @@ class EngineStatsCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        if stats.encoder is not None:  # a model that takes images
+            encoder = stats.encoder
+            for name, doc, value in [
+                ("encoder_cache_tokens_total", "Image embeddings the encoder cache may hold at once.",
+                 encoder.capacity_tokens),
+                ("encoder_cache_tokens_used", "Image embeddings in the encoder cache.", encoder.used_tokens),
+                ("encoder_cache_images", "Images whose embeddings the encoder cache holds.", encoder.num_images),
+            ]:
+                yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+            yield CounterMetricFamily(PREFIX + "encoder_images_encoded", "Images run through the vision encoder.",
+                                      value=encoder.num_encoded)
+            yield CounterMetricFamily(PREFIX + "encoder_cache_reuses", "Times a request found an image it needed "
+                                      "already encoded (another request's, or its own before a preemption).",
+                                      value=encoder.num_reused)
 
 
 class BatchHistogram(Collector):

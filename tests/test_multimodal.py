@@ -386,7 +386,7 @@ def test_the_server_answers_images_as_the_offline_engine(llava_dir, llm, tmp_pat
     """The `openai` SDK's base64 image and a remote image (its host allowed) give the offline engine's greedy
     tokens for the same picture; a corrupt image, a 50 MB image (the body limit raised past it, the image limit
     is 20 MB) and an unsupported type are 400s naming the part, and no KV block is left in use; /v1/models says
-    the model takes images."""
+    the model takes images; /metrics counts the encoded images and shows the encoder cache empty at the end."""
     import openai
 
     from tests.server_helpers import assert_error_shape, start_server, wait_until_idle
@@ -427,6 +427,11 @@ def test_the_server_answers_images_as_the_offline_engine(llava_dir, llm, tmp_pat
                 assert error["param"] == "messages.0.content.1.image_url", name
         metrics = wait_until_idle(server.url)
         assert metrics["minivllm:kv_cache_blocks_used"] == 0
+        # The encoder cache: the picture was encoded (the second request may find its KV blocks cached instead),
+        # and nothing is held once every request is done.
+        assert metrics["minivllm:encoder_images_encoded_total"] >= 1
+        assert metrics["minivllm:encoder_cache_tokens_total"] > 0
+        assert metrics["minivllm:encoder_cache_tokens_used"] == metrics["minivllm:encoder_cache_images"] == 0
     finally:
         server.stop()
         site.httpd.shutdown()
