@@ -75,7 +75,8 @@ def _tile_blocks(table_ptr, tile_start, end, offs_n, PAGE_SIZE: tl.constexpr, BL
 
     When a tile spans whole blocks (``BLOCK_N`` a multiple of the block size; the decode kernels start
     every tile on a block boundary) each block id is loaded once and broadcast to its keys, not once
-    per key: on the H200 that took a tenth off the decode kernels' time. Ids past ``end`` read as 0.
+    per key: on the H200 that took 5% (bf16) to 11% (FP8) off the decode kernels' time. Ids past ``end``
+    read as 0.
     """
     if BLOCK_N % PAGE_SIZE == 0:
         PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
@@ -236,7 +237,8 @@ def _decode_split_fp8_kernel(
     high bytes become two [BLOCK_N, HEAD_DIM // 2] tiles. The scores are ``q_even @ k_lo^T + q_odd @ k_hi^T``
     and the output's even and odd columns accumulate apart, so nothing is interleaved in registers. Loaded
     this way the tiles take Triton's 16-bit shared-memory path (ldmatrix) rather than byte loads and
-    shuffles; on the H200 this ran 1.5x faster than converting whole FP8 tiles (bench/RESULTS.md). The dots
+    shuffles: on the H200, 104 us against 119 us converting whole tiles to float16, and 154 us for the first
+    version, which converted them to bfloat16 (one layer, a W1-like batch; bench/RESULTS.md). The dots
     run in ``DOT_DTYPE``: float16 for 16-bit queries (float8_e4m3 converts to it natively, to bfloat16 it
     does not), float32 for float32 ones. A key's scale multiplies its column of the scores; a value's scale
     multiplies its row of V after the conversion (V back in the model's units: scaling ``p``'s columns
