@@ -519,14 +519,8 @@ class ModelRunner:
         """(flat token positions, embeddings) of the step's image placeholder tokens, from the encoder cache;
         None when it has none. A request whose prefill passes its last image leaves ``batch.mm_inputs``."""
         b = self.batch
-        batch_index = {row: i for i, row in enumerate(rows.tolist())}
         positions, pieces, done = [], [], []
-        for rid, images in b.mm_inputs.items():
-            i = batch_index.get(b.row_of[rid])
-            if i is None:
-                continue  # not in this step
-            lo = int(b.num_computed[rows[i]])
-            hi, first = lo + int(counts[i]), int(ends[i] - counts[i])  # its tokens and where they start
+        for rid, images, lo, hi, first in self._step_chunks(b.mm_inputs, rows, counts, ends):
             for mm in images:
                 if mm.offset >= hi:
                     break
@@ -546,6 +540,17 @@ class ModelRunner:
             return None
         return self._upload(np.concatenate(positions)), torch.cat(pieces)
 
+    def _step_chunks(self, by_request: dict, rows: np.ndarray, counts: np.ndarray, ends: np.ndarray):
+        """(request id, its entry, lo, hi, first) for each request of ``by_request`` that this step runs: its chunk
+        is its tokens ``lo..hi-1``, at the step's flat positions from ``first`` on."""
+        b = self.batch
+        batch_index = {row: i for i, row in enumerate(rows.tolist())}
+        for rid, entry in by_request.items():
+            i = batch_index.get(b.row_of[rid])
+            if i is not None:
+                lo = int(b.num_computed[rows[i]])
+                yield rid, entry, lo, lo + int(counts[i]), int(ends[i] - counts[i])
+
     def _fill_mrope_positions(self, rows: np.ndarray, counts: np.ndarray, ends: np.ndarray, positions: np.ndarray,
                               token_rows: np.ndarray, padded_tokens: int) -> None:
         """The step's [3, tokens] M-RoPE positions: each token's index plus its request's delta in all three rows,
@@ -558,14 +563,8 @@ class ModelRunner:
         out[:, num_tokens:padded_tokens] = 0  # a decode graph's padding rows
         if not b.mrope_tables:
             return
-        batch_index = {row: i for i, row in enumerate(rows.tolist())}
         done = []
-        for rid, table in b.mrope_tables.items():
-            i = batch_index.get(b.row_of[rid])
-            if i is None:
-                continue  # not in this step
-            lo = int(b.num_computed[rows[i]])
-            hi, first = lo + int(counts[i]), int(ends[i] - counts[i])  # its tokens and where they start
+        for rid, table, lo, hi, first in self._step_chunks(b.mrope_tables, rows, counts, ends):
             end = min(hi, table.shape[1])
             if lo < end:
                 out[:, first : first + end - lo] = table[:, lo:end]

@@ -164,3 +164,20 @@ def save_checkpoint(config: transformers.PretrainedConfig, path: Path) -> Path:
     spread_weights(model)
     model.save_pretrained(path)
     return path
+
+
+def record_image_cuts(scheduler) -> list:
+    """Wrap ``scheduler.schedule`` (for the scheduler's life) so that every image a step's chunk ends inside of is
+    appended to the returned list: proof that chunked prefill cut through an image."""
+    cuts, schedule = [], scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        for rid in out.num_scheduled_tokens:
+            request = scheduler.requests[rid]
+            end = request.num_computed_tokens  # after this step
+            cuts.extend(mm for mm in request.mm_inputs if mm.offset < end < mm.end)
+        return out
+
+    scheduler.schedule = recording_schedule
+    return cuts

@@ -28,7 +28,7 @@ from engine.model_info import RequestError
 from engine.multimodal import MultiModalProcessor, image_content_hash, image_spans
 from kvcache.block_pool import hash_block_tokens
 from kvcache.manager import KVCacheManager
-from tests.helpers import SMALL_CONFIG, PagedRunner, spread_weights
+from tests.helpers import SMALL_CONFIG, PagedRunner, record_image_cuts, spread_weights
 
 IMAGE_TOKENS = 16  # (32 / 8)^2 patches; the CLS position is dropped ("default" strategy)
 TEMPLATE = (
@@ -150,17 +150,7 @@ def test_greedy_tokens_equal_generate(llava_dir, hf_model, processor):
     llm = LLM(str(llava_dir), max_model_len=160, num_kvcache_blocks=22, kvcache_block_size=8,
               max_num_batched_tokens=24)
     scheduler = llm.engine.scheduler
-    cuts, schedule = [], scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        for rid in out.num_scheduled_tokens:
-            request = scheduler.requests[rid]
-            end = request.num_computed_tokens  # after this step
-            cuts.extend(mm for mm in request.mm_inputs if mm.offset < end < mm.end)
-        return out
-
-    scheduler.schedule = recording_schedule
+    cuts = record_image_cuts(scheduler)
     outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts],
                         GREEDY, use_tqdm=False)
     assert cuts, "no chunk ended inside an image"

@@ -31,7 +31,7 @@ from engine.model_info import RequestError
 from engine.models.layers import RMSNorm, get_rope
 from engine.mrope import mrope_positions
 from engine.multimodal import MultiModalProcessor
-from tests.helpers import PagedRunner, spread_weights
+from tests.helpers import PagedRunner, record_image_cuts, spread_weights
 
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 MROPE_SECTION = [2, 3, 3]  # head_dim 16: 8 rotary frequencies
@@ -234,16 +234,8 @@ def test_greedy_tokens_equal_generate(llm, hf_model, processor, monkeypatch):
         (f"what is in {VISION}? tell me in many words", [image(3, 56, 84)]),
     ]
     scheduler = llm.engine.scheduler
-    cuts, schedule = [], scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        for rid in out.num_scheduled_tokens:
-            request = scheduler.requests[rid]
-            cuts.extend(mm for mm in request.mm_inputs if mm.offset < request.num_computed_tokens < mm.end)
-        return out
-
-    monkeypatch.setattr(scheduler, "schedule", recording_schedule)
+    monkeypatch.setattr(scheduler, "schedule", scheduler.schedule)  # restored after the test
+    cuts = record_image_cuts(scheduler)
     outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts],
                         LONG, use_tqdm=False)
     assert cuts, "no chunk ended inside an image"

@@ -19,12 +19,11 @@ import copy
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch import nn
 
-from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.model_config import ModelConfig
-from engine.models.layers import load_checkpoint_weights, without_transformers_init
+from engine.models.image_text import ImageTextModel
+from engine.models.layers import without_transformers_init
 from engine.models.llama import LlamaForCausalLM
 
 # Checkpoint name prefixes, by where transformers puts them: in memory under transformers 5
@@ -38,11 +37,10 @@ _RENAMES = (
 )
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(ImageTextModel):
     """LLaVA over a flat token batch: ``encode_images`` for the prompts' images, then ``embed_input_ids`` and
     ``forward`` as a causal LM whose input embeddings carry them."""
 
-    accepts_images = True
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -102,13 +100,6 @@ class LlavaForConditionalGeneration(nn.Module):
             features = [f[:, 1:] for f in features]  # the CLS position
         return self.multi_modal_projector(features[0] if len(features) == 1 else torch.cat(features, dim=-1))
 
-    def embed_input_ids(self, input_ids: torch.Tensor, image_positions: torch.Tensor,
-                        image_embeds: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [num_tokens, hidden_size], the rows ``image_positions`` [K] replaced by ``image_embeds``
-        [K, hidden_size]."""
-        embeds = self.language_model.model.embed_tokens(input_ids)
-        return embeds.index_copy_(0, image_positions, image_embeds.to(embeds.dtype))
-
     # ------------------------------------------------------------- language model
 
     def forward(
@@ -120,17 +111,6 @@ class LlavaForConditionalGeneration(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states, [num_tokens, hidden_size]."""
         return self.language_model(input_ids, positions, meta, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return self.language_model.attention_layers()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load a LLaVA checkpoint in any of transformers' namings (see ``_RENAMES``); return the names used."""
-        skip = {"language_model.lm_head.weight"} if self.config.tie_word_embeddings else set()
-        return load_checkpoint_weights(self, self._renamed(weights), skip)
 
     def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoint tensors under this module's names, without the tower layers and parts that are not built."""

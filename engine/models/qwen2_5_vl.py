@@ -24,12 +24,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.model_config import ModelConfig
-from engine.models.layers import load_checkpoint_weights, without_transformers_init
+from engine.models.image_text import ImageTextModel
+from engine.models.layers import without_transformers_init
 from engine.models.qwen2 import Qwen2ForCausalLM
 
 # Checkpoint name prefixes: as transformers 5 holds them in memory (``model.language_model.*``,
@@ -42,11 +41,10 @@ _RENAMES = (
 )
 
 
-class Qwen2_5_VLForConditionalGeneration(nn.Module):
+class Qwen2_5_VLForConditionalGeneration(ImageTextModel):
     """Qwen2.5-VL over a flat token batch: ``encode_images`` for the prompts' images, then ``embed_input_ids``
     and ``forward`` as a causal LM whose input embeddings carry them and whose positions are M-RoPE's."""
 
-    accepts_images = True
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -104,13 +102,6 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         merged = getattr(out, "pooler_output", out)  # [image tokens, hidden]; transformers 4.x returns it bare
         return merged.split((grid_thw.prod(-1) // self.merge_size**2).tolist())
 
-    def embed_input_ids(self, input_ids: torch.Tensor, image_positions: torch.Tensor,
-                        image_embeds: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [num_tokens, hidden_size], the rows ``image_positions`` [K] replaced by ``image_embeds``
-        [K, hidden_size]."""
-        embeds = self.language_model.model.embed_tokens(input_ids)
-        return embeds.index_copy_(0, image_positions, image_embeds.to(embeds.dtype))
-
     # ------------------------------------------------------------- language model
 
     def forward(
@@ -124,18 +115,6 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         if positions.dim() == 1:
             positions = positions.expand(3, -1)
         return self.language_model(input_ids, positions, meta, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return self.language_model.attention_layers()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load a Qwen2.5-VL checkpoint in either of transformers' namings (see ``_RENAMES``); return the names
-        used."""
-        skip = {"language_model.lm_head.weight"} if self.config.tie_word_embeddings else set()
-        return load_checkpoint_weights(self, self._renamed(weights), skip)
 
     @staticmethod
     def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
