@@ -1,16 +1,22 @@
-"""FP8 linear layers against bf16 ones at decode batch sizes, on Llama-3.1-8B's projections (the H200 numbers in
-bench/RESULTS.md).
+"""FP8 linear layers against bf16 ones, at decode and prefill batch sizes (the H200 numbers in bench/RESULTS.md).
 
-    python bench/fp8_gemm.py
+    python bench/fp8_gemm.py                       # Llama-3.1-8B's projections
+    python bench/fp8_gemm.py --shape qwen3-0.6b
+    python bench/fp8_gemm.py --sweep               # the Triton kernel's tiles and K splits, best first
 
-For each projection (q|k|v, o, gate|up, down) and batch size: bf16 ``F.linear``; the FP8 path as the engine runs
-it (activations quantized per token by the Triton kernel, then ``torch._scaled_mm`` with per-channel weight
-scales); ``_scaled_mm`` alone on pre-quantized activations; and the Triton block-scaled kernel (128 x 128 weight
-blocks). Prints microseconds and the weight bytes per second each reaches.
+Each call is timed inside a CUDA graph (no launch cost), on one of several copies of the weight in turn, so
+that no call finds its weight in the 50 MB L2 cache as a decode step would not. For each projection (q|k|v, o,
+gate|up, down) and batch size: bf16 ``F.linear``; FP8 through ``torch._scaled_mm`` with one activation scale
+per token; and the two products the engine picks between, both with activations quantized per token and 128
+columns (per-channel weight scales): the Triton ``scaled_matmul`` and cuBLAS's block-scaled ``_scaled_mm``.
+Each FP8 time includes the activations' quantization. Prints microseconds and the weight bytes per second
+each reaches.
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -18,42 +24,139 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from roofline import cuda_time  # noqa: E402
 
 from engine.models import fp8, fp8_kernels  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-BATCHES = (1, 16, 64, 128, 151, 256)
+SHAPES = {
+    "llama-3.1-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
+}
+BATCHES = (1, 8, 32, 64, 128, 151, 256, 4096)
+L2_BYTES = 50 << 20
 
 
-def timed(fn) -> float:
-    return cuda_time(fn) * 1e6  # us
+def graph_time(calls, reps: int = 5) -> float:
+    """Microseconds per call: ``calls`` (a list of closures, each on its own weight copy) captured in one
+    CUDA graph, replayed ``reps`` times, median."""
+    for fn in calls[:2]:
+        fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def copies_needed(n: int, k: int) -> int:
+    """Enough FP8 weight copies that cycling through them spills the L2 (at least 4, calls >= 8)."""
+    return max(4, -(-3 * L2_BYTES // (n * k)))
+
+
+def weights(n: int, k: int, copies: int):
+    out = []
+    for _ in range(copies):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+        values, scales = fp8.quantize_per_channel(w)
+        out.append((w, values, scales))
+    return out
+
+
+def compare(shape: str, batches) -> None:
+    print(f"{shape}: us per call / weight TB/s (bf16 counts 2 bytes a weight, FP8 one)")
+    print(f"{'layer':>8} {'batch':>5} {'bf16 F.linear':>14} {'FP8 per token':>14} {'FP8 Triton':>14} "
+          f"{'FP8 cuBLAS':>14} {'best vs bf16':>12}")
+    for name, (n, k) in SHAPES[shape].items():
+        ws = weights(n, k, copies_needed(n, k))
+        blocked = [fp8.cublas_weight_scales(v, s, None) for _, v, s in ws]
+        for m in batches:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            times = [
+                graph_time([lambda w=w: F.linear(x, w) for w, _, _ in ws]),
+                graph_time([lambda v=v, s=s: _scaled_mm_per_token(x, v, s) for _, v, s in ws]),
+                graph_time([lambda v=v, s=s: fp8._gpu_fp8_linear(x, v, s, None) for _, v, s in ws]),
+            ]
+            if blocked[0] is not None:
+                saved, fp8.TRITON_MAX_ROWS = fp8.TRITON_MAX_ROWS, 0
+                times.append(graph_time([lambda v=v, s=s, b=b: fp8._gpu_fp8_linear(x, v, s, None, b)
+                                         for (_, v, s), b in zip(ws, blocked)]))
+                fp8.TRITON_MAX_ROWS = saved
+            rates = [n * k * (2 if i == 0 else 1) / (t * 1e-6) / 1e12 for i, t in enumerate(times)]
+            cells = " ".join(f"{t:>8.1f}/{r:>4.2f}" for t, r in zip(times, rates))
+            print(f"{name:>8} {m:>5} {cells} {times[0] / min(times[2:]):>11.2f}x")
+        del ws
+        torch.cuda.empty_cache()
+
+
+def _scaled_mm_per_token(x, values, scales):
+    xq, xs = fp8_kernels.quantize_rows(x)
+    return torch._scaled_mm(xq, values.t(), scale_a=xs, scale_b=scales.view(1, -1), out_dtype=x.dtype)
+
+
+def sweep(shape: str, batches) -> None:
+    """Every tile and split for each projection and batch: the five fastest, and the heuristic's pick."""
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, (n, k) in SHAPES[shape].items():
+        ws = weights(n, k, copies_needed(n, k))
+        for m in batches:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = fp8_kernels.quantize_rows(x, 128)
+            bf16 = graph_time([lambda w=w: F.linear(x, w) for w, _, _ in ws])
+            results = []
+            block_ms = (16, 32, 64) if m <= 256 else (64, 128)
+            for bm, bn, split, warps, stages in itertools.product(block_ms, (32, 64, 128, 256), (1, 2, 4, 8, 16),
+                                                                  (4, 8), (3, 5)):
+                if bm < min(16, m) or (m <= 256 and bm > max(16, 2 * m)) or (m > 256 and split > 1):
+                    continue
+                if k // 128 // split < 2 or (bn == 256 and warps == 4) or (bn == 32 and warps == 8):
+                    continue
+                cfg = fp8_kernels.MatmulConfig(bm, bn, split, warps, stages)
+                try:
+                    t = graph_time([lambda v=v, s=s, cfg=cfg: fp8_kernels.scaled_matmul(xq, xs, v, s, None,
+                                                                                        torch.bfloat16, cfg)
+                                    for _, v, s in ws], reps=3)
+                except Exception as exc:  # out of shared memory or registers for this tile
+                    print(f"  skip {cfg}: {type(exc).__name__}")
+                    continue
+                results.append((t, cfg))
+            results.sort(key=lambda r: r[0])
+            pick = fp8_kernels.matmul_config(m, n, k, num_sms)
+            picked = next((t for t, c in results if c == pick), None)
+            print(f"{name} m={m}: bf16 {bf16:.1f} us; heuristic {pick} -> {picked}")
+            for t, cfg in results[:5]:
+                print(f"    {t:7.1f} us {n * k / (t * 1e-6) / 1e12:5.2f} TB/s  {cfg}")
+        del ws
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: all)")
+    args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"{'layer':>8} {'batch':>5} {'bf16':>9} {'fp8 path':>9} {'scaled_mm':>9} {'block':>9}  (us; weight TB/s)")
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
-        values, scales = fp8.quantize_per_channel(w)
-        block_values = values  # the same bytes with 128 x 128 block scales
-        block_scales = torch.full((n // 128, k // 128), 1 / 64, device="cuda")
-        for m in BATCHES:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            xq, xs = fp8_kernels.quantize_rows(x)
-            xg, xgs = fp8_kernels.quantize_rows(x, 128)
-            times = [
-                timed(lambda: F.linear(x, w)),
-                timed(lambda: fp8.fp8_linear(x, values, scales, None)),
-                timed(lambda: torch._scaled_mm(xq, values.t(), scale_a=xs, scale_b=scales.view(1, -1),
-                                               out_dtype=torch.bfloat16)),
-                timed(lambda: fp8_kernels.block_scaled_matmul(xg, xgs, block_values, block_scales, (128, 128),
-                                                              torch.bfloat16)),
-            ]
-            rates = [n * k * (2 if i == 0 else 1) / (t * 1e-6) / 1e12 for i, t in enumerate(times)]
-            print(f"{name:>8} {m:>5} " + " ".join(f"{t:>6.1f}/{r:.1f}" for t, r in zip(times, rates)))
+    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else BATCHES
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if args.sweep:
+        sweep(args.shape, batches)
+    else:
+        compare(args.shape, batches)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ transformers' continuous batching on the first N requests as the peer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -100,9 +101,10 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.engine.measure_steps(True)
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    elapsed = time.perf_counter() - start
+    with compiles_logged() as compiled:
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == sum(output_lens)
     name = "minivllm" + (f" {quantization} weights" if quantization else "") + \
@@ -113,7 +115,28 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
             "kv_cache_tokens": runner.kv_cache.num_slots, "elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed,
             "preemptions": llm.engine.stats().num_preemptions, "async_scheduling": llm.engine.async_scheduling,
             "steps_planned_ahead": llm.engine.num_steps_planned_ahead,
-            "steps": step_summary(llm)}, llm
+            "steps": step_summary(llm), "compiled_mid_run": compiled}, llm
+
+
+@contextlib.contextmanager
+def compiles_logged():
+    """The Triton kernels compiled while the block runs (each is a step that stalls), as a list of names."""
+    compiled: list[str] = []
+    knobs = getattr(__import__("triton"), "knobs", None)
+    if knobs is None:  # Triton before 3.4 has no compile hooks
+        yield compiled
+        return
+
+    def hook(*args, **kwargs):
+        compiled.append(kwargs.get("repr", "?"))
+        logging.getLogger("bench").warning("Triton compiled mid-run: %s", compiled[-1][:300])
+        return False
+
+    previous, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, hook
+    try:
+        yield compiled
+    finally:
+        knobs.runtime.jit_cache_hook = previous
 
 
 def step_summary(llm: LLM) -> dict:

@@ -1,7 +1,7 @@
 """FP8 KV cache and FP8 weights through the engine, on tiny random models (CPU, float32 compute).
 
 The CPU runs the same quantization the GPU does (float8_e4m3 K/V with a scale per token and head;
-weights per output channel or per 128 x 128 block, activations per token), followed by float32
+weights per output channel or per 128 x 128 block, activations per token and 128 columns), followed by float32
 arithmetic, so these tests pin down the numerics; the GPU tests compare the kernels with it.
 """
 
@@ -172,15 +172,17 @@ def test_kv_cache_dtype_is_validated():
 
 
 def test_reference_fp8_linear_is_the_scaled_product():
-    """The CPU path computes exactly (x rounded through FP8 per row) @ (W's FP8 values times their scales)^T,
-    for per-channel and block scales alike, and stays within FP8's rounding of the exact product."""
+    """The CPU path computes exactly (x rounded through FP8 per row and 128 columns) @ (W's FP8 values times
+    their scales)^T, for per-channel and block scales alike, and stays within FP8's rounding of the exact
+    product."""
     gen = torch.Generator().manual_seed(0)
     x, w, bias = torch.randn(7, 256, generator=gen), torch.randn(384, 256, generator=gen) / 16, torch.randn(384)
     exact = x @ w.T + bias
     values, scales = fp8.quantize_per_channel(w)
     assert values.dtype == torch.float8_e4m3fn and scales.shape == (384,)
-    xq, xs = fp8.quantize_rows(x)
-    manual = (xq.float() * xs) @ (values.float() * scales[:, None]).T + bias
+    xq, xs = fp8.quantize_rows(x, 128)
+    assert xs.shape == (7, 2)
+    manual = (xq.float() * xs.repeat_interleave(128, 1)) @ (values.float() * scales[:, None]).T + bias
     torch.testing.assert_close(fp8.fp8_linear(x, values, scales, bias), manual, atol=1e-5, rtol=1e-5)
     assert 0 < relative_error(manual, exact) < 0.05
     block_values, block_scales = quantize_blocks(w, 128)
@@ -190,6 +192,39 @@ def test_reference_fp8_linear_is_the_scaled_product():
         block_values, block_scales, (128, 128), torch.float32).T + bias
     torch.testing.assert_close(ours, manual, atol=1e-5, rtol=1e-5)
     assert 0 < relative_error(ours, exact) < 0.05
+
+
+@pytest.mark.parametrize("m, n, k, block, config", [
+    (5, 96, 320, None, (16, 32, 2, 2)),          # K cut in two at a group, a partial last group, partial tiles
+    (37, 64, 384, None, (16, 32, 3, 2)),         # three splits, token tiles past the last row
+    (5, 256, 256, (128, 128), (16, 64, 1, 2)),   # block scales, no split
+    (20, 256, 640, (128, 128), (32, 64, 2, 2)),  # block scales, an uneven split (3 + 2 groups)
+])
+def test_scaled_matmul_kernel_matches_the_reference_product(m, n, k, block, config):
+    """The Triton FP8 matmul (run by Triton's interpreter here, on the GPU in tests/test_gpu.py) computes what
+    the CPU path computes: the same FP8 operands and scales, split over K or not."""
+    from engine.models import fp8_kernels
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / 16
+    values, scales = quantize_blocks(w, 128) if block else fp8.quantize_per_channel(w)
+    xq, xs = fp8.quantize_rows(x, 128)
+    block_m, block_n, split, stages = config
+    ours = fp8_kernels.scaled_matmul(xq, xs, values, scales, block, torch.float32,
+                                     fp8_kernels.MatmulConfig(block_m, block_n, split, 4, stages))
+    torch.testing.assert_close(ours, fp8._reference_fp8_linear(x, values, scales, block), atol=1e-5, rtol=1e-5)
+
+
+def test_matmul_configs_split_k_for_decode_batches_only():
+    from engine.models.fp8_kernels import matmul_config
+
+    decode = matmul_config(8, 4096, 4096, num_sms=132)  # an 8B o_proj at batch 8: 64 tiles without a split
+    assert decode.block_m == 16 and decode.split > 1
+    programs = -(-4096 // decode.block_n) * decode.split
+    assert 1.8 * 132 <= programs and 4096 // 128 // decode.split >= 4  # two per SM, four groups per split
+    assert matmul_config(8, 28672, 4096, num_sms=132).split == 1  # gate|up: 448 tiles already
+    prefill = matmul_config(4096, 4096, 4096, num_sms=132)
+    assert prefill.split == 1 and prefill.block_m >= 64
 
 
 def test_quantization_fp8_halves_the_weights_and_keeps_the_logits(llama_dir, block_dirs):
@@ -256,7 +291,8 @@ def test_unsupported_quantization_configs_are_refused_by_name(block_dirs, tmp_pa
     dense_dir = block_dirs[0]
     for quant, match in (({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
                          ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme"),
-                         ({"quant_method": "fp8", "fmt": "e5m2"}, "format")):
+                         ({"quant_method": "fp8", "fmt": "e5m2"}, "format"),
+                         ({"quant_method": "fp8", "weight_block_size": [128, 64]}, "weight_block_size")):
         config = json.loads((dense_dir / "config.json").read_text())
         config["quantization_config"] = quant
         (tmp_path / "config.json").write_text(json.dumps(config))

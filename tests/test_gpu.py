@@ -47,9 +47,9 @@ def test_triton_with_cuda_graphs_matches_torch_eager_float32(tmp_path, async_sch
 
 
 def test_fp8_kv_cache_and_weights_on_cuda_match_the_torch_reference(tmp_path):
-    """Triton attention on an FP8 cache with CUDA graphs, and FP8 linears through torch._scaled_mm (per channel)
-    and the Triton block kernel, give the CPU reference's arithmetic: the same quantized values, float32
-    accumulation; greedy tokens equal torch eager on the same FP8 cache."""
+    """Triton attention on an FP8 cache with CUDA graphs, and FP8 linears through the Triton scaled matmul (per
+    channel and block scales, K split or not), give the CPU reference's arithmetic: the same quantized values,
+    float32 accumulation; greedy tokens equal torch eager on the same FP8 cache."""
     from engine.attention.triton_kernels import write_paged_kv
     from engine.attention.torch_backend import write_kv
     from engine.models import fp8, fp8_kernels
@@ -76,12 +76,31 @@ def test_fp8_kv_cache_and_weights_on_cuda_match_the_torch_reference(tmp_path):
         ours = fp8.fp8_linear(x[:m], values, channel_scales, None)
         ref = fp8._reference_fp8_linear(x[:m].float(), values, channel_scales, None)
         assert _rel_err(ours.float(), ref) < 1e-2
+        for config in ((16, 64, 2, 4, 3), (16, 32, 4, 4, 4), (64, 128, 1, 8, 4)):
+            ours = fp8_kernels.scaled_matmul(*fp8_kernels.quantize_rows(x[:m], 128), values, channel_scales, None,
+                                             torch.float32, fp8_kernels.MatmulConfig(*config))
+            # Hopper's FP8 tensor cores keep fewer accumulator bits within one 128-column group (the kernel
+            # adds each group's product into float32), hence more than float32's rounding.
+            assert _rel_err(ours, ref) < 1e-3, config
+    # Above 64 tokens, cuBLAS's block-scaled product (Hopper with torch >= 2.9) with the same scales.
+    cublas = fp8.cublas_weight_scales(values, channel_scales, None)
+    assert cublas is not None, "this torch or GPU has no block-scaled _scaled_mm"
+    for m in (65, 300):
+        xm = torch.randn(m, 512, generator=gen).cuda().bfloat16()
+        ours = fp8.fp8_linear(xm, values, channel_scales, None, cublas_scales=cublas)
+        assert ours.shape == (m, 384)
+        assert _rel_err(ours.float(), fp8._reference_fp8_linear(xm.float(), values, channel_scales, None)) < 1e-2
     block_scales = (w.view(3, 128, 4, 128).abs().amax(dim=(1, 3)) / 448).contiguous()
     block_values = (w.view(3, 128, 4, 128) / block_scales[:, None, :, None]).to(torch.float8_e4m3fn).view(384, 512)
     for m in (1, 7, 37):
         ours = fp8.fp8_linear(x[:m], block_values, block_scales, None, (128, 128))
         ref = fp8._reference_fp8_linear(x[:m].float(), block_values, block_scales, (128, 128))
         assert _rel_err(ours.float(), ref) < 1e-2
+    cublas = fp8.cublas_weight_scales(block_values, block_scales, (128, 128))
+    xm = torch.randn(200, 512, generator=gen).cuda().bfloat16()
+    ours = fp8.fp8_linear(xm, block_values, block_scales, None, (128, 128), cublas_scales=cublas)
+    ref = fp8._reference_fp8_linear(xm.float(), block_values, block_scales, (128, 128))
+    assert _rel_err(ours.float(), ref) < 1e-2
 
     model_dir = save_tiny_model("qwen3", tmp_path)
     prompts = _prompts(VOCAB)

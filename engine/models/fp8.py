@@ -8,10 +8,11 @@ Two weight layouts, both kept in FP8 in memory (half the bytes of bfloat16):
   with ``weight_block_size: [128, 128]``, as in the Qwen3 FP8 releases): one scale per 128 x 128 tile
   of ``W``, read from the checkpoint's ``weight_scale_inv`` as stored.
 
-The product: each token's activation row is quantized on the fly (one scale per row, or per 128 columns
-for block weights), the FP8 operands are multiplied with float32 accumulation, and the scales are
-applied to the result. On a GPU with FP8 tensor cores (compute capability 8.9+) per-channel layers run
-through ``torch._scaled_mm`` and block layers through the Triton kernel below. Elsewhere (the CPU) the
+The product: each token's activation row is quantized on the fly with one scale per 128 columns (finer
+than one per row: on the default model +2.7% perplexity against +3.7%), the FP8 operands are multiplied
+with float32 accumulation, and the scales are applied to the result. On a GPU with FP8 tensor cores
+(compute capability 8.9+) both layouts run through one Triton kernel (``fp8_kernels.scaled_matmul``,
+faster than ``torch._scaled_mm`` at decode batch sizes, see bench/RESULTS.md). Elsewhere (the CPU) the
 same arithmetic runs as dequantize-then-matmul: activations are rounded through FP8 exactly as the GPU
 path rounds them, so CPU accuracy tests measure what the GPU computes. The CPU layers widen their FP8
 values to float32 once and keep them (``Fp8Weights``): CPUs have no FP8 arithmetic to save memory with.
@@ -29,6 +30,9 @@ import torch.nn.functional as F
 from engine.distributed import tp_size
 from kvcache.paged_cache import FP8_DTYPE, fp8_to_float32, quantize_fp8
 
+
+
+ACTIVATION_GROUP = 128  # activation columns that share one scale (and block weights' tile width)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,9 @@ class Fp8Scheme:
             if len(block) != 2 or any(int(b) < 1 for b in block):
                 raise ValueError(f"weight_block_size must be two positive ints, got {block!r}")
             block = (int(block[0]), int(block[1]))
+            if block[1] != ACTIVATION_GROUP or block[0] % 16:
+                raise ValueError(f"weight_block_size {list(block)} is not supported (the columns of a block must "
+                                 f"be {ACTIVATION_GROUP}, its rows a multiple of 16)")
         skip = tuple(quantization_config.get("modules_to_not_convert") or ())
         return cls(block, skip)
 
@@ -108,15 +115,17 @@ def fp8_gemm_available(device: torch.device) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-               block: tuple[int, int] | None = None, widened: torch.Tensor | None = None) -> torch.Tensor:
+               block: tuple[int, int] | None = None, widened: torch.Tensor | None = None,
+               cublas_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + bias`` for an FP8 ``weight`` [out, in] with its scales; ``x`` [..., in] in the compute dtype.
 
     ``widened`` is ``widen_weight``'s result for this weight, kept by the caller so that the reference path
-    does not convert the FP8 values again on every call."""
+    does not convert the FP8 values again on every call; ``cublas_scales`` likewise ``cublas_weight_scales``'s,
+    for large batches on GPUs where cuBLAS takes them."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if fp8_gemm_available(x.device) and rows.shape[0] > 0:
-        out = _gpu_fp8_linear(rows, weight, scale, block)
+        out = _gpu_fp8_linear(rows, weight, scale, block, cublas_scales)
     else:
         out = _reference_fp8_linear(rows, weight, scale, block, widened)
     if bias is not None:
@@ -133,25 +142,68 @@ def widen_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
 def _reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                           block: tuple[int, int] | None, widened: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize-then-matmul, with the activations rounded through FP8 as the GPU path rounds them: the FP8
-    values multiplied in float32, the per-row and per-channel scales applied to the product."""
-    values, x_scales = quantize_rows(x, block[1] if block else None)
+    values times their group scales multiplied in float32, per-channel weight scales applied to the product."""
+    values, x_scales = quantize_rows(x, ACTIVATION_GROUP)
     w = widened if widened is not None else widen_weight(weight, scale, block)
-    if block is None:
-        return (F.linear(fp8_to_float32(values), w) * x_scales * scale).to(x.dtype)
-    xq = fp8_to_float32(values) * x_scales.repeat_interleave(block[1], 1)[:, : x.shape[1]]
-    return F.linear(xq, w).to(x.dtype)
+    xq = fp8_to_float32(values) * x_scales.repeat_interleave(ACTIVATION_GROUP, 1)[:, : x.shape[1]]
+    out = F.linear(xq, w)
+    return (out if block is not None else out * scale).to(x.dtype)
 
 
 def _gpu_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                    block: tuple[int, int] | None) -> torch.Tensor:
+                    block: tuple[int, int] | None, cublas_scales: torch.Tensor | None = None) -> torch.Tensor:
     from engine.models import fp8_kernels
 
-    if block is None:
-        xq, x_scales = fp8_kernels.quantize_rows(x)
-        # W [out, in] row-major is the column-major [in, out] operand _scaled_mm wants.
-        return torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=scale.view(1, -1), out_dtype=x.dtype)
-    xq, x_scales = fp8_kernels.quantize_rows(x, block[1])
-    return fp8_kernels.block_scaled_matmul(xq, x_scales, weight, scale, block, x.dtype)
+    if cublas_scales is not None and x.shape[0] > TRITON_MAX_ROWS:
+        xq, x_scales = fp8_kernels.quantize_rows(x, ACTIVATION_GROUP, cublas_layout=True)
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=cublas_scales, out_dtype=x.dtype)
+        return out[: x.shape[0]]
+    xq, x_scales = fp8_kernels.quantize_rows(x, ACTIVATION_GROUP)
+    return fp8_kernels.scaled_matmul(xq, x_scales, weight, scale, block, x.dtype)
+
+
+# Up to this many tokens the Triton kernel runs (faster at decode batches); above it cuBLAS's block-scaled FP8
+# GEMM, where the device and torch have it (measured on an H200, bench/fp8_gemm.py).
+TRITON_MAX_ROWS = 64
+
+
+def cublas_weight_scales(weight: torch.Tensor, scale: torch.Tensor,
+                         block: tuple[int, int] | None) -> torch.Tensor | None:
+    """The weight scales as ``torch._scaled_mm``'s block scaling takes them (per-channel scales repeated over
+    the 128-column groups, [groups, out]; block scales transposed), or None where that product is not
+    available: no Hopper GPU, a torch or cuBLAS without block scaling, or shapes it does not take."""
+    if weight.device.type != "cuda" or not _cublas_block_scaling(weight.device):
+        return None
+    n, k = weight.shape
+    groups = k // ACTIVATION_GROUP
+    if k % ACTIVATION_GROUP or groups % 4 or n % 16:
+        return None
+    if block is None:  # cuBLAS takes these [groups, out] contiguous, and block scales as a transposed view
+        return scale[None, :].expand(groups, n).contiguous()
+    if n % block[0]:
+        return None
+    return scale.t()
+
+
+@functools.lru_cache(maxsize=None)
+def _cublas_block_scaling(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies with 1 x 128 activation and 128 x 128 / 1 x 128 weight scales here
+    (Hopper, CUDA 12.9+, a torch that knows block scaling), checked once on a small product."""
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        from engine.models import fp8_kernels
+
+        x = torch.randn(8, 512, device=device)
+        w = torch.randn(256, 512, device=device)
+        values, scales = quantize_per_channel(w)
+        xq, xs = fp8_kernels.quantize_rows(x, ACTIVATION_GROUP, cublas_layout=True)
+        got = torch._scaled_mm(xq, values.t(), scale_a=xs, scale_b=scales[None, :].expand(4, 256).contiguous(),
+                               out_dtype=torch.float32)
+        want = _reference_fp8_linear(x, values, scales, None)
+        return bool(((got - want).norm() / want.norm()) < 1e-3)
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 # ------------------------------------------------------------------------------------------ model surgery

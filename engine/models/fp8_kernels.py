@@ -1,14 +1,19 @@
-"""Triton kernels of the FP8 linear layers (``engine.models.fp8``): activation quantization and the
-block-scaled matmul of FP8 checkpoints.
+"""Triton kernels of the FP8 linear layers (``engine.models.fp8``): activation quantization and the scaled
+FP8 matmul.
 
 * ``quantize_rows``: each token's activation row (or each ``group`` columns of it) scaled so that its
   absolute maximum maps to 448 and rounded to float8_e4m3, in one launch (one program per row and group).
-* ``block_scaled_matmul``: ``C = (A * a_scales) @ (W * w_scales)^T`` with A quantized per (row, 128
-  columns) and W per 128 x 128 tile: each K step multiplies one FP8 tile pair on the tensor cores and adds
-  it to the float32 accumulator times the row scales of A and the tile scale of W.
+* ``scaled_matmul``: ``C = (A * a_scales) @ (W * w_scales)^T`` with A quantized per (row, 128 columns) and
+  W per output row (``--quantization fp8``) or per 128 x 128 tile (FP8 checkpoints). Each K step multiplies
+  one FP8 tile pair on the tensor cores and adds it to the float32 accumulator times the activations' group
+  scales (and the tile's weight scale); per-row weight scales multiply the result once. The kernel computes
+  C^T, so a decode step's few tokens sit on the tensor cores' narrow side; at decode batch sizes K is split
+  until every SM streams its part of the weights, and a second launch sums the parts.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,16 +45,48 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, group_size, num_groups,
     tl.store(s_ptr + row * num_groups + g, scale)
 
 
-def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [m, k] -> (float8 [m, k], float32 scales [m, 1] or [m, ceil(k / group)]); see ``fp8.quantize_rows``."""
+@triton.jit(do_not_specialize=["num_rows", "stride_s", "stride_sg"])
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, num_rows, num_cols, num_groups, stride_x, stride_q, stride_s,
+                            stride_sg, GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
+    """``GROUPS_PER_PROGRAM`` groups of one row, read once: [groups, GROUP] values, one scale per group. Rows
+    past ``num_rows`` (padding) become zeros."""
+    row = tl.program_id(0)
+    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = (groups[:, None] < num_groups) & (cols < num_cols)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask & (row < num_rows), other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1) / 448.0, 1.1754943508222875e-38)
+    tl.store(q_ptr + row * stride_q + cols, (x / scale[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_s + groups * stride_sg, scale, mask=groups < num_groups)
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = None,
+                  cublas_layout: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, k] -> (float8 [m, k], float32 scales [m, 1] or [m, ceil(k / group)]); see ``fp8.quantize_rows``.
+
+    ``cublas_layout`` (with a group): what cuBLAS's 1 x 128 block scaling takes, the rows padded with zeros to
+    a multiple of 4 and the scales stored token-major (a transposed view)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"quantize_rows: x must be a 2-D tensor contiguous in its rows, got {tuple(x.shape)}")
     m, k = x.shape
     group_size = k if group is None else group
     num_groups = triton.cdiv(k, group_size)
-    values = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
-    if m:
+    rows = -(-m // 4) * 4 if cublas_layout else m
+    values = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
+    if cublas_layout:
+        scales = torch.empty((num_groups, rows), dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty((rows, num_groups), dtype=torch.float32, device=x.device)
+    if not m:
+        return values, scales
+    if group is not None and group == triton.next_power_of_2(group) and group <= 1024:
+        per_program = max(1, min(triton.next_power_of_2(num_groups), 2048 // group))
+        _quantize_groups_kernel[(rows, triton.cdiv(num_groups, per_program))](
+            x, values, scales, m, k, num_groups, x.stride(0), values.stride(0), scales.stride(0), scales.stride(1),
+            GROUP=group, GROUPS_PER_PROGRAM=per_program, num_warps=4)
+    elif cublas_layout:
+        raise ValueError("quantize_rows: the cuBLAS layout needs a power-of-two group")
+    else:
         block = min(triton.next_power_of_2(group_size), 1024)
         _quantize_rows_kernel[(m, num_groups)](x, values, scales, k, group_size, num_groups, x.stride(0),
                                                values.stride(0), BLOCK=block, num_warps=4)
@@ -57,47 +94,146 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
 
 
 @triton.jit
-def _block_scaled_matmul_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, M, N, K,
-                                stride_am, stride_wn, stride_cm, stride_asm, stride_wsn,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                W_BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
+def _group_operands(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k, m_mask, n_mask, k0, k_end,
+                    stride_am, stride_wn, stride_asm, stride_wsn, BLOCK_K: tl.constexpr, W_BLOCK_N: tl.constexpr):
+    """The FP8 tiles of the group starting at column ``k0`` (zeros past ``k_end``) and the [BLOCK_N, BLOCK_M]
+    scales its product takes: the activations' group scales, times the weight tile's with block scales."""
+    k = k0 + offs_k
+    k_mask = k < k_end
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                other=0.0)  # [BLOCK_N, BLOCK_K]
+    a = tl.load(a_ptr + offs_m[None, :] * stride_am + k[:, None], mask=k_mask[:, None] & m_mask[None, :],
+                other=0.0)  # [BLOCK_K, BLOCK_M]: A^T's tile
+    group = k0 // BLOCK_K
+    live = k0 < k_end
+    scales = tl.load(a_scale_ptr + offs_m * stride_asm + group, mask=m_mask & live, other=0.0)[None, :]
+    if W_BLOCK_N > 0:
+        scales = scales * tl.load(w_scale_ptr + (offs_n // W_BLOCK_N) * stride_wsn + group, mask=n_mask & live,
+                                  other=0.0)[:, None]
+    return w, a, scales
+
+
+# The token count and what follows from it change every step: not specialized, so no step compiles a variant.
+@triton.jit(do_not_specialize=["M", "groups_per_split", "stride_cs"])
+def _scaled_matmul_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, M, N, K, groups_per_split,
+                          stride_am, stride_wn, stride_cm, stride_cs, stride_asm, stride_wsn,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          W_BLOCK_N: tl.constexpr, STEP_GROUPS: tl.constexpr):
+    """One [BLOCK_N, BLOCK_M] tile of C^T = W @ A^T over one split of K (the weight rows fill the tensor cores'
+    wide side, the few tokens of a decode step the narrow one). Each BLOCK_K step is one activation scale group;
+    ``W_BLOCK_N`` > 0 means block weight scales (one per W_BLOCK_N rows x BLOCK_K columns), 0 one per row."""
+    pid_m = tl.program_id(0)  # fastest: the programs that read one weight tile run together
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k = kb * BLOCK_K + offs_k
-        k_mask = k < K
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=k_mask[:, None] & n_mask[None, :],
-                    other=0.0)  # [BLOCK_K, BLOCK_N]: W^T's tile
-        a_s = tl.load(a_scale_ptr + offs_m * stride_asm + kb, mask=m_mask, other=0.0)
-        w_s = tl.load(w_scale_ptr + (offs_n // W_BLOCK_N) * stride_wsn + kb, mask=n_mask, other=0.0)
-        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    # A split starts on a group: a multiple of BLOCK_K that Triton can see, so the loads stay 16-byte vectors.
+    k_begin = pid_k * groups_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + groups_per_split * BLOCK_K, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K * STEP_GROUPS):
+        w, a, scales = _group_operands(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k, m_mask,
+                                       n_mask, k0, k_end, stride_am, stride_wn, stride_asm, stride_wsn, BLOCK_K,
+                                       W_BLOCK_N)
+        if STEP_GROUPS == 2:
+            # Both groups' products are issued before either is scaled: the tensor cores keep two in flight
+            # while the float32 accumulator waits for them.
+            w2, a2, scales2 = _group_operands(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k,
+                                              m_mask, n_mask, k0 + BLOCK_K, k_end, stride_am, stride_wn,
+                                              stride_asm, stride_wsn, BLOCK_K, W_BLOCK_N)
+            part = tl.dot(w, a)
+            part2 = tl.dot(w2, a2)
+            acc += part * scales + part2 * scales2
+        else:
+            acc += tl.dot(w, a) * scales
+    if W_BLOCK_N == 0:
+        acc *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+    out_ptrs = c_ptr + pid_k * stride_cs + offs_m[None, :] * stride_cm + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
-def block_scaled_matmul(a: torch.Tensor, a_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
-                        block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
-    """a [m, k] float8 with scales [m, ceil(k / block[1])], weight [n, k] float8 with scales
-    [ceil(n / block[0]), ceil(k / block[1])] -> [m, n] in ``out_dtype``."""
+@triton.jit(do_not_specialize=["numel", "splits", "stride_s"])
+def _sum_splits_kernel(part_ptr, c_ptr, numel, splits, stride_s, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, splits):
+        acc += tl.load(part_ptr + s * stride_s + offs, mask=mask, other=0.0)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+GROUP = 128  # activation columns per scale; also the K step, and the column size of block weight scales
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """Tiles of ``scaled_matmul``: BLOCK_M tokens x BLOCK_N weight rows per program, K cut into ``split``
+    parts summed by a second launch."""
+
+    block_m: int
+    block_n: int
+    split: int
+    num_warps: int
+    num_stages: int
+    step_groups: int = 1
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def matmul_config(m: int, n: int, k: int, num_sms: int) -> MatmulConfig:
+    """Tiles for one product, from a sweep over Llama-3.1-8B's projections on an H200 (bench/fp8_gemm.py --sweep).
+
+    Decode batches read weights: a narrow token tile, 64 or 128 weight rows, and K split in two, four or eight
+    until about two programs per SM stream their share. Prefill batches are bound by the tensor cores."""
+    if m > 256:
+        return MatmulConfig(64, 128, 1, 4, 3)
+    if m <= 64:
+        block_m, block_n = max(16, triton.next_power_of_2(m)), 64
+    else:
+        block_m, block_n = 32, 128
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    groups = triton.cdiv(k, GROUP)
+    split = 1
+    while tiles * split < 1.8 * num_sms and groups // (split * 2) >= 4:
+        split *= 2
+    return MatmulConfig(block_m, block_n, split, 4, 3)
+
+
+def scaled_matmul(a: torch.Tensor, a_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
+                  block: tuple[int, int] | None, out_dtype: torch.dtype,
+                  config: MatmulConfig | None = None) -> torch.Tensor:
+    """a [m, k] float8 with scales [m, ceil(k / 128)] (``quantize_rows(x, 128)``), weight [n, k] float8 with
+    scales [n] (``block`` None) or [ceil(n / block[0]), ceil(k / 128)] (``block`` = (rows, 128)) -> [m, n]
+    in ``out_dtype``, accumulated in float32."""
     m, k = a.shape
     n = weight.shape[0]
-    bn, bk = block
-    if bk not in (64, 128, 256) or bn % 16:
-        raise ValueError(f"block_scaled_matmul: weight blocks of {block} are not supported")
+    if block is not None and (block[1] != GROUP or block[0] % 16):
+        raise ValueError(f"scaled_matmul: weight blocks of {block} are not supported (columns must be {GROUP})")
+    if a_scales.shape != (m, triton.cdiv(k, GROUP)) or a_scales.stride(1) != 1:
+        raise ValueError(f"scaled_matmul: activation scales {tuple(a_scales.shape)}, expected one per row and "
+                         f"{GROUP} columns {(m, triton.cdiv(k, GROUP))}")
+    cfg = config or matmul_config(m, n, k, _num_sms(a.device))
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = min(128, bn) if bn <= 128 else 128
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _block_scaled_matmul_kernel[grid](a, a_scales, weight, w_scales, out, m, n, k,
-                                      a.stride(0), weight.stride(0), out.stride(0), a_scales.stride(0),
-                                      w_scales.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
-                                      W_BLOCK_N=bn, num_warps=4, num_stages=3)
+    if m == 0:
+        return out
+    groups = triton.cdiv(k, GROUP)
+    groups_per_split = triton.cdiv(groups, cfg.split)
+    split = triton.cdiv(groups, groups_per_split)
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    _scaled_matmul_kernel[grid](a, a_scales, weight, w_scales, target, m, n, k, groups_per_split,
+                                a.stride(0), weight.stride(0), n, m * n, a_scales.stride(0),
+                                w_scales.stride(0) if block is not None else 0,
+                                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP,
+                                W_BLOCK_N=block[0] if block is not None else 0, STEP_GROUPS=cfg.step_groups,
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        block_size = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block_size),)](target, out, m * n, split, m * n, BLOCK=block_size,
+                                                              num_warps=4)
     return out

@@ -231,6 +231,7 @@ class Fp8Weights:
         self.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
         self.fp8_block = block
         self.__dict__.pop("_cpu_widened", None)
+        self.__dict__.pop("_cublas_scales", None)
         if source_range is not None:  # the checkpoint columns of a row-parallel rank, in elements and in tiles
             self.weight.source_range = source_range
             dim, start, length = source_range
@@ -245,21 +246,25 @@ class Fp8Weights:
         if self.is_fp8:
             from engine.models.fp8 import fp8_linear
 
-            return fp8_linear(x, self.weight, self.weight_scale_inv, bias, self.fp8_block, self._widened_on_cpu())
+            if self.weight.device.type == "cpu":
+                return fp8_linear(x, self.weight, self.weight_scale_inv, bias, self.fp8_block,
+                                  widened=self._kept("_cpu_widened"))
+            return fp8_linear(x, self.weight, self.weight_scale_inv, bias, self.fp8_block,
+                              cublas_scales=self._kept("_cublas_scales"))
         return F.linear(x, self.weight, bias)
 
-    def _widened_on_cpu(self) -> torch.Tensor | None:
-        """On the CPU, which has no FP8 arithmetic, the weight's float32 operand, widened once and kept (the
-        rounding stays FP8's; the memory saving does not apply there). None on CUDA."""
-        if self.weight.device.type != "cpu":
-            return None
-        from engine.models.fp8 import widen_weight
+    def _kept(self, name: str) -> torch.Tensor | None:
+        """An operand derived from the FP8 weight once and kept until the weight changes: on the CPU, which has
+        no FP8 arithmetic, the weight widened to float32 (the rounding stays FP8's; the memory saving does not
+        apply there); on a GPU, the scales in cuBLAS's block-scaling layout (None where it has none)."""
+        from engine.models.fp8 import cublas_weight_scales, widen_weight
 
         weight, scales = self.weight, self.weight_scale_inv
-        key = (id(weight), weight._version, id(scales), scales._version)  # reloaded or swapped: widen again
-        kept = self.__dict__.get("_cpu_widened")
+        key = (id(weight), weight._version, id(scales), scales._version)  # reloaded or swapped: derive again
+        kept = self.__dict__.get(name)
         if kept is None or kept[0] != key:
-            kept = self.__dict__["_cpu_widened"] = (key, widen_weight(weight, scales, self.fp8_block))
+            derive = widen_weight if name == "_cpu_widened" else cublas_weight_scales
+            kept = self.__dict__[name] = (key, derive(weight, scales, self.fp8_block))
         return kept[1]
 
 
