@@ -82,10 +82,10 @@ def test_fp8_kv_cache_and_weights_on_cuda_match_the_torch_reference(tmp_path):
             # Hopper's FP8 tensor cores keep fewer accumulator bits within one 128-column group (the kernel
             # adds each group's product into float32), hence more than float32's rounding.
             assert _rel_err(ours, ref) < 1e-3, config
-    # Above 64 tokens, cuBLAS's block-scaled product (Hopper with torch >= 2.9) with the same scales.
+    # cuBLAS's block-scaled product (Hopper with torch >= 2.9) with the same scales, rows padded to a multiple of 4.
     cublas = fp8.cublas_weight_scales(values, channel_scales, None)
     assert cublas is not None, "this torch or GPU has no block-scaled _scaled_mm"
-    for m in (65, 300):
+    for m in (1, 5, 65, 300):
         xm = torch.randn(m, 512, generator=gen).cuda().bfloat16()
         ours = fp8.fp8_linear(xm, values, channel_scales, None, cublas_scales=cublas)
         assert ours.shape == (m, 384)

@@ -162,9 +162,10 @@ def _gpu_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return fp8_kernels.scaled_matmul(xq, x_scales, weight, scale, block, x.dtype)
 
 
-# Up to this many tokens the Triton kernel runs (faster at decode batches); above it cuBLAS's block-scaled FP8
-# GEMM, where the device and torch have it (measured on an H200, bench/fp8_gemm.py).
-TRITON_MAX_ROWS = 64
+# Up to this many tokens the Triton kernel runs even where cuBLAS's block-scaled FP8 GEMM is available. On an
+# H200 cuBLAS is as fast or faster at every batch size (bench/fp8_gemm.py), so Triton serves only where it is
+# not (other GPUs, older torch or cuBLAS, shapes it does not take).
+TRITON_MAX_ROWS = 0
 
 
 def cublas_weight_scales(weight: torch.Tensor, scale: torch.Tensor,
