@@ -15,8 +15,9 @@ with float32 accumulation, and the scales are applied to the result. On a GPU wi
 and the GPU have it (Hopper, CUDA 12.9+; 1.1-1.9x faster than bf16 at decode batch sizes on Llama-3.1-8B's
 projections, see bench/RESULTS.md), else through a Triton kernel (``fp8_kernels.scaled_matmul``) with the
 same arithmetic. Elsewhere (the CPU) the same arithmetic runs as dequantize-then-matmul: activations are
-rounded through FP8 exactly as the GPU path rounds them, so CPU accuracy tests measure what the GPU computes. The CPU layers widen their FP8
-values to float32 once and keep them (``Fp8Weights``): CPUs have no FP8 arithmetic to save memory with.
+rounded through FP8 exactly as the GPU path rounds them, so CPU accuracy tests measure what the GPU
+computes. The CPU layers widen their FP8 values to float32 once and keep them (``Fp8Weights``): CPUs have
+no FP8 arithmetic to save memory with.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def cublas_weight_scales(weight: torch.Tensor, scale: torch.Tensor,
         return None
     if block is None:  # cuBLAS takes these [groups, out] contiguous, and block scales as a transposed view
         return scale[None, :].expand(groups, n).contiguous()
-    if n % block[0]:
+    if block != (128, 128) or n % 128:  # cuBLAS's weight blocks are 128 x 128
         return None
     return scale.t()
 
