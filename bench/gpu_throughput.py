@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -101,7 +102,7 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.engine.measure_steps(True)
     torch.cuda.synchronize()
-    with compiles_logged() as compiled:
+    with compiles_logged() as compiled, full_collections_logged() as collections:
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         elapsed = time.perf_counter() - start
@@ -115,7 +116,30 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
             "kv_cache_tokens": runner.kv_cache.num_slots, "elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed,
             "preemptions": llm.engine.stats().num_preemptions, "async_scheduling": llm.engine.async_scheduling,
             "steps_planned_ahead": llm.engine.num_steps_planned_ahead,
-            "steps": step_summary(llm), "compiled_mid_run": compiled}, llm
+            "steps": step_summary(llm), "compiled_mid_run": compiled, "gc_full_collections_ms": collections}, llm
+
+
+@contextlib.contextmanager
+def full_collections_logged():
+    """Milliseconds of each full (generation 2) garbage collection while the block runs: one stalls a step for
+    as long as it takes to walk every tracked object, the KV block pool's included."""
+    durations: list[float] = []
+    started = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            durations.append((time.perf_counter() - started[0]) * 1e3)
+            logging.getLogger("bench").warning("full garbage collection mid-run: %.0f ms", durations[-1])
+
+    gc.callbacks.append(callback)
+    try:
+        yield durations
+    finally:
+        gc.callbacks.remove(callback)
 
 
 @contextlib.contextmanager
