@@ -166,6 +166,14 @@ def save_checkpoint(config: transformers.PretrainedConfig, path: Path) -> Path:
     return path
 
 
+def random_image(seed: int, height: int, width: int):
+    """A PIL RGB image of uniform random pixels, the same for the same seed."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
+
+
 def record_image_cuts(scheduler) -> list:
     """Wrap ``scheduler.schedule`` (for the scheduler's life) so that every image a step's chunk ends inside of is
     appended to the returned list: proof that chunked prefill cut through an image."""

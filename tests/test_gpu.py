@@ -5,7 +5,6 @@ These need a GPU, so they are deselected by default; run them with ``pytest -m g
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -13,7 +12,7 @@ import transformers
 from engine import LLM, SamplingParams
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from tests.helpers import VOCAB, PagedRunner, save_tiny_model
+from tests.helpers import VOCAB, PagedRunner, random_image, save_tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -407,8 +406,6 @@ def test_qwen2_vl_under_cuda_graphs_matches_transformers(tmp_path, tokenizer_dir
     """Qwen2.5-VL on CUDA (float32, Triton attention and rope, decode CUDA graphs): the M-RoPE positions reach the
     rope kernel through the graphs' [3, tokens] buffer, and greedy tokens equal transformers' on the same GPU for
     concurrent prompts with images of different sizes, chunks cutting through them."""
-    from PIL import Image
-
     from tests.test_qwen2_vl import VISION, write_tiny_qwen2_vl
 
     # head_dim 32, the smallest the Triton attention kernels take: 16 rotary frequencies in sections 4, 6, 6.
@@ -418,12 +415,9 @@ def test_qwen2_vl_under_cuda_graphs_matches_transformers(tmp_path, tokenizer_dir
               num_kvcache_blocks=128, kvcache_block_size=16, max_num_batched_tokens=32)
     assert llm.engine.runner.graphs is not None, "CUDA graphs should be captured"
 
-    def picture(seed, height, width):
-        return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
-
-    prompts = [(f"see {VISION} and say", [picture(0, 112, 140)]),
-               (f"compare {VISION} to {VISION} please", [picture(1, 56, 56), picture(2, 112, 84)]),
-               (f"what is in {VISION}?", [picture(3, 56, 84)])]
+    prompts = [(f"see {VISION} and say", [random_image(0, 112, 140)]),
+               (f"compare {VISION} to {VISION} please", [random_image(1, 56, 56), random_image(2, 112, 84)]),
+               (f"what is in {VISION}?", [random_image(3, 56, 84)])]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     llm.engine.measure_steps(True)
     outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts],

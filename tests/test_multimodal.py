@@ -28,7 +28,7 @@ from engine.model_info import RequestError
 from engine.multimodal import MultiModalProcessor, image_content_hash, image_spans
 from kvcache.block_pool import hash_block_tokens
 from kvcache.manager import KVCacheManager
-from tests.helpers import SMALL_CONFIG, PagedRunner, record_image_cuts, spread_weights
+from tests.helpers import SMALL_CONFIG, PagedRunner, random_image as image, record_image_cuts, spread_weights
 
 IMAGE_TOKENS = 16  # (32 / 8)^2 patches; the CLS position is dropped ("default" strategy)
 TEMPLATE = (
@@ -37,10 +37,6 @@ TEMPLATE = (
     "<image>\n{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n"
     "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-def image(seed: int, height: int, width: int) -> Image.Image:
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from PIL import Image
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
@@ -31,7 +30,7 @@ from engine.model_info import RequestError
 from engine.models.layers import RMSNorm, get_rope
 from engine.mrope import mrope_positions
 from engine.multimodal import MultiModalProcessor
-from tests.helpers import PagedRunner, record_image_cuts, spread_weights
+from tests.helpers import PagedRunner, random_image as image, record_image_cuts, spread_weights
 
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 MROPE_SECTION = [2, 3, 3]  # head_dim 16: 8 rotary frequencies
@@ -42,10 +41,6 @@ TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # four of these overfill the pool
-
-
-def image(seed: int, height: int, width: int) -> Image.Image:
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module", autouse=True)
