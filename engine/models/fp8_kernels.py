@@ -93,32 +93,12 @@ def quantize_rows(x: torch.Tensor, group: int | None = None,
     return values, scales
 
 
-@triton.jit
-def _group_operands(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k, m_mask, n_mask, k0, k_end,
-                    stride_am, stride_wn, stride_asm, stride_wsn, BLOCK_K: tl.constexpr, W_BLOCK_N: tl.constexpr):
-    """The FP8 tiles of the group starting at column ``k0`` (zeros past ``k_end``) and the [BLOCK_N, BLOCK_M]
-    scales its product takes: the activations' group scales, times the weight tile's with block scales."""
-    k = k0 + offs_k
-    k_mask = k < k_end
-    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                other=0.0)  # [BLOCK_N, BLOCK_K]
-    a = tl.load(a_ptr + offs_m[None, :] * stride_am + k[:, None], mask=k_mask[:, None] & m_mask[None, :],
-                other=0.0)  # [BLOCK_K, BLOCK_M]: A^T's tile
-    group = k0 // BLOCK_K
-    live = k0 < k_end
-    scales = tl.load(a_scale_ptr + offs_m * stride_asm + group, mask=m_mask & live, other=0.0)[None, :]
-    if W_BLOCK_N > 0:
-        scales = scales * tl.load(w_scale_ptr + (offs_n // W_BLOCK_N) * stride_wsn + group, mask=n_mask & live,
-                                  other=0.0)[:, None]
-    return w, a, scales
-
-
 # The token count and what follows from it change every step: not specialized, so no step compiles a variant.
 @triton.jit(do_not_specialize=["M", "groups_per_split", "stride_cs"])
 def _scaled_matmul_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, M, N, K, groups_per_split,
                           stride_am, stride_wn, stride_cm, stride_cs, stride_asm, stride_wsn,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          W_BLOCK_N: tl.constexpr, STEP_GROUPS: tl.constexpr):
+                          W_BLOCK_N: tl.constexpr):
     """One [BLOCK_N, BLOCK_M] tile of C^T = W @ A^T over one split of K (the weight rows fill the tensor cores'
     wide side, the few tokens of a decode step the narrow one). Each BLOCK_K step is one activation scale group;
     ``W_BLOCK_N`` > 0 means block weight scales (one per W_BLOCK_N rows x BLOCK_K columns), 0 one per row."""
@@ -134,21 +114,19 @@ def _scaled_matmul_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, M, N, K
     k_begin = pid_k * groups_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + groups_per_split * BLOCK_K, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K * STEP_GROUPS):
-        w, a, scales = _group_operands(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k, m_mask,
-                                       n_mask, k0, k_end, stride_am, stride_wn, stride_asm, stride_wsn, BLOCK_K,
-                                       W_BLOCK_N)
-        if STEP_GROUPS == 2:
-            # Both groups' products are issued before either is scaled: the tensor cores keep two in flight
-            # while the float32 accumulator waits for them.
-            w2, a2, scales2 = _group_operands(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k,
-                                              m_mask, n_mask, k0 + BLOCK_K, k_end, stride_am, stride_wn,
-                                              stride_asm, stride_wsn, BLOCK_K, W_BLOCK_N)
-            part = tl.dot(w, a)
-            part2 = tl.dot(w2, a2)
-            acc += part * scales + part2 * scales2
-        else:
-            acc += tl.dot(w, a) * scales
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < k_end
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)  # [BLOCK_N, BLOCK_K]
+        a = tl.load(a_ptr + offs_m[None, :] * stride_am + k[:, None], mask=k_mask[:, None] & m_mask[None, :],
+                    other=0.0)  # [BLOCK_K, BLOCK_M]: A^T's tile
+        group = k0 // BLOCK_K
+        scales = tl.load(a_scale_ptr + offs_m * stride_asm + group, mask=m_mask, other=0.0)[None, :]
+        if W_BLOCK_N > 0:
+            scales = scales * tl.load(w_scale_ptr + (offs_n // W_BLOCK_N) * stride_wsn + group, mask=n_mask,
+                                      other=0.0)[:, None]
+        acc += tl.dot(w, a) * scales  # each group's product is waited for before it is scaled (see RESULTS)
     if W_BLOCK_N == 0:
         acc *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
     out_ptrs = c_ptr + pid_k * stride_cs + offs_m[None, :] * stride_cm + offs_n[:, None]
@@ -178,7 +156,6 @@ class MatmulConfig:
     split: int
     num_warps: int
     num_stages: int
-    step_groups: int = 1
 
 
 def _num_sms(device: torch.device) -> int:
@@ -230,7 +207,7 @@ def scaled_matmul(a: torch.Tensor, a_scales: torch.Tensor, weight: torch.Tensor,
                                 a.stride(0), weight.stride(0), n, m * n, a_scales.stride(0),
                                 w_scales.stride(0) if block is not None else 0,
                                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP,
-                                W_BLOCK_N=block[0] if block is not None else 0, STEP_GROUPS=cfg.step_groups,
+                                W_BLOCK_N=block[0] if block is not None else 0,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block_size = 1024
