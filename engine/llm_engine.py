@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import logging
 import socket
 import threading
@@ -91,6 +92,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         self._tp_closed = False
+        self._frozen = False  # start-up's objects are out of the garbage collector's walks (set once ready)
         self.on_rank_death = None  # called from a watcher thread when another rank's process exits
         self._workers = self._start_tensor_parallel() if config.tensor_parallel_size > 1 else []
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
@@ -141,6 +143,12 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_num_encoder_tokens=max_encoder_tokens,
         )
+        # Start-up made objects that live as long as the engine, one per KV block above all (139k on an H200
+        # with an FP8 cache). A full garbage collection walks every one: on an H200 host that stalled one
+        # step of a run for 217 ms. Frozen, collections skip them (close() lets them go again). Dropped
+        # engines free their tensors by reference counting alone, so freezing keeps no GPU memory.
+        gc.freeze()
+        self._frozen = True
         logger.info(
             "engine ready in %.1f s: %s, max_model_len=%d, max_num_seqs=%d, max_num_batched_tokens=%d, "
             "overlap_steps=%s, async_scheduling=%s",
@@ -186,7 +194,11 @@ class LLMEngine:
             time.sleep(0.2)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one)."""
+        """Stop the other tensor-parallel ranks, and unfreeze what start-up froze (all of the process's frozen
+        objects: another engine's are only walked by collections again)."""
+        if self._frozen:
+            self._frozen = False
+            gc.unfreeze()
         if self.config.tensor_parallel_size == 1 or self._tp_closed:
             return
         self._tp_closed = True

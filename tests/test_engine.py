@@ -247,3 +247,22 @@ def test_logprobs_of_steps_planned_ahead_match_step_by_step(llama_dir):
     assert ahead.engine.num_steps_planned_ahead > 0
     assert [len(x) for x in got] == [10] * 4 and [len(x[0].top_token_ids) for x in got] == [0, 3, 1, 5]
     assert got == expected
+
+
+def test_garbage_collections_skip_the_kv_blocks_until_close(llama_dir):
+    """A full collection walks every tracked object, and the pool has one per KV block: a running engine keeps
+    them (and the rest of start-up) frozen out of the collector's walks, and close() lets them go again."""
+    import gc
+
+    from kvcache.block_pool import KVCacheBlock
+
+    llm = LLM(str(llama_dir), max_model_len=256, num_kvcache_blocks=300)
+    try:
+        assert gc.get_freeze_count() > 0
+        walked = sum(type(o) is KVCacheBlock for o in gc.get_objects())
+        assert walked == 0, f"{walked} KV block objects are still walked by every full collection"
+        assert run(llm, make_prompts(VOCAB, [5, 9]), greedy(4))
+    finally:
+        llm.engine.close()
+    assert gc.get_freeze_count() == 0
+    assert sum(type(o) is KVCacheBlock for o in gc.get_objects()) >= 300
