@@ -415,6 +415,27 @@ def test_fp8_cache_decode_and_prefill_match_reference(group, head_dim, num_split
         f"FP8 attention is {error.mean()} (mean) and {error.max()} (max) from the exact one (unit-variance K/V)"
 
 
+# bfloat16 needs a GPU (the interpreter's bfloat16 dot is not exact).
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("group, head_dim, num_splits", [(2, 128, 1), (4, 64, 3)])
+def test_fp8_cache_decode_in_half_precision(dtype, group, head_dim, num_splits):
+    """16-bit queries on an FP8 cache: the decode kernel's float16 dots (on a GPU of sm_89 or later its byte
+    conversions run in inline PTX) give the float32 result on the same cache within half precision's rounding."""
+    dense = make_case(60 + group, DECODES, 2, group, head_dim, 16)
+    dense.v_cache.mul_(torch.logspace(-3, 1, dense.v_cache.shape[1], device=DEVICE)[None, :, None, None])
+    case, kv_scales = fp8_case(dense)  # V rows whose scales span four decades within one tile
+    d, m = case.meta.num_decodes, case.meta
+    ref = torch.empty_like(case.q[:d])
+    paged_decode_attention(case.q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d], case.scale,
+                           ref, num_splits, kv_scales=kv_scales)
+    out = torch.full_like(case.q[:d], float("nan"), dtype=dtype)
+    paged_decode_attention(case.q[:d].to(dtype), case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d],
+                           case.scale, out, num_splits, kv_scales=kv_scales)
+    keep = [i for i in range(d) if int(m.seq_lens_cpu[i]) > 0]
+    assert (out[[i for i in range(d) if i not in keep]] == 0).all()
+    torch.testing.assert_close(out[keep].float(), ref[keep], atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("num_kv_heads, head_dim", [(1, 64), (3, 32), (8, 128)])
 def test_write_paged_kv_fp8_matches_reference(num_kv_heads, head_dim):
     """The write kernel quantizes each head's row as ``quantize_fp8`` does: the same float8 bytes and
