@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true",
                         help="profile the first step instead (the prompts' prefill, up to 16,384 tokens)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--quantization", default=None, choices=["fp8"])
     args = parser.parse_args()
 
     model_dir = shape_dir(args.shape)
@@ -65,7 +67,8 @@ def main() -> None:
               max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
               # A prefill profile holds exactly one step: nothing queued behind it.
               async_scheduling=False if args.prefill else args.async_scheduling,
-              overlap_steps=False if args.prefill else None)
+              overlap_steps=False if args.prefill else None, kv_cache_dtype=args.kv_cache_dtype,
+              quantization=args.quantization)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=2048, ignore_eos=True)
     for i, p in enumerate(prompts if not args.prefill else []):
@@ -97,7 +100,7 @@ def main() -> None:
             * sched_tokens
         print(f"\nprefill step of {sched_tokens} tokens: matmul floor {flops / ceil.matmul_flops_per_s * 1e3:.2f} ms")
     contexts = np.array([r.num_computed_tokens for r in engine.scheduler.running])
-    costs = model_costs(engine.runner.model, config)
+    costs = model_costs(engine.runner.model, config, engine.runner.bytes_per_block() // engine.runner.block_size)
     roof_ms = (costs.weight_bytes + costs.kv_bytes_per_token * contexts.sum()) / ceil.copy_bytes_per_s * 1e3
     rows = kernel_table(prof, args.steps)
     total_us = sum(r[2] for r in rows)
@@ -114,7 +117,9 @@ def main() -> None:
         print(f"{name:90s} {n:6d} {us:9.1f} {us / total_us:6.1%}")
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = "prefill" if args.prefill else "eager" if args.enforce_eager else "graphs"
+    suffix = ("prefill" if args.prefill else "eager" if args.enforce_eager else "graphs") + \
+        (f"_kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "") + \
+        (f"_w{args.quantization}" if args.quantization else "")
     (out_dir / f"decode_kernels_{args.shape}_{suffix}.json").write_text(json.dumps(
         {"shape": args.shape, "batch": len(contexts), "context_mean": float(contexts.mean()),
          "roofline_ms": roof_ms, "kernels": rows}, indent=1))
