@@ -418,22 +418,26 @@ def test_fp8_cache_decode_and_prefill_match_reference(group, head_dim, num_split
 # bfloat16 needs a GPU (the interpreter's bfloat16 dot is not exact).
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("group, head_dim, num_splits", [(2, 128, 1), (4, 64, 3)])
-def test_fp8_cache_decode_in_half_precision(dtype, group, head_dim, num_splits):
-    """16-bit queries on an FP8 cache: the decode kernel's float16 dots (on a GPU of sm_89 or later its byte
-    conversions run in inline PTX) give the float32 result on the same cache within half precision's rounding."""
-    dense = make_case(60 + group, DECODES, 2, group, head_dim, 16)
+def test_fp8_cache_in_half_precision(dtype, group, head_dim, num_splits):
+    """16-bit queries on an FP8 cache: both kernels' float16 dots (on a GPU of sm_89 or later the decode kernel
+    converts in inline PTX) give their float32 result on the same cache (checked against the torch backend
+    above) within half precision's rounding, with V rows whose scales span four decades."""
+    dense = make_case(60 + group, MIXED, 2, group, head_dim, 16)
     dense.v_cache.mul_(torch.logspace(-3, 1, dense.v_cache.shape[1], device=DEVICE)[None, :, None, None])
-    case, kv_scales = fp8_case(dense)  # V rows whose scales span four decades within one tile
+    case, kv_scales = fp8_case(dense)
     d, m = case.meta.num_decodes, case.meta
-    ref = torch.empty_like(case.q[:d])
-    paged_decode_attention(case.q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d], case.scale,
-                           ref, num_splits, kv_scales=kv_scales)
-    out = torch.full_like(case.q[:d], float("nan"), dtype=dtype)
-    paged_decode_attention(case.q[:d].to(dtype), case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d],
-                           case.scale, out, num_splits, kv_scales=kv_scales)
-    keep = [i for i in range(d) if int(m.seq_lens_cpu[i]) > 0]
-    assert (out[[i for i in range(d) if i not in keep]] == 0).all()
-    torch.testing.assert_close(out[keep].float(), ref[keep], atol=2e-2, rtol=2e-2)
+    for q in (case.q, case.q.to(dtype)):  # float32 first: the reference
+        decode = torch.full_like(q[:d], float("nan"))
+        paged_decode_attention(q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d], case.scale,
+                               decode, num_splits, kv_scales=kv_scales)
+        prefill = torch.full_like(q, float("nan"))
+        paged_prefill_attention(q, case.k_cache, case.v_cache, m.block_tables, m.query_start_loc, m.seq_lens,
+                                m.max_query_len, case.scale, prefill, kv_scales=kv_scales)
+        if q.dtype == torch.float32:
+            ref_decode, ref_prefill = decode, prefill
+    assert decode.dtype == prefill.dtype == dtype
+    torch.testing.assert_close(decode.float(), ref_decode, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(prefill.float(), ref_prefill, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("num_kv_heads, head_dim", [(1, 64), (3, 32), (8, 128)])
