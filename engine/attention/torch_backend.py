@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
-from kvcache.paged_cache import FP8_DTYPE, fp8_to_float32, quantize_fp8
+from kvcache.paged_cache import FP8_DTYPE, fp8_to_float32, quantize_fp8, rotate_heads
 
 KVScales = tuple[torch.Tensor, torch.Tensor]  # an FP8 cache's (k_scales, v_scales), [num_blocks, block_size, kvh]
 
@@ -25,14 +25,15 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
     kv_scales: KVScales | None = None,
 ) -> None:
-    """Store the new tokens' K/V in their slots: one indexed copy per tensor (quantized first for FP8)."""
+    """Store the new tokens' K/V in their slots: one indexed copy per tensor (for FP8, K rotated, then both
+    quantized: see ``kvcache.paged_cache``)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     for cache, x, scales in ((k_cache, k, kv_scales and kv_scales[0]), (v_cache, v, kv_scales and kv_scales[1])):
         rows = cache.view(-1, num_kv_heads, head_dim)
         if scales is None:
             rows.index_copy_(0, slot_mapping, x)
             continue
-        values, row_scales = quantize_fp8(x)  # a scale per (token, head)
+        values, row_scales = quantize_fp8(rotate_heads(x) if cache is k_cache else x)  # a scale per (token, head)
         # Byte views: CPU indexed copies of float8 tensors are not implemented.
         rows.view(torch.uint8).index_copy_(0, slot_mapping, values.view(torch.uint8))
         scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, row_scales)
@@ -82,6 +83,8 @@ class TorchAttentionBackend:
         num_tokens = meta.slot_mapping.shape[0]
         write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)
+        if kv_scales is not None:  # an FP8 cache holds K rotated: the queries turn the same way
+            q = rotate_heads(q).to(q.dtype)
         if meta.num_decodes > 0:
             d = meta.num_decodes
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, window, kv_scales, softcap)

@@ -38,8 +38,9 @@ class TritonAttentionBackend:
         softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         num_tokens = meta.slot_mapping.shape[0]
-        write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # An FP8 cache holds K rotated: the same launch turns the queries alike (kvcache.paged_cache).
+        q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q)
         d = meta.num_decodes
         if d > 0:
             # The split count follows the table's capacity, not this step's lengths: under a CUDA graph

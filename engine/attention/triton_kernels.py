@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcache.paged_cache import FP8_DTYPE
+from kvcache.paged_cache import FP8_DTYPE, rotates_keys
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
@@ -372,31 +372,62 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _rotate_rows(x, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Rows of ``x`` [rows, HEAD_DIM] times H / sqrt(HEAD_DIM), float32 out (``kvcache.paged_cache.rotate_heads``).
+
+    Sylvester's H is built here: entry (i, j) is -1 where ``i & j`` has an odd number of set bits. Its +-1 entries
+    are exact in ``x``'s dtype, so a 16-bit ``x`` takes the tensor cores with exact products."""
+    idx = tl.arange(0, HEAD_DIM)
+    bits = idx[:, None] & idx[None, :]
+    bits = bits ^ (bits >> 4)  # HEAD_DIM <= 256: eight bits fold into the lowest
+    bits = bits ^ (bits >> 2)
+    bits = bits ^ (bits >> 1)
+    h = (1 - 2 * (bits & 1)).to(x.dtype)
+    return tl.dot(x, h, input_precision=DOT_PRECISION) * (1.0 / tl.sqrt(HEAD_DIM * 1.0))
+
+
+@triton.jit
 def _store_fp8_rows(x_ptr, cache_ptr, scale_ptr, slot, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                    HEAD_DIM: tl.constexpr):
-    """Quantize one token's [num_kv_heads, head_dim] row block into its FP8 cache slot, scales beside it."""
+                    HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Quantize one token's [num_kv_heads, head_dim] row block (rotated first if ``ROTATE``) into its FP8 cache
+    slot, scales beside it."""
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     head_mask = (offs_h < NUM_KV_HEADS) & (slot >= 0)
     offs = offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-    x = tl.load(x_ptr + offs, mask=head_mask[:, None], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=head_mask[:, None], other=0.0)
+    x = _rotate_rows(x, HEAD_DIM, DOT_PRECISION) if ROTATE else x.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), 1) / 448.0, 1.1754943508222875e-38)  # float32's smallest normal
     q = (x / scale[:, None]).to(cache_ptr.dtype.element_ty)
     tl.store(cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + offs, q, mask=head_mask[:, None])
     tl.store(scale_ptr + slot * NUM_KV_HEADS + offs_h, scale, mask=head_mask)
 
 
-@triton.jit
+@_jit_without_specializing("num_slots")
 def _write_kv_fp8_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, stride_kt, stride_vt,
-    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, q_ptr, q_out_ptr,
+    num_slots, stride_kt, stride_vt, stride_qt, stride_qh, stride_qot, stride_qoh,
+    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr, ROTATE: tl.constexpr, ROTATE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One token's K and V into an FP8 cache slot: each head's row scaled to an absolute maximum of 448
-    (float8_e4m3's largest value), its scale stored beside it; slot < 0 skips."""
+    (float8_e4m3's largest value), its scale stored beside it; with ``ROTATE`` K rotated first and, with
+    ``ROTATE_Q``, the token's queries rotated alike into ``q_out`` (the grid then covers q's rows; rows past
+    ``num_slots``, and slots < 0, write no cache)."""
     tok = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    _store_fp8_rows(k_ptr + tok * stride_kt, k_cache_ptr, k_scale_ptr, slot, NUM_KV_HEADS, HEADS_PAD, HEAD_DIM)
-    _store_fp8_rows(v_ptr + tok * stride_vt, v_cache_ptr, v_scale_ptr, slot, NUM_KV_HEADS, HEADS_PAD, HEAD_DIM)
+    slot = tl.load(slot_mapping_ptr + tok, mask=tok < num_slots, other=-1).to(tl.int64)
+    _store_fp8_rows(k_ptr + tok * stride_kt, k_cache_ptr, k_scale_ptr, slot, NUM_KV_HEADS, HEADS_PAD, HEAD_DIM,
+                    ROTATE, DOT_PRECISION)
+    _store_fp8_rows(v_ptr + tok * stride_vt, v_cache_ptr, v_scale_ptr, slot, NUM_KV_HEADS, HEADS_PAD, HEAD_DIM,
+                    False, DOT_PRECISION)
+    if ROTATE_Q:
+        offs_h = tl.arange(0, Q_HEADS_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        mask = (offs_h < NUM_Q_HEADS)[:, None]
+        q = tl.load(q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
+        q = _rotate_rows(q, HEAD_DIM, DOT_PRECISION)
+        tl.store(q_out_ptr + tok * stride_qot + offs_h[:, None] * stride_qoh + offs_d[None, :],
+                 q.to(q_out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -805,8 +836,14 @@ def write_paged_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64; a negative slot is skipped
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's scales, written too
-) -> None:
-    """Store the new tokens' K and V in their cache slots with one kernel launch (quantized for FP8)."""
+    q: torch.Tensor | None = None,  # [>= num_tokens, num_heads, head_dim]: the step's queries
+) -> torch.Tensor | None:
+    """Store the new tokens' K and V in their cache slots with one kernel launch (quantized for FP8).
+
+    An FP8 cache holds K rotated (``kvcache.paged_cache``); given ``q``, the same launch returns the queries
+    rotated alike (as a new tensor), which is what the attention kernels must then read the cache with.
+    Returns ``q`` itself where nothing is rotated (a 16-bit cache, a head dim that is not a power of two).
+    """
     def fail(msg: str) -> None:
         raise ValueError(f"write_paged_kv: {msg}")
 
@@ -829,20 +866,34 @@ def write_paged_kv(
         _check_fp8_cache(fail, k_cache, v_cache, kv_scales)
         if not all(t.is_contiguous() for t in kv_scales):
             fail("kv_scales must be contiguous")
-    if num_tokens == 0:
-        return
-    if kv_scales is not None:
-        _write_kv_fp8_kernel[(num_tokens,)](
-            k, v, k_cache, v_cache, kv_scales[0], kv_scales[1], slot_mapping, k.stride(0), v.stride(0),
-            NUM_KV_HEADS=row_shape[0], HEADS_PAD=triton.next_power_of_2(row_shape[0]), HEAD_DIM=row_shape[1],
-            num_warps=4,
+    rotate = kv_scales is not None and rotates_keys(row_shape[1])
+    if q is not None and (q.dim() != 3 or q.shape[0] < num_tokens or q.shape[2] != row_shape[1]
+                          or q.stride(2) != 1 or q.device != k_cache.device):
+        fail(f"q must be [>= {num_tokens}, num_heads, {row_shape[1]}] on {k_cache.device} with contiguous rows, "
+             f"got {tuple(q.shape)} strides {q.stride()}")
+    rotate_q = rotate and q is not None
+    q_out = torch.empty_like(q) if rotate_q else q
+    rows = q.shape[0] if rotate_q else num_tokens
+    if kv_scales is not None and rows > 0:
+        heads_pad = triton.next_power_of_2(row_shape[0])
+        q_heads = q.shape[1] if rotate_q else 1
+        _write_kv_fp8_kernel[(rows,)](
+            k, v, k_cache, v_cache, kv_scales[0], kv_scales[1], slot_mapping, q if rotate_q else k,
+            q_out if rotate_q else k, num_tokens, k.stride(0), v.stride(0),
+            *(q.stride()[:2] if rotate_q else (0, 0)), *(q_out.stride()[:2] if rotate_q else (0, 0)),
+            NUM_KV_HEADS=row_shape[0], HEADS_PAD=max(heads_pad, 16) if rotate else heads_pad, HEAD_DIM=row_shape[1],
+            NUM_Q_HEADS=q_heads, Q_HEADS_PAD=max(triton.next_power_of_2(q_heads), 16), ROTATE=rotate,
+            ROTATE_Q=rotate_q, DOT_PRECISION=_dot_precision(k.dtype), num_warps=4,
         )
-        return
+        return q_out
+    if kv_scales is not None or num_tokens == 0:
+        return q_out
     row = row_shape[0] * row_shape[1]
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
         ROW=row, ROW_PAD=triton.next_power_of_2(row), num_warps=4,
     )
+    return q_out
 
 
 def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
