@@ -601,6 +601,7 @@ def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[in
 
 
 def _interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``: CPU tensors, for tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -683,7 +684,7 @@ def _check_attention_args(
                       ("seq_lens", seq_lens), ("out", out)):
         if t.device != q.device:
             fail(f"{t_name} is on {t.device}, q on {q.device}")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not q.is_cuda and not _interpreted():
         fail(f"tensors are on {q.device}: the kernels need CUDA tensors (or TRITON_INTERPRET=1)")
     for t_name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache),
                       ("block_tables", block_tables), ("seq_lens", seq_lens)):
