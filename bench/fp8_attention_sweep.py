@@ -1,15 +1,18 @@
-"""Decode attention on a bf16 and an FP8 KV cache, across tile shapes (the H200 numbers in bench/RESULTS.md).
+"""Decode attention on a bf16 and an FP8 KV cache, across tile shapes and register limits (the H200 numbers in
+bench/RESULTS.md).
 
-    python bench/fp8_attention_sweep.py
+    python bench/fp8_attention_sweep.py [--groups 2 4]
 
-A W1-like decode batch on the Qwen3-0.6B attention shape (8 KV heads, 16 query heads, head_dim 128):
-151 rows with contexts uniform in [200, 1400], one layer's cache. Prints each kernel time and the bytes
-per second it reads (K/V, and the FP8 scales).
+A W1-like decode batch on the Qwen3-0.6B attention shape (8 KV heads, head_dim 128; 2 query heads per KV head,
+4 for Llama-3.1-8B): 151 rows with contexts uniform in [200, 1400], one layer's cache; then 8 and 32 rows, whose
+contexts get split. Each variant is timed as decode steps run it, 20 launches replayed from a CUDA graph, and
+printed with the bytes per second it reads (K/V, and the FP8 scales). A variant is (BLOCK_N keys, warps, pipeline
+stages, registers per thread at most); the one the engine picks is marked.
 """
 
 from __future__ import annotations
 
-import itertools
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,16 +21,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from roofline import cuda_time  # noqa: E402
+from roofline import graph_time  # noqa: E402
 
 from kvcache.paged_cache import quantize_fp8  # noqa: E402
-from engine.attention.triton_kernels import choose_num_splits, num_sms, paged_decode_attention  # noqa: E402
+from engine.attention.triton_kernels import _decode_tiles, choose_num_splits, num_sms, paged_decode_attention  # noqa: E402
+
+VARIANTS = {
+    "bf16": [(128, 4, 3, None), (128, 4, 3, 168), (128, 4, 3, 128), (64, 4, 3, None), (64, 4, 3, 128)],
+    "fp8": [(128, 4, 3, None), (128, 4, 3, 168), (128, 4, 2, None), (128, 4, 2, 168), (128, 4, 3, 160),
+            (128, 4, 2, 128), (64, 4, 3, None)],
+}
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, nargs="+", default=[2, 4], help="query heads per KV head")
+    args = parser.parse_args()
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
-    rows, kv_heads, group, head_dim, block = 151, 8, 2, 128, 16
+    rows, kv_heads, head_dim, block = 151, 8, 128, 16
     lens = torch.randint(200, 1400, (rows,), generator=gen)
     max_blocks = 4096 // block
     num_blocks = int(sum(-(-int(n) // block) for n in lens)) + 1
@@ -41,41 +53,36 @@ def main() -> None:
         at += nb
     tables, seq_lens = tables.to(device), lens.to(torch.int32).to(device)
     order = torch.argsort(seq_lens, descending=True).to(torch.int32)
-    q = torch.randn(rows, kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
-    out = torch.empty_like(q)
-    fp8 = []
-    scales = []
+    fp8, scales = [], []
     for c in cache:
         values, s = quantize_fp8(c.flatten(0, 1))
         fp8.append(values.view(c.shape))
         scales.append(s.view(c.shape[:3]).contiguous())
-    splits = choose_num_splits(rows, kv_heads, max_blocks * block, num_sms(device))
-    tokens = int(lens.sum())
+    sms = num_sms(device)
 
-    def timed(fn) -> float:
-        return cuda_time(fn) * 1e6  # us
-
-    for kind in ("bf16", "fp8"):
-        k, v = (cache[0], cache[1]) if kind == "bf16" else (fp8[0], fp8[1])
-        kv_scales = None if kind == "bf16" else tuple(scales)
-        bytes_per_token = 2 * kv_heads * head_dim * (2 if kind == "bf16" else 1) + (0 if kind == "bf16" else 8 * kv_heads)
-        for small_rows in (8, 32):
-            sub = slice(0, small_rows)
-            n = choose_num_splits(small_rows, kv_heads, max_blocks * block, num_sms(device))
-            for block_n in (64, 128):
-                us = timed(lambda: paged_decode_attention(
-                    q[sub], k, v, tables[sub], seq_lens[sub], 0.088, out[sub], n, None,
-                    tiles=(block_n, 4, 3), kv_scales=kv_scales))
-                print(f"{kind} {small_rows} rows, {n} splits, BLOCK_N={block_n}: {us:7.1f} us")
-        for block_n, warps, stages in itertools.product((64, 128), (4, 8), (2, 3)):
-            try:
-                us = timed(lambda: paged_decode_attention(q, k, v, tables, seq_lens, 0.088, out, splits, order,
-                                                          tiles=(block_n, warps, stages), kv_scales=kv_scales))
-            except Exception as error:  # a tile that does not fit the shared memory
-                print(f"{kind} BLOCK_N={block_n} warps={warps} stages={stages}: {type(error).__name__}")
-                continue
-            print(f"{kind} BLOCK_N={block_n:3d} warps={warps} stages={stages}: {us:7.1f} us, "
-                  f"{tokens * bytes_per_token / us / 1e6:.2f} TB/s")
+    for group in args.groups:
+        q = torch.randn(rows, kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
+        out = torch.empty_like(q)
+        for kind in ("bf16", "fp8"):
+            k, v = (cache[0], cache[1]) if kind == "bf16" else (fp8[0], fp8[1])
+            kv_scales = None if kind == "bf16" else tuple(scales)
+            bytes_per_token = kv_heads * (2 * head_dim * (2 if kind == "bf16" else 1) + (0 if kind == "bf16" else 8))
+            for n_rows in (rows, 8, 32):
+                sub = slice(0, n_rows)
+                tokens = int(lens[:n_rows].sum())
+                splits = choose_num_splits(n_rows, kv_heads, max_blocks * block, sms)
+                picked = _decode_tiles(head_dim, splits, kind == "fp8")
+                for tiles in VARIANTS[kind] if n_rows == rows else [picked]:
+                    try:
+                        us = graph_time(lambda: paged_decode_attention(
+                            q[sub], k, v, tables[sub], seq_lens[sub], 0.088, out[sub], splits,
+                            order if n_rows == rows else None, tiles=tiles, kv_scales=kv_scales)) * 1e6
+                    except Exception as error:  # e.g. a tile that does not fit the shared memory
+                        print(f"group {group} {kind} {n_rows} rows {tiles}: {type(error).__name__}: {error}")
+                        continue
+                    mark = " (picked)" if tiles == picked else ""
+                    print(f"group {group} {kind:4s} {n_rows:3d} rows, {splits:2d} splits, tiles {str(tiles):22s} "
+                          f"{us:7.1f} us, {tokens * bytes_per_token / us / 1e6:.2f} TB/s{mark}", flush=True)
 
 
 if __name__ == "__main__":

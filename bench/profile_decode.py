@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
 import os
+import pstats
 import sys
 from pathlib import Path
 
@@ -52,6 +54,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--prefill", action="store_true",
                         help="profile the first step instead (the prompts' prefill, up to 16,384 tokens)")
+    parser.add_argument("--host", action="store_true",
+                        help="with --prefill: profile the step's host work (cProfile) instead of its kernels")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--quantization", default=None, choices=["fp8"])
@@ -87,6 +91,17 @@ def main() -> None:
         engine.step()
     engine.measure_steps(True)
     torch.cuda.synchronize()
+    if args.prefill and args.host:
+        profile = cProfile.Profile()
+        profile.enable()
+        engine.step()
+        torch.cuda.synchronize()
+        profile.disable()
+        t = engine.step_timings[-1]
+        print(f"\nprefill step of {t.num_tokens} tokens: host {t.host_s * 1e3:.1f} ms (under cProfile), device "
+              f"{t.device_s * 1e3:.1f} ms")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+        return
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.steps):

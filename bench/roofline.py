@@ -40,6 +40,20 @@ def cuda_time(fn, reps: int = 50, warmup: int = 5) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
+def graph_time(fn, calls: int = 20) -> float:
+    """Seconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls: the GPU's time, not the host's."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return cuda_time(graph.replay, reps=20) / calls
+
+
 def measure_ceilings(device: torch.device, copy_gib: float = 4.0, n: int = 8192) -> Ceilings:
     def timed(fn, reps: int) -> float:
         for _ in range(3):

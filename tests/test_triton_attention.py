@@ -418,6 +418,19 @@ def test_fp8_cache_decode_and_prefill_match_reference(group, head_dim, num_split
         f"FP8 attention is {error.mean()} (mean) and {error.max()} (max) from the exact one (unit-variance K/V)"
 
 
+def test_fp8_decode_splits_agree_including_empty_splits():
+    """The FP8 decode kernel's splits: contexts of 1-3 key tiles cut into 1, 3 or 32 pieces (whole tiles, a partial
+    last one, empty pieces that must drop out of the merge) give the torch backend's result."""
+    case, kv_scales, q = fp8_case(make_case(9, [(300, 1), (250, 1), (2, 1), PAD], 2, 2, 64, 16))
+    ref = fp8_reference(case, kv_scales)
+    m = case.meta
+    for num_splits in (1, 3, 32):
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale, out,
+                               num_splits, kv_scales=kv_scales)
+        assert_matches(out, ref, case.padding_rows)
+
+
 # bfloat16 needs a GPU (the interpreter's bfloat16 dot is not exact).
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("group, head_dim, num_splits", [(2, 128, 1), (4, 64, 3)])
@@ -443,13 +456,14 @@ def test_fp8_cache_in_half_precision(dtype, group, head_dim, num_splits):
     torch.testing.assert_close(prefill.float(), ref_prefill, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("tokens_per_program", [None, 1, 4, 16])
+@pytest.mark.parametrize("tokens_per_program, split_queries", [(None, None), (1, False), (4, True), (16, False),
+                                                               (16, True)])
 @pytest.mark.parametrize("num_kv_heads, head_dim", [(1, 64), (3, 32), (8, 128)])
-def test_write_paged_kv_fp8_matches_reference(num_kv_heads, head_dim, tokens_per_program):
+def test_write_paged_kv_fp8_matches_reference(num_kv_heads, head_dim, tokens_per_program, split_queries):
     """The write kernel quantizes each head's row as ``write_kv`` does (K rotated first): the same float8 bytes
     and scales, in the slots named (negative slots skipped), and nothing else touched; the queries come back
     rotated as K was. However many tokens one program takes (21 tokens: the last program's are partly past the
-    end)."""
+    end), and whether the queries are rotated in programs of their own or beside K."""
     gen = torch.Generator().manual_seed(num_kv_heads)
     num_blocks, block_size, n = 6, 16, 21
     k = (torch.randn(n, num_kv_heads, head_dim, generator=gen) * 3).to(DEVICE)
@@ -462,7 +476,7 @@ def test_write_paged_kv_fp8_matches_reference(num_kv_heads, head_dim, tokens_per
     ours_scales = tuple(torch.ones(shape[:3], device=DEVICE) for _ in range(2))
     q = torch.randn(n + 3, 2 * num_kv_heads, head_dim, generator=gen).to(DEVICE)  # 3 padding rows past the slots
     q_rotated = write_paged_kv(k, v, ours[0], ours[1], slots, ours_scales, q=q,
-                               tokens_per_program=tokens_per_program)
+                               tokens_per_program=tokens_per_program, split_queries=split_queries)
     torch.testing.assert_close(q_rotated, rotate_heads(q), atol=1e-5, rtol=1e-5)  # every row, padding included
     theirs = [torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)]
     theirs_scales = tuple(torch.ones(shape[:3], device=DEVICE) for _ in range(2))

@@ -2,7 +2,8 @@
 
 Both kernels read K/V in place through the block table; nothing is gathered into
 contiguous tensors. A key tile of ``BLOCK_N`` positions may span several cache
-blocks: every key looks up its own block id::
+blocks; tiles start on block boundaries, so each block's id is loaded once per tile
+and serves its keys' K, V (and FP8 scales)::
 
     position p  ->  block_tables[seq, p // block_size] * block_size + p % block_size
 
@@ -32,7 +33,7 @@ FP8 caches (``kv_scales`` given, see ``kvcache.paged_cache``): K and V tiles are
 float8_e4m3 and converted in registers, with their per-(token, head) scales; a key's scale
 multiplies its column of ``q @ k^T``. The decode kernel has its own FP8 variant, which reads the
 tiles as byte pairs (``_decode_split_fp8_kernel`` says why); the prefill kernel converts whole tiles
-and scales ``p``'s columns by the values' scales. The write kernel quantizes each head's row.
+and scales V's rows by their scales. The write kernel quantizes each head's row.
 """
 
 from __future__ import annotations
@@ -61,15 +62,6 @@ LOG2_E = 1.4426950408889634
 
 
 @triton.jit
-def _load_kv_tile(cache_ptr, table_ptr, pos, valid, kv_head, stride_b, stride_s, stride_h,
-                  offs_d, PAGE_SIZE: tl.constexpr):
-    """[BLOCK_N, HEAD_DIM] keys or values at context positions ``pos`` (zeros where not ``valid``)."""
-    block_ids = tl.load(table_ptr + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-    offs = block_ids * stride_b + (pos % PAGE_SIZE) * stride_s + kv_head * stride_h
-    return tl.load(cache_ptr + offs[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-
-
-@triton.jit
 def _tile_blocks(table_ptr, tile_start, end, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """(block ids [BLOCK_N] int64, offsets within the block [BLOCK_N]) of positions ``tile_start + offs_n``.
 
@@ -93,13 +85,6 @@ def _tile_blocks(table_ptr, tile_start, end, offs_n, PAGE_SIZE: tl.constexpr, BL
 def _soft_cap(s, softcap):
     """``softcap * tanh(s / softcap)`` in base 2: ``s`` arrives in natural units and leaves multiplied by log2(e)."""
     return softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
-
-
-@triton.jit
-def _load_kv_scales(scale_ptr, table_ptr, pos, valid, kv_head, stride_sb, stride_ss, PAGE_SIZE: tl.constexpr):
-    """[BLOCK_N] float32 dequantization scales of an FP8 cache at context positions ``pos`` (0 where not valid)."""
-    block_ids = tl.load(table_ptr + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-    return tl.load(scale_ptr + block_ids * stride_sb + (pos % PAGE_SIZE) * stride_ss + kv_head, mask=valid, other=0.0)
 
 
 def _jit_without_specializing(*names: str):
@@ -417,13 +402,29 @@ def _store_fp8_rows(x_ptr, stride_t, cache_ptr, scale_ptr, slot_mapping_ptr, fir
     tl.store(scale_ptr + row, scale, mask=mask)
 
 
+@triton.jit
+def _rotate_queries(q_ptr, q_out_ptr, first, num_rows, stride_qt, stride_qh, stride_qot, stride_qoh,
+                    NUM_Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The queries of tokens ``first ..first + TOKENS`` (those below ``num_rows``) rotated into ``q_out``."""
+    offs_r = tl.arange(0, TOKENS * Q_HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = (first + offs_r // Q_HEADS_PAD).to(tl.int64)
+    head = offs_r % Q_HEADS_PAD
+    mask = ((head < NUM_Q_HEADS) & (tok < num_rows))[:, None]
+    q = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    q = _rotate_rows(q, HEAD_DIM, DOT_PRECISION)
+    tl.store(q_out_ptr + (tok * stride_qot + head * stride_qoh)[:, None] + offs_d[None, :],
+             q.to(q_out_ptr.dtype.element_ty), mask=mask)
+
+
 @_jit_without_specializing("num_slots", "num_rows")
 def _write_kv_fp8_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, q_ptr, q_out_ptr,
     num_slots, num_rows, stride_kt, stride_vt, stride_qt, stride_qh, stride_qot, stride_qoh,
     NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
     Q_HEADS_PAD: tl.constexpr, TOKENS: tl.constexpr, ROTATE: tl.constexpr, ROTATE_Q: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """``TOKENS`` tokens' K and V into their FP8 cache slots: each head's row scaled to an absolute maximum of 448
     (float8_e4m3's largest value), its scale stored beside it; with ``ROTATE`` K rotated first and, with
@@ -432,20 +433,20 @@ def _write_kv_fp8_kernel(
     fill its products' rows: in a 16k-token prefill step on Qwen3-0.6B's shape (H200) the 28 writes took 5.3 ms
     with one token per program and take 2.5 ms with 8 (``_write_tokens``)."""
     first = tl.program_id(0) * TOKENS
-    _store_fp8_rows(k_ptr, stride_kt, k_cache_ptr, k_scale_ptr, slot_mapping_ptr, first, num_slots, NUM_KV_HEADS,
-                    HEADS_PAD, HEAD_DIM, TOKENS, ROTATE, DOT_PRECISION, INTERPRET)
-    _store_fp8_rows(v_ptr, stride_vt, v_cache_ptr, v_scale_ptr, slot_mapping_ptr, first, num_slots, NUM_KV_HEADS,
-                    HEADS_PAD, HEAD_DIM, TOKENS, False, DOT_PRECISION, INTERPRET)
+    part = tl.program_id(1)  # with SPLIT_Q: 0 writes K and V, 1 rotates the queries
+    if part == 0:
+        _store_fp8_rows(k_ptr, stride_kt, k_cache_ptr, k_scale_ptr, slot_mapping_ptr, first, num_slots, NUM_KV_HEADS,
+                        HEADS_PAD, HEAD_DIM, TOKENS, ROTATE, DOT_PRECISION, INTERPRET)
+        _store_fp8_rows(v_ptr, stride_vt, v_cache_ptr, v_scale_ptr, slot_mapping_ptr, first, num_slots, NUM_KV_HEADS,
+                        HEADS_PAD, HEAD_DIM, TOKENS, False, DOT_PRECISION, INTERPRET)
     if ROTATE_Q:
-        offs_r = tl.arange(0, TOKENS * Q_HEADS_PAD)
-        offs_d = tl.arange(0, HEAD_DIM)
-        tok = (first + offs_r // Q_HEADS_PAD).to(tl.int64)
-        head = offs_r % Q_HEADS_PAD
-        mask = ((head < NUM_Q_HEADS) & (tok < num_rows))[:, None]
-        q = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        q = _rotate_rows(q, HEAD_DIM, DOT_PRECISION)
-        tl.store(q_out_ptr + (tok * stride_qot + head * stride_qoh)[:, None] + offs_d[None, :],
-                 q.to(q_out_ptr.dtype.element_ty), mask=mask)
+        if SPLIT_Q:
+            if part == 1:
+                _rotate_queries(q_ptr, q_out_ptr, first, num_rows, stride_qt, stride_qh, stride_qot, stride_qoh,
+                                NUM_Q_HEADS, Q_HEADS_PAD, HEAD_DIM, TOKENS, DOT_PRECISION)
+        else:
+            _rotate_queries(q_ptr, q_out_ptr, first, num_rows, stride_qt, stride_qh, stride_qot, stride_qoh,
+                            NUM_Q_HEADS, Q_HEADS_PAD, HEAD_DIM, TOKENS, DOT_PRECISION)
 
 
 @triton.jit
@@ -465,6 +466,61 @@ def _find_request(query_start_loc_ptr, q_base, tile, num_reqs, BLOCK_Q: tl.const
         lo = tl.where(is_before, mid, lo)
         hi = tl.where(is_before, hi, mid)
     return lo
+
+
+@triton.jit
+def _prefill_tile(tile_start, kv_end, offs_n, offs_d, table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                  q, q_pos, m_i, l_i, acc, qk_scale, softcap, window, kv_head,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  SLIDING: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """One key tile of ``_prefill_kernel``: the running (max, sum, output) of its rows updated. ``MASKED`` for a
+    tile some row must not see all of (causality, a window, keys past ``kv_end``)."""
+    pos = tile_start + offs_n
+    valid = pos < kv_end
+    # Tiles start on block boundaries: one block-table load per block, shared by K, V and their scales.
+    block_ids, in_block = _tile_blocks(table_ptr, tile_start, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
+    k_rows = block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh
+    v_rows = block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh
+    scale_rows = block_ids * stride_sb + in_block * stride_ss + kv_head
+    if MASKED:
+        k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :])
+    if FP8:
+        k = k.to(DOT_DTYPE)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if FP8:
+        if MASKED:
+            s = s * tl.load(k_scale_ptr + scale_rows, mask=valid, other=0.0)[None, :]
+        else:
+            s = s * tl.load(k_scale_ptr + scale_rows)[None, :]
+    if SOFTCAP:
+        s = _soft_cap(s, softcap)
+    if MASKED:
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if SLIDING:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :])
+    if FP8:
+        if MASKED:
+            v_scales = tl.load(v_scale_ptr + scale_rows, mask=valid, other=0.0)
+        else:
+            v_scales = tl.load(v_scale_ptr + scale_rows)
+        v = v.to(DOT_DTYPE) * v_scales[:, None].to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @_jit_without_specializing("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr", "num_reqs", "max_context_len",
@@ -512,40 +568,28 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         kv_lo = 0
-        if SLIDING:  # from the first key the tile's earliest query still sees; earlier blocks are never read
-            kv_lo = tl.maximum(ctx_len + first_tok - window + 1, 0)
+        if SLIDING:  # from the block of the first key the tile's earliest query still sees; earlier blocks
+            # are never read, and the keys of that block before it are masked like any outside the window
+            kv_lo = (tl.maximum(ctx_len + first_tok - window + 1, 0) // PAGE_SIZE) * PAGE_SIZE
         # Without a window key 0 is visible to every row, so the first tile makes every m_i finite; with
         # one a row may see nothing in a tile, which the guard below keeps from turning into NaN.
-        for tile_start in range(kv_lo, kv_end, BLOCK_N):
-            pos = tile_start + offs_n
-            valid = pos < kv_end
-            k = _load_kv_tile(k_cache_ptr, table_ptr, pos, valid, kv_head, stride_kb, stride_ks, stride_kh,
-                              offs_d, PAGE_SIZE)
-            if FP8:
-                k = k.to(DOT_DTYPE)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-            if FP8:
-                s = s * _load_kv_scales(k_scale_ptr, table_ptr, pos, valid, kv_head, stride_sb, stride_ss,
-                                        PAGE_SIZE)[None, :]
-            if SOFTCAP:
-                s = _soft_cap(s, softcap)
-            visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-            if SLIDING:
-                visible = visible & (pos[None, :] > q_pos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            if SLIDING:
-                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_kv_tile(v_cache_ptr, table_ptr, pos, valid, kv_head, stride_vb, stride_vs, stride_vh,
-                              offs_d, PAGE_SIZE)
-            if FP8:
-                v = v.to(DOT_DTYPE) * _load_kv_scales(v_scale_ptr, table_ptr, pos, valid, kv_head, stride_sb,
-                                                      stride_ss, PAGE_SIZE)[:, None].to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        # Tiles that end by the tile's first query position are seen whole by every row: no masks there.
+        # The rest (the diagonal, the end, and every tile under a window) are masked.
+        open_end = kv_lo
+        if not SLIDING:
+            open_end = (tl.minimum(ctx_len + first_tok + 1, kv_end) // BLOCK_N) * BLOCK_N
+        for tile_start in range(kv_lo, open_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                tile_start, kv_end, offs_n, offs_d, table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                q, q_pos, m_i, l_i, acc, qk_scale, softcap, window, kv_head,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+                PAGE_SIZE, BLOCK_N, DOT_PRECISION, SLIDING, FP8, SOFTCAP, DOT_DTYPE, False)
+        for tile_start in range(open_end, kv_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                tile_start, kv_end, offs_n, offs_d, table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                q, q_pos, m_i, l_i, acc, qk_scale, softcap, window, kv_head,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+                PAGE_SIZE, BLOCK_N, DOT_PRECISION, SLIDING, FP8, SOFTCAP, DOT_DTYPE, True)
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -586,18 +630,20 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm
     return min(triton.next_power_of_2(min(wanted, useful)), MAX_NUM_SPLITS)
 
 
-def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N keys, num_warps, num_stages) of the decode kernel.
+def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[int, int, int, int | None]:
+    """(BLOCK_N keys, num_warps, num_stages, registers per thread at most or None) of the decode kernel.
 
     From sweeps on an H200 (bf16, head_dim 128): 64-key tiles for split (short or few) contexts;
     128-key tiles gain ~3% on large unsplit batches of mixed lengths (bench/attention_kernels.py
     --mixed-sweep). 8 warps were slower everywhere. An FP8 cache: 128-key tiles split or not (on a W1-like
     batch 118 us against 139 us with 64 keys and 202 us with 8 warps; 8 and 32 split rows: 14 / 38 us
-    against 16 / 47 us with 64 keys; bench/RESULTS.md).
+    against 16 / 47 us with 64 keys; bench/RESULTS.md). No register limit: capped at 128 a thread, four FP8
+    programs fit an SM instead of three (161 registers, Triton 3.6), but the W1-like batch took 106 us against
+    94 (bf16 at 168 or 128: 149 or 159 us against 130; bench/fp8_attention_sweep.py).
     """
     if head_dim > 128:
-        return 32, 4, 3
-    return (128 if num_splits == 1 or fp8 else 64), 4, 3
+        return 32, 4, 3, None
+    return (128 if num_splits == 1 or fp8 else 64), 4, 3, None
 
 
 def _interpreted() -> bool:
@@ -607,9 +653,30 @@ def _interpreted() -> bool:
 
 def _write_tokens(rows: int) -> int:
     """Tokens per program of the FP8 KV-write kernel for a step of ``rows`` tokens. On an H200 (Qwen3-0.6B's
-    shape, bench/kv_write.py): at 32 tokens 1 per program (3.9 us; 4.4 with 2), at 151-256 2 (4.5 us against
-    5.5 with 1), at 2,048 8 (9.8 us against 25.6), at 16,384 8 (90 us against 190; 16: 103)."""
-    return 1 if rows <= 64 else 2 if rows <= 512 else 8
+    shape, bench/kv_write.py, queries rotated in programs of their own up to 512 tokens): at 32 tokens 1 per
+    program (3.3 us), at 151-256 4 (4.0-4.2 us against 4.5-5.1 with 2), at 2,048 8 (11.0 us against 41.6 with 1),
+    at 16,384 8 (90 us against 190; 16: 103)."""
+    return 1 if rows <= 64 else 4 if rows <= 512 else 8
+
+
+def _splits_queries(rows: int) -> bool:
+    """Whether the FP8 KV-write kernel rotates a step's queries in programs of their own (a second row of the
+    grid) rather than in those that write K and V: twice the programs, each half the work, which is what decode
+    steps want (H200, bench/kv_write.py: 151 tokens 4.0 us against 5.8 with 4 tokens a program; 32 tokens 3.3
+    against 4.6). At 2,048 tokens the two are even (11.2 and 11.0 us with 8)."""
+    return rows <= 512
+
+
+@functools.lru_cache(maxsize=None)
+def _limits_registers() -> bool:
+    """Whether this Triton takes ``maxnreg`` (registers per thread at most) for NVIDIA GPUs."""
+    if torch.version.hip is not None:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "maxnreg" in CUDAOptions.__dataclass_fields__
 
 
 def _fp8_ptx(q: torch.Tensor) -> bool:
@@ -731,7 +798,7 @@ def paged_decode_attention(
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written in full
     num_splits: int | None = None,
     order: torch.Tensor | None = None,  # [num_seqs] int32: a permutation of the rows, longest context first
-    tiles: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages), for tuning sweeps
+    tiles: tuple | None = None,  # (BLOCK_N, num_warps, num_stages[, max registers per thread]), for tuning sweeps
     window: int = 0,  # a sliding window: only the last ``window`` keys; 0: the whole context
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's (k_scales, v_scales)
     softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
@@ -762,7 +829,8 @@ def paged_decode_attention(
         return out
     group = num_heads // num_kv_heads
     fp8 = kv_scales is not None
-    block_n, num_warps, num_stages = tiles or _decode_tiles(head_dim, num_splits, fp8)
+    block_n, num_warps, num_stages, max_registers = (*(tiles or _decode_tiles(head_dim, num_splits, fp8)), None)[:4]
+    launch_options = {"maxnreg": max_registers} if max_registers and q.is_cuda and _limits_registers() else {}
     scale_args = _scale_args(kv_scales, k_cache)
     scale_ptrs, scale_strides = scale_args[:2], scale_args[2:]
     if num_splits > 1:
@@ -781,7 +849,7 @@ def paged_decode_attention(
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), HAS_ORDER=order is not None, SLIDING=window > 0,
-        SOFTCAP=bool(softcap), **dtype_arg, num_warps=num_warps, num_stages=num_stages,
+        SOFTCAP=bool(softcap), **dtype_arg, num_warps=num_warps, num_stages=num_stages, **launch_options,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -869,6 +937,7 @@ def write_paged_kv(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's scales, written too
     q: torch.Tensor | None = None,  # [>= num_tokens, num_heads, head_dim]: the step's queries
     tokens_per_program: int | None = None,  # FP8: a power of two up to 16, for tuning sweeps; None: chosen here
+    split_queries: bool | None = None,  # FP8: rotate the queries in programs of their own; None: chosen here
 ) -> torch.Tensor | None:
     """Store the new tokens' K and V in their cache slots with one kernel launch (quantized for FP8).
 
@@ -912,14 +981,16 @@ def write_paged_kv(
         tokens = tokens_per_program or _write_tokens(rows)
         min_rows = 16 // tokens if rotate else 1  # tl.dot takes 16 rows or more
         q_heads = q.shape[1] if rotate_q else 1
-        _write_kv_fp8_kernel[(triton.cdiv(rows, tokens),)](
+        split_q = rotate_q and (split_queries if split_queries is not None else _splits_queries(rows))
+        _write_kv_fp8_kernel[(triton.cdiv(rows, tokens), 2 if split_q else 1)](
             k, v, k_cache, v_cache, kv_scales[0], kv_scales[1], slot_mapping, q if rotate_q else k,
             q_out if rotate_q else k, num_tokens, rows, k.stride(0), v.stride(0),
             *(q.stride()[:2] if rotate_q else (0, 0)), *(q_out.stride()[:2] if rotate_q else (0, 0)),
             NUM_KV_HEADS=row_shape[0], HEADS_PAD=max(triton.next_power_of_2(row_shape[0]), min_rows),
             HEAD_DIM=row_shape[1], NUM_Q_HEADS=q_heads,
             Q_HEADS_PAD=max(triton.next_power_of_2(q_heads), 16 // tokens), TOKENS=tokens, ROTATE=rotate,
-            ROTATE_Q=rotate_q, DOT_PRECISION=_dot_precision(k.dtype), INTERPRET=_interpreted(), num_warps=4,
+            ROTATE_Q=rotate_q, SPLIT_Q=split_q, DOT_PRECISION=_dot_precision(k.dtype), INTERPRET=_interpreted(),
+            num_warps=4,
         )
         return q_out
     if kv_scales is not None or num_tokens == 0:
