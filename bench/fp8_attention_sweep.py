@@ -1,13 +1,15 @@
-"""Decode attention on a bf16 and an FP8 KV cache, across tile shapes and register limits (the H200 numbers in
-bench/RESULTS.md).
+"""Decode and prefill attention on a bf16 and an FP8 KV cache, across tile shapes and register limits (the H200
+numbers in bench/RESULTS.md).
 
-    python bench/fp8_attention_sweep.py [--groups 2 4]
+    python bench/fp8_attention_sweep.py [--groups 2 4] [--prefill]
 
 A W1-like decode batch on the Qwen3-0.6B attention shape (8 KV heads, head_dim 128; 2 query heads per KV head,
 4 for Llama-3.1-8B): 151 rows with contexts uniform in [200, 1400], one layer's cache; then 8 and 32 rows, whose
 contexts get split. Each variant is timed as decode steps run it, 20 launches replayed from a CUDA graph, and
 printed with the bytes per second it reads (K/V, and the FP8 scales). A variant is (BLOCK_N keys, warps, pipeline
-stages, registers per thread at most); the one the engine picks is marked.
+stages, registers per thread at most); the one the engine picks is marked. ``--prefill`` times the prefill kernel
+instead, on a W1-like prefill step: fresh prompts of uniform lengths in [100, 1024], 16,384 tokens in all, across
+(BLOCK_M rows, BLOCK_N keys, warps, stages).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from roofline import graph_time  # noqa: E402
 
 from kvcache.paged_cache import quantize_fp8  # noqa: E402
-from engine.attention.triton_kernels import _decode_tiles, choose_num_splits, num_sms, paged_decode_attention  # noqa: E402
+from engine.attention.triton_kernels import (  # noqa: E402
+    _decode_tiles, _prefill_tiles, choose_num_splits, num_sms, paged_decode_attention, paged_prefill_attention)
 
 VARIANTS = {
     "bf16": [(128, 4, 3, None), (128, 4, 3, 168), (128, 4, 3, 128), (64, 4, 3, None), (64, 4, 3, 128)],
@@ -36,7 +39,10 @@ VARIANTS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, nargs="+", default=[2, 4], help="query heads per KV head")
+    parser.add_argument("--prefill", action="store_true", help="sweep the prefill kernel instead")
     args = parser.parse_args()
+    if args.prefill:
+        return prefill_sweep(args.groups)
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     rows, kv_heads, head_dim, block = 151, 8, 128, 16
@@ -83,6 +89,56 @@ def main() -> None:
                     mark = " (picked)" if tiles == picked else ""
                     print(f"group {group} {kind:4s} {n_rows:3d} rows, {splits:2d} splits, tiles {str(tiles):22s} "
                           f"{us:7.1f} us, {tokens * bytes_per_token / us / 1e6:.2f} TB/s{mark}", flush=True)
+
+
+PREFILL_VARIANTS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 3),
+                    (128, 128, 8, 2), (128, 64, 4, 2)]
+
+
+def prefill_sweep(groups: list[int]) -> None:
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    kv_heads, head_dim, block = 8, 128, 16
+    lens = []
+    while sum(lens) < 16384:
+        lens.append(min(int(torch.randint(100, 1025, (1,), generator=gen)), 16384 - sum(lens)))
+    blocks = [-(-n // block) for n in lens]
+    num_blocks = sum(blocks) + 1
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    ids = torch.randperm(num_blocks - 1, generator=gen) + 1
+    at = 0
+    for i, nb in enumerate(blocks):
+        tables[i, :nb] = ids[at:at + nb]
+        at += nb
+    tables = tables.to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    starts = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    tokens = sum(lens)
+    cache = torch.randn(2, num_blocks, block, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+    fp8, scales = [], []
+    for c in cache:
+        values, s = quantize_fp8(c.flatten(0, 1))
+        fp8.append(values.view(c.shape))
+        scales.append(s.view(c.shape[:3]).contiguous())
+    flops = sum(4 * n * (n + 1) / 2 * head_dim for n in lens)  # per query head: QK and PV over the causal half
+    for group in groups:
+        q = torch.randn(tokens, kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
+        out = torch.empty_like(q)
+        picked = _prefill_tiles(max(lens), group, head_dim)
+        for kind in ("bf16", "fp8"):
+            k, v = (cache[0], cache[1]) if kind == "bf16" else (fp8[0], fp8[1])
+            kv_scales = None if kind == "bf16" else tuple(scales)
+            for tiles in PREFILL_VARIANTS:
+                try:
+                    us = graph_time(lambda: paged_prefill_attention(
+                        q, k, v, tables, starts, seq_lens, max(lens), 0.088, out, kv_scales=kv_scales,
+                        tiles=tiles), calls=5) * 1e6
+                except Exception as error:  # e.g. a tile that does not fit the shared memory
+                    print(f"prefill group {group} {kind} {tiles}: {type(error).__name__}: {str(error)[:200]}")
+                    continue
+                mark = " (picked)" if tiles == picked else ""
+                print(f"prefill group {group} {kind:4s} {len(lens)} prompts, {tokens} tokens, tiles {str(tiles):18s} "
+                      f"{us:8.1f} us, {flops * kv_heads * group / us / 1e6:.0f} TFLOP/s{mark}", flush=True)
 
 
 if __name__ == "__main__":

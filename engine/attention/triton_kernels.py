@@ -886,6 +886,7 @@ def paged_prefill_attention(
     window: int = 0,  # a sliding window: a query sees the last ``window`` positions; 0: all
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's (k_scales, v_scales)
     softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
+    tiles: tuple[int, int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, num_warps, num_stages), for tuning sweeps
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their cached context and themselves.
 
@@ -909,7 +910,9 @@ def paged_prefill_attention(
         return out
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = _prefill_tiles(max_query_len, group, head_dim)
+    block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(max_query_len, group, head_dim)
+    if tiles is not None and (block_m % group or any(t & (t - 1) for t in (block_m, block_n))):
+        raise ValueError(f"{name}: tiles {tiles} need powers of two, rows a multiple of the group ({group})")
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_reqs  # an upper bound; spare tiles return at once
     scale_args = _scale_args(kv_scales, k_cache)
