@@ -124,10 +124,10 @@ def prefill_sweep(groups: list[int]) -> None:
     for group in groups:
         q = torch.randn(tokens, kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
         out = torch.empty_like(q)
-        picked = _prefill_tiles(max(lens), group, head_dim)
         for kind in ("bf16", "fp8"):
             k, v = (cache[0], cache[1]) if kind == "bf16" else (fp8[0], fp8[1])
             kv_scales = None if kind == "bf16" else tuple(scales)
+            picked = _prefill_tiles(max(lens), group, head_dim, kind == "fp8")
             for tiles in PREFILL_VARIANTS:
                 try:
                     us = graph_time(lambda: paged_prefill_attention(

@@ -860,16 +860,18 @@ def paged_decode_attention(
     return out
 
 
-def _prefill_tiles(max_query_len: int, group: int, head_dim: int) -> tuple[int, int, int, int]:
+def _prefill_tiles(max_query_len: int, group: int, head_dim: int, fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages): rows just big enough for the longest query.
 
-    64 x 64 tiles with 4 warps were within 3% of the best of a sweep on an H200 (bf16, head_dim 128)
-    and need far fewer registers than 128 x 128.
+    64 x 64 tiles with 4 warps and 3 stages: the best of a sweep on an H200 (bf16, head_dim 128, a W1-like 16k-token
+    prefill step; 8 warps or 128-row tiles were 15-20% slower, 128-key tiles 80%), and far fewer registers than
+    128 x 128. An FP8 cache takes 128-key tiles at 64 rows: 302 us against 335 with 64 keys (group 2; group 4: 571
+    against 625; bench/fp8_attention_sweep.py --prefill).
     """
     block_m = min(64, max(16, triton.next_power_of_2(max(max_query_len, 1) * group)))
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one token per tile
     if head_dim <= 128:
-        return block_m, 64, 4, 3
+        return block_m, (128 if fp8 and block_m == 64 else 64), 4, 3
     return block_m, 32, 4, 2
 
 
@@ -910,7 +912,8 @@ def paged_prefill_attention(
         return out
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(max_query_len, group, head_dim)
+    block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(max_query_len, group, head_dim,
+                                                                      kv_scales is not None)
     if tiles is not None and (block_m % group or any(t & (t - 1) for t in (block_m, block_n))):
         raise ValueError(f"{name}: tiles {tiles} need powers of two, rows a multiple of the group ({group})")
     block_q = block_m // group
@@ -1030,7 +1033,7 @@ def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tenso
     tiles, query_len = set(), 1
     while query_len < 2 * max(max_query_len, 1):
         n = min(query_len, max_query_len)
-        tile = _prefill_tiles(n, group, head_dim)
+        tile = _prefill_tiles(n, group, head_dim, kv_scales is not None)
         if tile not in tiles:
             tiles.add(tile)
             paged_prefill_attention(q, k_cache, v_cache, table, query_start_loc, seq_lens, n, 1.0, out, window=window,
