@@ -36,6 +36,27 @@ VARIANTS = {
 }
 
 
+def paged_caches(lens: list[int], block: int, kv_heads: int, head_dim: int, gen: torch.Generator,
+                 device: torch.device, max_blocks: int | None = None):
+    """One layer's random bf16 K/V cache holding contexts of ``lens`` tokens in scattered blocks, the same quantized
+    to FP8: (bf16 [2, blocks, block, kv_heads, head_dim], FP8 K and V, their scales, block tables on ``device``)."""
+    blocks = [-(-n // block) for n in lens]
+    num_blocks = sum(blocks) + 1
+    cache = torch.randn(2, num_blocks, block, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+    ids = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = torch.zeros(len(lens), max_blocks or max(blocks), dtype=torch.int32)
+    at = 0
+    for i, nb in enumerate(blocks):
+        tables[i, :nb] = ids[at:at + nb]
+        at += nb
+    fp8, scales = [], []
+    for c in cache:
+        values, s = quantize_fp8(c.flatten(0, 1))
+        fp8.append(values.view(c.shape))
+        scales.append(s.view(c.shape[:3]).contiguous())
+    return cache, fp8, scales, tables.to(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, nargs="+", default=[2, 4], help="query heads per KV head")
@@ -46,24 +67,11 @@ def main() -> None:
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     rows, kv_heads, head_dim, block = 151, 8, 128, 16
-    lens = torch.randint(200, 1400, (rows,), generator=gen)
+    lens = torch.randint(200, 1400, (rows,), generator=gen).tolist()
     max_blocks = 4096 // block
-    num_blocks = int(sum(-(-int(n) // block) for n in lens)) + 1
-    cache = torch.randn(2, num_blocks, block, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
-    ids = torch.randperm(num_blocks - 1, generator=gen) + 1
-    tables = torch.zeros(rows, max_blocks, dtype=torch.int32)
-    at = 0
-    for i, n in enumerate(lens.tolist()):
-        nb = -(-n // block)
-        tables[i, :nb] = ids[at:at + nb]
-        at += nb
-    tables, seq_lens = tables.to(device), lens.to(torch.int32).to(device)
+    cache, fp8, scales, tables = paged_caches(lens, block, kv_heads, head_dim, gen, device, max_blocks)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     order = torch.argsort(seq_lens, descending=True).to(torch.int32)
-    fp8, scales = [], []
-    for c in cache:
-        values, s = quantize_fp8(c.flatten(0, 1))
-        fp8.append(values.view(c.shape))
-        scales.append(s.view(c.shape[:3]).contiguous())
     sms = num_sms(device)
 
     for group in args.groups:
@@ -75,9 +83,9 @@ def main() -> None:
             bytes_per_token = kv_heads * (2 * head_dim * (2 if kind == "bf16" else 1) + (0 if kind == "bf16" else 8))
             for n_rows in (rows, 8, 32):
                 sub = slice(0, n_rows)
-                tokens = int(lens[:n_rows].sum())
+                tokens = sum(lens[:n_rows])
                 splits = choose_num_splits(n_rows, kv_heads, max_blocks * block, sms)
-                picked = _decode_tiles(head_dim, splits, kind == "fp8")
+                picked = (*_decode_tiles(head_dim, splits, kind == "fp8"), None)  # no register limit
                 for tiles in VARIANTS[kind] if n_rows == rows else [picked]:
                     try:
                         us = graph_time(lambda: paged_decode_attention(
@@ -102,24 +110,10 @@ def prefill_sweep(groups: list[int]) -> None:
     lens = []
     while sum(lens) < 16384:
         lens.append(min(int(torch.randint(100, 1025, (1,), generator=gen)), 16384 - sum(lens)))
-    blocks = [-(-n // block) for n in lens]
-    num_blocks = sum(blocks) + 1
-    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
-    ids = torch.randperm(num_blocks - 1, generator=gen) + 1
-    at = 0
-    for i, nb in enumerate(blocks):
-        tables[i, :nb] = ids[at:at + nb]
-        at += nb
-    tables = tables.to(device)
+    cache, fp8, scales, tables = paged_caches(lens, block, kv_heads, head_dim, gen, device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     starts = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     tokens = sum(lens)
-    cache = torch.randn(2, num_blocks, block, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
-    fp8, scales = [], []
-    for c in cache:
-        values, s = quantize_fp8(c.flatten(0, 1))
-        fp8.append(values.view(c.shape))
-        scales.append(s.view(c.shape[:3]).contiguous())
     flops = sum(4 * n * (n + 1) / 2 * head_dim for n in lens)  # per query head: QK and PV over the causal half
     for group in groups:
         q = torch.randn(tokens, kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)

@@ -440,11 +440,7 @@ def _write_kv_fp8_kernel(
         _store_fp8_rows(v_ptr, stride_vt, v_cache_ptr, v_scale_ptr, slot_mapping_ptr, first, num_slots, NUM_KV_HEADS,
                         HEADS_PAD, HEAD_DIM, TOKENS, False, DOT_PRECISION, INTERPRET)
     if ROTATE_Q:
-        if SPLIT_Q:
-            if part == 1:
-                _rotate_queries(q_ptr, q_out_ptr, first, num_rows, stride_qt, stride_qh, stride_qot, stride_qoh,
-                                NUM_Q_HEADS, Q_HEADS_PAD, HEAD_DIM, TOKENS, DOT_PRECISION)
-        else:
+        if part == SPLIT_Q:  # the second row of programs, or (unsplit) the only one
             _rotate_queries(q_ptr, q_out_ptr, first, num_rows, stride_qt, stride_qh, stride_qot, stride_qoh,
                             NUM_Q_HEADS, Q_HEADS_PAD, HEAD_DIM, TOKENS, DOT_PRECISION)
 
@@ -630,8 +626,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm
     return min(triton.next_power_of_2(min(wanted, useful)), MAX_NUM_SPLITS)
 
 
-def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[int, int, int, int | None]:
-    """(BLOCK_N keys, num_warps, num_stages, registers per thread at most or None) of the decode kernel.
+def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N keys, num_warps, num_stages) of the decode kernel.
 
     From sweeps on an H200 (bf16, head_dim 128): 64-key tiles for split (short or few) contexts;
     128-key tiles gain ~3% on large unsplit batches of mixed lengths (bench/attention_kernels.py
@@ -642,8 +638,8 @@ def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[in
     94 (bf16 at 168 or 128: 149 or 159 us against 130; bench/fp8_attention_sweep.py).
     """
     if head_dim > 128:
-        return 32, 4, 3, None
-    return (128 if num_splits == 1 or fp8 else 64), 4, 3, None
+        return 32, 4, 3
+    return (128 if num_splits == 1 or fp8 else 64), 4, 3
 
 
 def _interpreted() -> bool:
