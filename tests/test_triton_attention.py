@@ -443,6 +443,41 @@ def test_fp8_decode_splits_agree_including_empty_splits():
         assert_matches(out, ref, case.padding_rows)
 
 
+def test_fp8_decode_ignores_nan_in_slots_past_the_context():
+    """The FP8 decode kernel reads K without masks: slots past a context (the rest of its last block, block 0
+    behind the table's padding) may hold anything, NaN bytes and NaN scales included, and must not reach the
+    output. (Triton's interpreter reads the byte 0x7F as 480, not NaN: there the scales carry the test.)"""
+    case, kv_scales, q = fp8_case(make_case(13, [(37, 1), (130, 1), (5, 1), PAD], 2, 2, 64, 16))
+    ref = fp8_reference(case, kv_scales)
+    m, block = case.meta, case.k_cache.shape[1]
+    used = torch.zeros(case.k_cache.shape[:2], dtype=torch.bool)
+    for row, length in enumerate(m.seq_lens.tolist()):
+        for pos in range(length):
+            used[m.block_tables[row, pos // block], pos % block] = True
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    scales = tuple(s.clone() for s in kv_scales)
+    for cache in (k_cache, v_cache):
+        cache.view(torch.uint8)[~used] = 0x7F  # float8_e4m3fn's NaN
+    for s in scales:
+        s[~used] = float("nan")
+    for num_splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, k_cache, v_cache, m.block_tables, m.seq_lens, case.scale, out, num_splits,
+                               kv_scales=scales)
+        assert_matches(out, ref, case.padding_rows)
+
+
+def test_fp8_decode_rejects_odd_cache_strides():
+    """The FP8 decode kernel reads the caches as 16-bit words: a cache view with an odd stride is refused."""
+    case, kv_scales, q = fp8_case(make_case(14, [(20, 1)], 2, 2, 64, 16))
+    wide = torch.zeros(*case.k_cache.shape[:3], 65, dtype=case.k_cache.dtype)
+    odd = wide[..., :64]  # head dims contiguous, every other stride a multiple of 65
+    m = case.meta
+    with pytest.raises(ValueError, match="strides must be even"):
+        paged_decode_attention(q, odd, odd, m.block_tables, m.seq_lens, case.scale, torch.empty_like(q), 1,
+                               kv_scales=kv_scales)
+
+
 # bfloat16 needs a GPU (the interpreter's bfloat16 dot is not exact).
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("group, head_dim, num_splits", [(2, 128, 1), (4, 64, 3)])

@@ -220,6 +220,22 @@ def _fp8_bytes_to(words, HIGH: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.co
     return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
 
 
+@triton.jit
+def _fp8_word_pairs_to_f16(words):
+    """K's [BLOCK_N, HEAD_DIM // 2] 16-bit words as two float16 tiles, without a byte permute: the register that
+    holds words 2i and 2i + 1 (dimensions 4i to 4i + 3) becomes the pair (4i, 4i + 1) of the first tile and the
+    pair (4i + 2, 4i + 3) of the second, one conversion each. Not elementwise: it relies on the layout of K as
+    a dot operand, which packs consecutive words of one key into a register (Triton 3.x, ``kWidth`` 2 along
+    the head dimension); ``_word_pairs_hold`` checks that on the device before the kernel uses it."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 l, h;
+        mov.b32 {l, h}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, l;
+        cvt.rn.f16x2.e4m3x2 $1, h;
+        }""", constraints="=r,=r,r", args=[words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
 @_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window")
 def _decode_split_fp8_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
@@ -230,25 +246,35 @@ def _decode_split_fp8_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, K_PAIRS: tl.constexpr,
 ):
-    """Decode attention on an FP8 cache, read as byte pairs: the even and the odd head dimensions apart.
+    """Decode attention on an FP8 cache, read as 16-bit words: each tile is two half-width tiles.
 
-    K and V tiles are loaded as 16-bit words, each the values of dimensions 2j and 2j+1; their low and
-    high bytes become two [BLOCK_N, HEAD_DIM // 2] tiles. The scores are ``q_even @ k_lo^T + q_odd @ k_hi^T``
-    and the output's even and odd columns accumulate apart, so nothing is interleaved in registers. Loaded
-    this way the tiles take Triton's 16-bit shared-memory path (ldmatrix) rather than byte loads and
-    shuffles: on the H200, 104 us against 119 us converting whole tiles to float16, and 154 us for the first
-    version, which converted them to bfloat16 (one layer, a W1-like batch; bench/RESULTS.md). The dots
-    run in ``DOT_DTYPE``: float16 for 16-bit queries (float8_e4m3 converts to it natively, to bfloat16 it
-    does not), float32 for float32 ones; ``PTX`` converts in inline PTX (``_fp8_bytes_to``: 95 us against
-    110 us on that batch). A key's scale multiplies its column of the scores; a value's scale multiplies its
-    row of V after the conversion (V back in the model's units: scaling ``p``'s columns instead would push
-    small probabilities into float16's subnormals, and scaling them relative to the tile's largest needs a
-    reduction across warps every tile, which measured 102 us). Float16 holds queries and values up to 65504
-    in magnitude.
+    K and V tiles are loaded as 16-bit words, each the values of two neighbouring head dimensions, and
+    converted to two [BLOCK_N, HEAD_DIM // 2] tiles; the scores are ``q_a @ k_a^T + q_b @ k_b^T`` with the
+    queries' dimensions split alike, and the output's two halves accumulate apart, so nothing is interleaved
+    in registers. Loaded this way the tiles take Triton's 16-bit shared-memory path (ldmatrix) rather than
+    byte loads and shuffles (on the H200, 104 us against 119 us converting whole tiles to float16, and 154 us
+    for the first version, which converted them to bfloat16; one layer, a W1-like batch; bench/RESULTS.md).
+
+    * The dots run in ``DOT_DTYPE``: float16 for 16-bit queries (float8_e4m3 converts to it natively, to
+      bfloat16 it does not), float32 for float32 ones. ``PTX`` converts in inline PTX (``_fp8_bytes_to``:
+      95 us against 110 us on that batch); V's halves are then its even and odd dimensions.
+    * ``K_PAIRS`` converts K without byte permutes (``_fp8_word_pairs_to_f16``): its halves are dimensions
+      4i, 4i + 1 and 4i + 2, 4i + 3. Otherwise K's halves are the even and odd dimensions, as V's.
+    * A key's scale multiplies its column of the scores. A value's scale multiplies its column of ``p``,
+      lifted by ``V_LIFT`` = 2^8 (undone with the normalization), so that small probabilities times small
+      scales stay out of float16's subnormals: a product below 2^-14 needs ``p`` under 2^-22 / scale, a key
+      whose term ``p * v`` is under 448 * 2^-22 (~1.1e-4), and even it keeps a subnormal's precision. V's largest magnitude may reach 448 * 65504 /
+      2^8 (~115k), queries' 65504.
+    * K is loaded without masks: a position past the context reads a slot of its block or of block 0 (the
+      block table's padding), and its score is masked. V is masked: stale values times ``p`` = 0 could be NaN.
+
+    SASS per 128-key tile (sm_90, Triton 3.6): 1,009 instructions with V's rows rescaled and K permuted
+    byte-wise, 814 this way; on the H200 95 us -> 87 us on that batch.
     """
     HALF: tl.constexpr = HEAD_DIM // 2
+    V_LIFT: tl.constexpr = 256.0
     seq = tl.program_id(0)
     if HAS_ORDER:
         seq = tl.load(order_ptr + seq)
@@ -263,9 +289,15 @@ def _decode_split_fp8_kernel(
     seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_context_len)
     first_key, start, end = _split_range(seq_len, window, split, SLIDING, PAGE_SIZE, BLOCK_N, NUM_SPLITS)
 
-    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + 2 * offs_j[None, :]
-    q_even = tl.load(q_rows, mask=head_mask[:, None], other=0.0).to(DOT_DTYPE)  # [GROUP_PAD, HALF]
-    q_odd = tl.load(q_rows + 1, mask=head_mask[:, None], other=0.0).to(DOT_DTYPE)
+    if K_PAIRS:  # K's halves as _fp8_word_pairs_to_f16 makes them: dimensions 4i, 4i + 1 and 4i + 2, 4i + 3
+        dims_a = 4 * (offs_j // 2) + offs_j % 2
+        dims_b = dims_a + 2
+    else:  # even and odd dimensions
+        dims_a = 2 * offs_j
+        dims_b = dims_a + 1
+    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
+    q_a = tl.load(q_rows + dims_a[None, :], mask=head_mask[:, None], other=0.0).to(DOT_DTYPE)  # [GROUP_PAD, HALF]
+    q_b = tl.load(q_rows + dims_b[None, :], mask=head_mask[:, None], other=0.0).to(DOT_DTYPE)
     k_words = k_cache_ptr.to(tl.pointer_type(tl.int16))
     v_words = v_cache_ptr.to(tl.pointer_type(tl.int16))
     table_ptr = block_tables_ptr + seq * stride_bt
@@ -277,12 +309,16 @@ def _decode_split_fp8_kernel(
         pos = tile_start + offs_n
         valid = (pos < end) & (pos >= first_key)
         block_ids, in_block = _tile_blocks(table_ptr, tile_start, end, offs_n, PAGE_SIZE, BLOCK_N)
-        # Strides count bytes; a row's first byte is even because HEAD_DIM is.
-        k_rows = (block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh) // 2
-        k_w = tl.load(k_words + k_rows[:, None] + offs_j[None, :], mask=valid[:, None], other=0)
-        k_lo, k_hi = _fp8_bytes_to(k_w, False, DOT_DTYPE, PTX), _fp8_bytes_to(k_w, True, DOT_DTYPE, PTX)
-        s = (tl.dot(q_even, tl.trans(k_lo), input_precision=DOT_PRECISION)
-             + tl.dot(q_odd, tl.trans(k_hi), input_precision=DOT_PRECISION))  # [GROUP_PAD, BLOCK_N]
+        # The cache strides arrive in 16-bit words (the wrapper halves them; HEAD_DIM is even). K is read
+        # unmasked: a key past the end reads some slot of its block or of block 0, and its score is masked.
+        k_rows = block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh
+        k_w = tl.load(k_words + k_rows[:, None] + offs_j[None, :])
+        if K_PAIRS:
+            k_a, k_b = _fp8_word_pairs_to_f16(k_w)
+        else:
+            k_a, k_b = _fp8_bytes_to(k_w, False, DOT_DTYPE, PTX), _fp8_bytes_to(k_w, True, DOT_DTYPE, PTX)
+        s = (tl.dot(q_a, tl.trans(k_a), input_precision=DOT_PRECISION)
+             + tl.dot(q_b, tl.trans(k_b), input_precision=DOT_PRECISION))  # [GROUP_PAD, BLOCK_N]
         scale_rows = block_ids * stride_sb + in_block * stride_ss + kv_head
         s = s * (qk_scale * tl.load(k_scale_ptr + scale_rows, mask=valid, other=0.0))[None, :]
         if SOFTCAP:
@@ -292,18 +328,16 @@ def _decode_split_fp8_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = (block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh) // 2
+        v_rows = block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh
         v_scales = tl.load(v_scale_ptr + scale_rows, mask=valid, other=0.0)
         v_w = tl.load(v_words + v_rows[:, None] + offs_j[None, :], mask=valid[:, None], other=0)
         v_lo, v_hi = _fp8_bytes_to(v_w, False, DOT_DTYPE, PTX), _fp8_bytes_to(v_w, True, DOT_DTYPE, PTX)
-        v_lo = v_lo * v_scales[:, None].to(DOT_DTYPE)  # V's own values again, as the model wrote them
-        v_hi = v_hi * v_scales[:, None].to(DOT_DTYPE)
-        p = p.to(DOT_DTYPE)
+        p = (p * (v_scales * V_LIFT)[None, :]).to(DOT_DTYPE)  # each key's V scale, lifted by 2^8 (docstring)
         acc_even = acc_even * alpha[:, None] + tl.dot(p, v_lo, input_precision=DOT_PRECISION)
         acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_hi, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # an empty range gives zeros, never NaN
+    inv_l = 1.0 / (V_LIFT * tl.where(l_i > 0, l_i, 1.0))  # an empty range gives zeros, never NaN
     _store_decode_rows(acc_even * inv_l[:, None], 2 * offs_j, seq, split, heads, head_mask, out_ptr, part_out_ptr,
                        stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, NUM_SPLITS)
     _store_decode_rows(acc_odd * inv_l[:, None], 2 * offs_j + 1, seq, split, heads, head_mask, out_ptr,
@@ -681,6 +715,49 @@ def _fp8_ptx(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype != torch.float32 and _converts_e4m3_pairs(q.device.index or 0)
 
 
+_WORD_PAIRS: dict[tuple[int, int], bool] = {}
+
+
+def _k_word_pairs(device_index: int, head_dim: int) -> bool:
+    """``_word_pairs_hold``, checked once; under CUDA-graph capture, where the check cannot run, an unchecked
+    device gets the byte-wise path (``compile_variants`` checks before any capture)."""
+    key = (device_index, head_dim)
+    if key not in _WORD_PAIRS:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _WORD_PAIRS[key] = _word_pairs_hold(device_index, head_dim)
+    return _WORD_PAIRS[key]
+
+
+def _word_pairs_hold(device_index: int, head_dim: int) -> bool:
+    """Whether K's word-pair conversion (``_fp8_word_pairs_to_f16``) finds the register layout it relies on with
+    this Triton and GPU: one small FP8 decode with it must give what the same decode converting each byte on
+    its own gives (checked once per GPU and head size; a mismatch logs a warning and the kernel keeps the
+    byte-wise path)."""
+    device = torch.device("cuda", device_index)
+    gen = torch.Generator(device=device).manual_seed(0)
+    blocks, block_size, kv_heads, group, seqs = 12, 16, 2, 2, 3
+    shape = (blocks, block_size, kv_heads, head_dim)
+    k_cache = (torch.rand(shape, generator=gen, device=device) * 8 - 4).to(FP8_DTYPE)
+    v_cache = (torch.rand(shape, generator=gen, device=device) * 8 - 4).to(FP8_DTYPE)
+    scales = tuple(torch.rand(shape[:3], generator=gen, device=device) + 0.5 for _ in range(2))
+    q = torch.randn(seqs, kv_heads * group, head_dim, generator=gen, device=device, dtype=torch.bfloat16)
+    tables = torch.randperm(blocks, generator=gen, device=device)[: seqs * 4].view(seqs, 4).to(torch.int32)
+    lens = torch.tensor([64, 37, 5], dtype=torch.int32, device=device)
+    want, got = torch.empty_like(q), torch.empty_like(q)
+    for out, pairs in ((want, False), (got, True)):
+        _launch_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, out, 1, None, None, 0, scales, 0.0,
+                       pairs)
+    ok = bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2))
+    if not ok:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "FP8 decode: K's word-pair conversion does not match the byte-wise one with this Triton (max error "
+            "%.3g); using the byte-wise conversion", (got.float() - want.float()).abs().max().item())
+    return ok
+
+
 @functools.lru_cache(maxsize=None)
 def _converts_e4m3_pairs(device_index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= (8, 9)
@@ -823,6 +900,19 @@ def paged_decode_attention(
         raise ValueError(f"paged_decode_attention: num_splits must be an int in [1, 256], got {num_splits!r}")
     if num_seqs == 0:
         return out
+    fp8 = kv_scales is not None
+    k_pairs = fp8 and _fp8_ptx(q) and _k_word_pairs(q.device.index or 0, head_dim)
+    return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, order, tiles, window,
+                          kv_scales, softcap, k_pairs)
+
+
+def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, order, tiles, window,
+                   kv_scales, softcap, k_pairs: bool) -> torch.Tensor:
+    """The decode kernel (and the merge) on checked arguments; ``k_pairs``: an FP8 cache's K converted as word
+    pairs (``_fp8_word_pairs_to_f16``)."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_context_len = block_tables.shape[1] * block_size
     group = num_heads // num_kv_heads
     fp8 = kv_scales is not None
     block_n, num_warps, num_stages, max_registers = (*(tiles or _decode_tiles(head_dim, num_splits, fp8)), None)[:4]
@@ -835,13 +925,16 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused: the kernel writes out directly
     kernel = _decode_split_fp8_kernel if fp8 else _decode_split_kernel
-    dtype_arg = {"DOT_DTYPE": _dot_dtype(q.dtype, True), "PTX": _fp8_ptx(q)} if fp8 else {}
+    dtype_arg = {"DOT_DTYPE": _dot_dtype(q.dtype, True), "PTX": _fp8_ptx(q), "K_PAIRS": k_pairs} if fp8 else {}
+    cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+    if fp8:  # the FP8 kernel reads the caches as 16-bit words
+        if any(st % 2 for st in cache_strides):
+            raise ValueError(f"paged_decode_attention: an FP8 cache's strides must be even, got {cache_strides}")
+        cache_strides = tuple(st // 2 for st in cache_strides)
     kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, part_out, part_lse,
         *scale_ptrs, scale if softcap else scale * LOG2_E, max_context_len, window, float(softcap),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *scale_strides,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *cache_strides, *scale_strides,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), HAS_ORDER=order is not None, SLIDING=window > 0,
