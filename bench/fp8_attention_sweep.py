@@ -10,11 +10,18 @@ printed with the bytes per second it reads (K/V, and the FP8 scales). A variant 
 stages, registers per thread at most); the one the engine picks is marked. ``--prefill`` times the prefill kernel
 instead, on a W1-like prefill step: fresh prompts of uniform lengths in [100, 1024], 16,384 tokens in all, across
 (BLOCK_M rows, BLOCK_N keys, warps, stages).
+
+    python bench/fp8_attention_sweep.py --baseline old_triton_kernels.py
+
+times the FP8 decode kernel as the engine picks it against the one in ``old_triton_kernels.py`` (a copy of
+engine/attention/triton_kernels.py from another commit, e.g. ``git show HEAD~1:engine/attention/triton_kernels.py``),
+alternating, in one process, and prints how far their outputs are apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -61,17 +68,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, nargs="+", default=[2, 4], help="query heads per KV head")
     parser.add_argument("--prefill", action="store_true", help="sweep the prefill kernel instead")
+    parser.add_argument("--baseline", type=Path, help="a copy of triton_kernels.py to time the FP8 decode against")
     args = parser.parse_args()
     if args.prefill:
         return prefill_sweep(args.groups)
+    if args.baseline:
+        return against_baseline(args.groups, args.baseline)
     device = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
-    rows, kv_heads, head_dim, block = 151, 8, 128, 16
-    lens = torch.randint(200, 1400, (rows,), generator=gen).tolist()
-    max_blocks = 4096 // block
-    cache, fp8, scales, tables = paged_caches(lens, block, kv_heads, head_dim, gen, device, max_blocks)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    order = torch.argsort(seq_lens, descending=True).to(torch.int32)
+    lens, cache, fp8, scales, tables, seq_lens, order, capacity = decode_batch(device)
+    rows, kv_heads, head_dim = len(lens), cache.shape[3], cache.shape[4]
     sms = num_sms(device)
 
     for group in args.groups:
@@ -84,7 +89,7 @@ def main() -> None:
             for n_rows in (rows, 8, 32):
                 sub = slice(0, n_rows)
                 tokens = sum(lens[:n_rows])
-                splits = choose_num_splits(n_rows, kv_heads, max_blocks * block, sms)
+                splits = choose_num_splits(n_rows, kv_heads, capacity, sms)
                 picked = (*_decode_tiles(head_dim, splits, kind == "fp8"), None)  # no register limit
                 for tiles in VARIANTS[kind] if n_rows == rows else [picked]:
                     try:
@@ -97,6 +102,48 @@ def main() -> None:
                     mark = " (picked)" if tiles == picked else ""
                     print(f"group {group} {kind:4s} {n_rows:3d} rows, {splits:2d} splits, tiles {str(tiles):22s} "
                           f"{us:7.1f} us, {tokens * bytes_per_token / us / 1e6:.2f} TB/s{mark}", flush=True)
+
+
+def decode_batch(device: torch.device):
+    """The W1-like decode batch: (context lengths, bf16 cache, FP8 K/V, scales, tables, seq_lens, order, table
+    capacity in tokens)."""
+    gen = torch.Generator().manual_seed(0)
+    rows, kv_heads, head_dim, block = 151, 8, 128, 16
+    lens = torch.randint(200, 1400, (rows,), generator=gen).tolist()
+    max_blocks = 4096 // block
+    cache, fp8, scales, tables = paged_caches(lens, block, kv_heads, head_dim, gen, device, max_blocks)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    order = torch.argsort(seq_lens, descending=True).to(torch.int32)
+    return lens, cache, fp8, scales, tables, seq_lens, order, max_blocks * block
+
+
+def against_baseline(groups: list[int], path: Path) -> None:
+    """The FP8 decode kernel (the engine's tiles) against another version of the kernels' module, each timed
+    twice, alternating, on the W1-like batch and on 8 and 32 rows with split contexts."""
+    from engine.attention import triton_kernels as current
+
+    spec = importlib.util.spec_from_file_location("baseline_triton_kernels", path)
+    baseline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(baseline)
+    device = torch.device("cuda")
+    lens, cache, fp8, scales, tables, seq_lens, order, capacity = decode_batch(device)
+    kv_heads, head_dim = cache.shape[3], cache.shape[4]
+    for group in groups:
+        q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
+        for n_rows in (len(lens), 8, 32):
+            sub = slice(0, n_rows)
+            splits = choose_num_splits(n_rows, kv_heads, capacity, num_sms(device))
+            outs = {}
+            for name, module in (("baseline", baseline), ("current", current)) * 2:
+                out = torch.empty_like(q[sub])
+                run = lambda: module.paged_decode_attention(  # noqa: E731
+                    q[sub], fp8[0], fp8[1], tables[sub], seq_lens[sub], 0.088, out, splits,
+                    order if n_rows == len(lens) else None, kv_scales=tuple(scales))
+                us = graph_time(run) * 1e6
+                run()
+                outs[name] = out.float()
+                print(f"group {group} {n_rows:3d} rows, {splits:2d} splits, {name:8s} {us:7.1f} us", flush=True)
+            print(f"    largest difference between the two: {(outs['current'] - outs['baseline']).abs().max():.4f}")
 
 
 PREFILL_VARIANTS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 3),

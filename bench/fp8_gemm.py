@@ -118,7 +118,7 @@ def sweep(shape: str, batches) -> None:
             xq, xs = fp8_kernels.quantize_rows(x, 128)
             bf16 = graph_time([lambda w=w: F.linear(x, w) for w, _, _ in ws])
             results = []
-            block_ms = (16, 32, 64) if m <= 256 else (64, 128)
+            block_ms = (16, 32, 64, 128, 256) if m <= 256 else (64, 128)
             for bm, bn, split, warps, stages in itertools.product(block_ms, (32, 64, 128, 256), (1, 2, 4, 8, 16),
                                                                   (4, 8), (3, 5)):
                 if bm < min(16, m) or (m <= 256 and bm > max(16, 2 * m)) or (m > 256 and split > 1):
