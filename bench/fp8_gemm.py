@@ -7,10 +7,11 @@
 Each call is timed inside a CUDA graph (no launch cost), on one of several copies of the weight in turn, so
 that no call finds its weight in the 50 MB L2 cache as a decode step would not. For each projection (q|k|v, o,
 gate|up, down) and batch size: bf16 ``F.linear``; FP8 through ``torch._scaled_mm`` with one activation scale
-per token; and the two products the engine picks between, both with activations quantized per token and 128
-columns (per-channel weight scales): the Triton ``scaled_matmul`` and cuBLAS's block-scaled ``_scaled_mm``.
-Each FP8 time includes the activations' quantization. Prints microseconds and the weight bytes per second
-each reaches.
+per token (per-channel weight scales); and, with weights in 128 x 128 blocks as ``--quantization fp8`` stores
+them and activations quantized per token and 128 columns, the Triton ``scaled_matmul``, cuBLAS's block-scaled
+``_scaled_mm`` with the blocks' scales given as 1 x 128 and as 128 x 128, and what ``fp8_linear`` picks. Each
+FP8 time includes the activations' quantization. Prints microseconds and the weight bytes per second each
+reaches.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ SHAPES = {
     "llama-3.1-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
 }
-BATCHES = (1, 8, 32, 64, 128, 151, 256, 4096)
+BATCHES = (1, 8, 32, 64, 128, 151, 256, 512, 1024, 2048, 4096, 16384)
 L2_BYTES = 50 << 20
 
 
@@ -69,38 +70,74 @@ def copies_needed(n: int, k: int) -> int:
 
 
 def weights(n: int, k: int, copies: int):
+    """``copies`` random weights, each as a dict: bf16; FP8 per channel (values, scales); FP8 in two levels, a
+    scale per row times one per 128 x 128 tile of the rows so normalized (values, row scales, tile scales)."""
     out = []
     for _ in range(copies):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+        w[torch.randperm(n, device="cuda")[: n // 16]] *= 8  # rows of other magnitudes, as real layers have
         values, scales = fp8.quantize_per_channel(w)
-        out.append((w, values, scales))
+        rows = w.float().abs().amax(dim=1) / 448
+        tiled, tile_scales = fp8.quantize_blocks(w.float() / rows[:, None])
+        out.append(dict(bf16=w, values=values, scales=scales, groups=fp8.cublas_weight_scales(values, scales, None),
+                        tiled=tiled, rows=rows.to(torch.bfloat16), tiles=tile_scales.t()))
     return out
 
 
+VARIANTS = {
+    "bf16 F.linear": lambda x, w: F.linear(x, w["bf16"]),
+    "per token": lambda x, w: _scaled_mm_per_token(x, w["values"], w["scales"]),
+    "Triton": lambda x, w: fp8._gpu_fp8_linear(x, w["values"], w["scales"], None),
+    "1x128": lambda x, w: _scaled_mm_blocks(x, w["values"], w["groups"].groups),
+    "1x128 C^T": lambda x, w: _scaled_mm_swapped(x, w["values"], w["groups"].groups),
+    "1x128 C^T kept": lambda x, w: _scaled_mm_swapped(x, w["values"], w["groups"].groups, transpose=False),
+    "128x128 * rows": lambda x, w: _scaled_mm_blocks(x, w["tiled"], w["tiles"]).mul_(w["rows"]),
+    "128x128 alone": lambda x, w: _scaled_mm_blocks(x, w["tiled"], w["tiles"]),
+}
+
+
 def compare(shape: str, batches) -> None:
-    print(f"{shape}: us per call / weight TB/s (bf16 counts 2 bytes a weight, FP8 one)")
-    print(f"{'layer':>8} {'batch':>5} {'bf16 F.linear':>14} {'FP8 per token':>14} {'FP8 Triton':>14} "
-          f"{'FP8 cuBLAS':>14} {'best vs bf16':>12}")
+    print(f"{shape}: us per call / weight TB/s (bf16 counts 2 bytes a weight, FP8 one). 'per token': one activation "
+          f"scale per token; the rest 1 x 128. '1x128': cuBLAS, per-channel weight scales; 'C^T': the same product "
+          f"with the operands swapped (W @ X^T), then transposed back, or 'kept'; '128x128 * rows': weights with a "
+          f"scale per row times one per 128 x 128 tile, the rows' scales applied to the output ('alone': without)")
+    print(f"{'layer':>8} {'batch':>5} " + " ".join(f"{v:>14}" for v in VARIANTS) + f" {'best FP8':>10}")
     for name, (n, k) in SHAPES[shape].items():
         ws = weights(n, k, copies_needed(n, k))
-        blocked = [fp8.cublas_weight_scales(v, s, None) for _, v, s in ws]
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            times = [
-                graph_time([lambda w=w: F.linear(x, w) for w, _, _ in ws]),
-                graph_time([lambda v=v, s=s: _scaled_mm_per_token(x, v, s) for _, v, s in ws]),
-                graph_time([lambda v=v, s=s: fp8._gpu_fp8_linear(x, v, s, None) for _, v, s in ws]),
-            ]
-            if blocked[0] is not None:
-                saved, fp8.TRITON_MAX_ROWS = fp8.TRITON_MAX_ROWS, 0
-                times.append(graph_time([lambda v=v, s=s, b=b: fp8._gpu_fp8_linear(x, v, s, None, b)
-                                         for (_, v, s), b in zip(ws, blocked)]))
-                fp8.TRITON_MAX_ROWS = saved
+            times = []
+            want = F.linear(x, ws[0]["bf16"]).float()
+            for variant, fn in VARIANTS.items():
+                try:
+                    got = fn(x, ws[0]).float()
+                    got = got.t()[:m] if got.shape != want.shape else got
+                    error = float((got - want).norm() / want.norm())
+                    if not error < (0.06 if variant != "128x128 alone" else 1e9):
+                        print(f"  {name} m={m} {variant}: relative error {error:.4f} against bf16")
+                    times.append(graph_time([lambda w=w, fn=fn: fn(x, w) for w in ws]))
+                except (RuntimeError, ValueError) as exc:
+                    print(f"  {name} m={m} {variant}: {type(exc).__name__}: {str(exc)[:200]}")
+                    times.append(float("nan"))
             rates = [n * k * (2 if i == 0 else 1) / (t * 1e-6) / 1e12 for i, t in enumerate(times)]
             cells = " ".join(f"{t:>8.1f}/{r:>4.2f}" for t, r in zip(times, rates))
-            print(f"{name:>8} {m:>5} {cells} {times[0] / min(times[2:]):>11.2f}x")
+            fp8_times = [t for t, v in zip(times, VARIANTS) if v not in ("bf16 F.linear", "128x128 alone", "1x128 C^T kept") and t == t]
+            print(f"{name:>8} {m:>5} {cells} {times[0] / min(fp8_times):>9.2f}x", flush=True)
         del ws
         torch.cuda.empty_cache()
+
+
+def _scaled_mm_blocks(x, values, weight_scales):
+    xq, xs = fp8_kernels.quantize_rows(x, fp8.ACTIVATION_GROUP, cublas_layout=True)
+    return torch._scaled_mm(xq, values.t(), scale_a=xs, scale_b=weight_scales, out_dtype=x.dtype)[: x.shape[0]]
+
+
+def _scaled_mm_swapped(x, values, weight_scales, transpose: bool = True):
+    """C^T = W @ X^T: the weights on cuBLAS's M side, the tokens (padded to 16) on its N side."""
+    m = x.shape[0]
+    xq, xs = fp8_kernels.quantize_rows(F.pad(x, (0, 0, 0, -m % 16)), fp8.ACTIVATION_GROUP, cublas_layout=True)
+    out_t = torch._scaled_mm(values, xq.t(), scale_a=weight_scales.t(), scale_b=xs.t(), out_dtype=x.dtype)
+    return out_t.t()[:m].contiguous() if transpose else out_t
 
 
 def _scaled_mm_per_token(x, values, scales):
@@ -116,7 +153,7 @@ def sweep(shape: str, batches) -> None:
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = fp8_kernels.quantize_rows(x, 128)
-            bf16 = graph_time([lambda w=w: F.linear(x, w) for w, _, _ in ws])
+            bf16 = graph_time([lambda w=w: F.linear(x, w["bf16"]) for w in ws])
             results = []
             block_ms = (16, 32, 64, 128, 256) if m <= 256 else (64, 128)
             for bm, bn, split, warps, stages in itertools.product(block_ms, (32, 64, 128, 256), (1, 2, 4, 8, 16),
@@ -129,7 +166,7 @@ def sweep(shape: str, batches) -> None:
                 try:
                     t = graph_time([lambda v=v, s=s, cfg=cfg: fp8_kernels.scaled_matmul(xq, xs, v, s, None,
                                                                                         torch.bfloat16, cfg)
-                                    for _, v, s in ws], reps=3)
+                                    for w in ws for v, s in [(w["values"], w["scales"])]], reps=3)
                 except Exception as exc:  # out of shared memory or registers for this tile
                     print(f"  skip {cfg}: {type(exc).__name__}")
                     continue

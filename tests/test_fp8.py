@@ -194,6 +194,45 @@ def test_reference_fp8_linear_is_the_scaled_product():
     assert 0 < relative_error(ours, exact) < 0.05
 
 
+def test_load_time_block_quantization_matches_the_checkpoint_format_and_takes_partial_tiles():
+    """``quantize_blocks`` rounds whole tiles exactly as FP8 checkpoints store them, and an edge tile that is only
+    partly inside W (the default model's 576 columns are 4.5 tiles) gets the scale of the values it holds."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 384, generator=gen)
+    values, scales = fp8.quantize_blocks(w)
+    want_values, want_scales = quantize_blocks(w, 128)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)) and torch.equal(scales, want_scales)
+    w = torch.randn(200, 330, generator=gen)
+    w[150:, 300:] *= 1000  # the corner tile's scale must not leak into its neighbours
+    values, scales = fp8.quantize_blocks(w)
+    assert values.shape == (200, 330) and scales.shape == (2, 3)
+    torch.testing.assert_close(scales[1, 2], w[128:, 256:].abs().max() / 448)
+    torch.testing.assert_close(scales[1, 1], w[128:, 128:256].abs().max() / 448)
+    back = fp8.dequantize_weight(values, scales, (128, 128), torch.float32)
+    tile_scale = scales.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :330]
+    # 3 mantissa bits: within 1/16 of each value, or half of float8's smallest step (2^-9) times its tile's scale.
+    assert ((back - w).abs() <= w.abs() / 16 + tile_scale * 2**-10).all()
+
+
+def test_cublas_scale_layouts_describe_the_same_weight_and_blocks_serve_large_batches_only():
+    """cuBLAS takes a weight's scales either per row and 128 columns ([groups, out]) or, for 128 x 128 blocks, per
+    tile: both layouts must give every (row, group) its own scale, and the tile layout serves only products of
+    at least ``BLOCK_SCALES_MIN_ROWS`` tokens (its kernels are the slower ones at decode batch sizes)."""
+    gen = torch.Generator().manual_seed(5)
+    tiles = torch.rand(3, 4, generator=gen) + 0.1  # a [384, 512] weight in 128 x 128 blocks
+    layouts = fp8.CublasScales.of(tiles, (128, 128), 4)
+    rows = torch.arange(384)
+    assert layouts.groups.shape == (4, 384) and layouts.groups.is_contiguous()
+    assert torch.equal(layouts.groups, tiles[rows // 128].t())
+    assert torch.equal(layouts.blocks, tiles.t())
+    assert layouts.for_rows(fp8.BLOCK_SCALES_MIN_ROWS - 1) is layouts.groups
+    assert layouts.for_rows(fp8.BLOCK_SCALES_MIN_ROWS) is layouts.blocks
+    channels = torch.rand(384, generator=gen)
+    layouts = fp8.CublasScales.of(channels, None, 4)
+    assert torch.equal(layouts.groups, channels.expand(4, 384)) and layouts.blocks is None
+    assert layouts.for_rows(16384) is layouts.groups
+
+
 @pytest.mark.parametrize("m, n, k, block, config", [
     (5, 96, 320, None, (16, 32, 2, 2)),          # K cut in two at a group, a partial last group, partial tiles
     (37, 64, 384, None, (16, 32, 3, 2)),         # three splits, token tiles past the last row

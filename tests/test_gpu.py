@@ -99,10 +99,11 @@ def test_fp8_kv_cache_and_weights_on_cuda_match_the_torch_reference(tmp_path):
         ref = fp8._reference_fp8_linear(x[:m].float(), block_values, block_scales, (128, 128))
         assert _rel_err(ours.float(), ref) < 1e-2
     cublas = fp8.cublas_weight_scales(block_values, block_scales, (128, 128))
-    xm = torch.randn(200, 512, generator=gen).cuda().bfloat16()
-    ours = fp8.fp8_linear(xm, block_values, block_scales, None, (128, 128), cublas_scales=cublas)
-    ref = fp8._reference_fp8_linear(xm.float(), block_values, block_scales, (128, 128))
-    assert _rel_err(ours.float(), ref) < 1e-2
+    for m in (200, fp8.BLOCK_SCALES_MIN_ROWS + 3):  # the tiles' scales repeated per row, then as 128 x 128 tiles
+        xm = torch.randn(m, 512, generator=gen).cuda().bfloat16()
+        ours = fp8.fp8_linear(xm, block_values, block_scales, None, (128, 128), cublas_scales=cublas)
+        ref = fp8._reference_fp8_linear(xm.float(), block_values, block_scales, (128, 128))
+        assert ours.shape == (m, 384) and _rel_err(ours.float(), ref) < 1e-2
 
     model_dir = save_tiny_model("qwen3", tmp_path)
     prompts = _prompts(VOCAB)

@@ -14,7 +14,8 @@ with float32 accumulation, and the scales are applied to the result. On a GPU wi
 (compute capability 8.9+) both layouts run through cuBLAS's block-scaled ``torch._scaled_mm`` where torch
 and the GPU have it (Hopper, CUDA 12.9+; 1.1-1.9x faster than bf16 at decode batch sizes on Llama-3.1-8B's
 projections, see bench/RESULTS.md), else through a Triton kernel (``fp8_kernels.scaled_matmul``) with the
-same arithmetic. Elsewhere (the CPU) the same arithmetic runs as dequantize-then-matmul: activations are
+same arithmetic. cuBLAS takes block weights' scales in two layouts (``CublasScales``), one per tile and one
+repeated per row, and runs other kernels for each; the product picks by its token count. Elsewhere (the CPU) the same arithmetic runs as dequantize-then-matmul: activations are
 rounded through FP8 exactly as the GPU path rounds them, so CPU accuracy tests measure what the GPU
 computes. The CPU layers widen their FP8 values to float32 once and keep them (``Fp8Weights``): CPUs have
 no FP8 arithmetic to save memory with.
@@ -35,6 +36,7 @@ from kvcache.paged_cache import FP8_DTYPE, fp8_to_float32, quantize_fp8
 
 
 ACTIVATION_GROUP = 128  # activation columns that share one scale (and block weights' tile width)
+WEIGHT_BLOCK = (128, 128)  # ``--quantization fp8``'s weight tiles: rows x columns that share one scale
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,19 @@ class Fp8Scheme:
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W [out, in] -> (float8 W, float32 scales [out]) with ``W ~= W8 * scales[:, None]``."""
     return quantize_fp8(weight)
+
+
+def quantize_blocks(weight: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (float8 W, float32 scales [ceil(out / rows), ceil(in / cols)]): each ``block`` tile of W
+    scaled so that its absolute maximum maps to 448, as FP8 checkpoints store their weights. Edge tiles are
+    partial."""
+    n, k = weight.shape
+    bn, bk = block
+    padded = F.pad(weight.float(), (0, blocks(k, bk) * bk - k, 0, blocks(n, bn) * bn - n))
+    tiles = padded.view(blocks(n, bn), bn, blocks(k, bk), bk).transpose(1, 2)  # [row tiles, col tiles, bn, bk]
+    values, scales = quantize_fp8(tiles.reshape(*tiles.shape[:2], bn * bk))
+    values = values.view(*tiles.shape).transpose(1, 2).reshape(padded.shape)[:n, :k].contiguous()
+    return values, scales
 
 
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,12 +133,12 @@ def fp8_gemm_available(device: torch.device) -> bool:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                block: tuple[int, int] | None = None, widened: torch.Tensor | None = None,
-               cublas_scales: torch.Tensor | None = None) -> torch.Tensor:
+               cublas_scales: CublasScales | None = None) -> torch.Tensor:
     """``x @ W^T + bias`` for an FP8 ``weight`` [out, in] with its scales; ``x`` [..., in] in the compute dtype.
 
     ``widened`` is ``widen_weight``'s result for this weight, kept by the caller so that the reference path
     does not convert the FP8 values again on every call; ``cublas_scales`` likewise ``cublas_weight_scales``'s,
-    for large batches on GPUs where cuBLAS takes them."""
+    on GPUs where cuBLAS takes them."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if fp8_gemm_available(x.device) and rows.shape[0] > 0:
@@ -153,39 +168,63 @@ def _reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Te
 
 
 def _gpu_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                    block: tuple[int, int] | None, cublas_scales: torch.Tensor | None = None) -> torch.Tensor:
+                    block: tuple[int, int] | None, cublas_scales: CublasScales | None = None) -> torch.Tensor:
     from engine.models import fp8_kernels
 
-    if cublas_scales is not None and x.shape[0] > TRITON_MAX_ROWS:
+    if cublas_scales is not None:
         xq, x_scales = fp8_kernels.quantize_rows(x, ACTIVATION_GROUP, cublas_layout=True)
-        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=cublas_scales, out_dtype=x.dtype)
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=cublas_scales.for_rows(x.shape[0]),
+                               out_dtype=x.dtype)
         return out[: x.shape[0]]
     xq, x_scales = fp8_kernels.quantize_rows(x, ACTIVATION_GROUP)
     return fp8_kernels.scaled_matmul(xq, x_scales, weight, scale, block, x.dtype)
 
 
-# Up to this many tokens the Triton kernel runs even where cuBLAS's block-scaled FP8 GEMM is available. On an
-# H200 cuBLAS is as fast or faster at every batch size (bench/fp8_gemm.py), so Triton serves only where it is
-# not (other GPUs, older torch or cuBLAS, shapes it does not take).
-TRITON_MAX_ROWS = 0
+# From this many tokens on, block weights multiply with cuBLAS's 128 x 128 weight scaling; below it, with their
+# scales repeated over each tile's rows (1 x 128 scaling). The same product, but cuBLAS runs other kernels for
+# the two: on an H200, 128 x 128 is 1.4-1.65x bf16 at 4,096-16,384 tokens against 1.1-1.3x for 1 x 128, and
+# 1 x 128 is the faster one at decode batch sizes (bench/fp8_gemm.py; bench/RESULTS.md).
+BLOCK_SCALES_MIN_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class CublasScales:
+    """A weight's scales in the layouts cuBLAS's block-scaled ``torch._scaled_mm`` takes.
+
+    ``groups``: one scale per output row and 128 columns, [groups, out] contiguous (per-channel scales
+    repeated over the groups, block scales over their tile's rows). ``blocks``: one per 128 x 128 tile, as
+    the transposed view cuBLAS takes, for block weights only. Both describe the same weight exactly."""
+
+    groups: torch.Tensor
+    blocks: torch.Tensor | None
+
+    @classmethod
+    def of(cls, scale: torch.Tensor, block: tuple[int, int] | None, num_groups: int) -> CublasScales:
+        """From per-channel scales [out] (``block`` None) or 128 x 128 block scales [out / 128, groups]."""
+        if block is None:
+            return cls(scale[None, :].expand(num_groups, scale.shape[0]).contiguous(), None)
+        return cls(scale.repeat_interleave(block[0], 0).t().contiguous(), scale.t())
+
+    def for_rows(self, num_rows: int) -> torch.Tensor:
+        """The scales whose cuBLAS kernel is faster for a product of ``num_rows`` tokens."""
+        if self.blocks is not None and num_rows >= BLOCK_SCALES_MIN_ROWS:
+            return self.blocks
+        return self.groups
 
 
 def cublas_weight_scales(weight: torch.Tensor, scale: torch.Tensor,
-                         block: tuple[int, int] | None) -> torch.Tensor | None:
-    """The weight scales as ``torch._scaled_mm``'s block scaling takes them (per-channel scales repeated over
-    the 128-column groups, [groups, out]; block scales transposed), or None where that product is not
-    available: no Hopper GPU, a torch or cuBLAS without block scaling, or shapes it does not take."""
+                         block: tuple[int, int] | None) -> CublasScales | None:
+    """The weight's scales as cuBLAS's block scaling takes them, or None where that product is not available:
+    no Hopper GPU, a torch or cuBLAS without block scaling, or shapes it does not take."""
     if weight.device.type != "cuda" or not _cublas_block_scaling(weight.device):
         return None
     n, k = weight.shape
     groups = k // ACTIVATION_GROUP
     if k % ACTIVATION_GROUP or groups % 4 or n % 16:
         return None
-    if block is None:  # cuBLAS takes these [groups, out] contiguous, and block scales as a transposed view
-        return scale[None, :].expand(groups, n).contiguous()
-    if block != (128, 128) or n % 128:  # cuBLAS's weight blocks are 128 x 128
+    if block is not None and (block != (128, 128) or n % 128):  # cuBLAS's weight blocks are 128 x 128
         return None
-    return scale.t()
+    return CublasScales.of(scale, block, groups)
 
 
 @functools.lru_cache(maxsize=None)
