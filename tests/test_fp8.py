@@ -214,23 +214,26 @@ def test_load_time_block_quantization_matches_the_checkpoint_format_and_takes_pa
     assert ((back - w).abs() <= w.abs() / 16 + tile_scale * 2**-10).all()
 
 
-def test_cublas_scale_layouts_describe_the_same_weight_and_blocks_serve_large_batches_only():
-    """cuBLAS takes a weight's scales either per row and 128 columns ([groups, out]) or, for 128 x 128 blocks, per
-    tile: both layouts must give every (row, group) its own scale, and the tile layout serves only products of
-    at least ``BLOCK_SCALES_MIN_ROWS`` tokens (its kernels are the slower ones at decode batch sizes)."""
+def test_cublas_scale_layouts_describe_the_same_weight_and_tiles_serve_large_batches_only():
+    """cuBLAS takes a weight's scales per row and 128 columns ([groups, out]) or per 128 x 128 tile. Both layouts
+    must give every (row, group) its scale: block scales repeated over their rows, or per-channel scales as
+    tiles of ones whose rows' scales then multiply the output. The tile layout serves only products of at least
+    ``BLOCK_SCALES_MIN_ROWS`` tokens (its kernels are the slower ones at decode batch sizes)."""
     gen = torch.Generator().manual_seed(5)
     tiles = torch.rand(3, 4, generator=gen) + 0.1  # a [384, 512] weight in 128 x 128 blocks
     layouts = fp8.CublasScales.of(tiles, (128, 128), 4)
     rows = torch.arange(384)
     assert layouts.groups.shape == (4, 384) and layouts.groups.is_contiguous()
     assert torch.equal(layouts.groups, tiles[rows // 128].t())
-    assert torch.equal(layouts.blocks, tiles.t())
-    assert layouts.for_rows(fp8.BLOCK_SCALES_MIN_ROWS - 1) is layouts.groups
-    assert layouts.for_rows(fp8.BLOCK_SCALES_MIN_ROWS) is layouts.blocks
+    assert torch.equal(layouts.tiles, tiles.t()) and layouts.rows is None
+    assert layouts.for_rows(fp8.BLOCK_SCALES_MIN_ROWS - 1) == (layouts.groups, None)
+    assert layouts.for_rows(fp8.BLOCK_SCALES_MIN_ROWS) == (layouts.tiles, None)
     channels = torch.rand(384, generator=gen)
     layouts = fp8.CublasScales.of(channels, None, 4)
-    assert torch.equal(layouts.groups, channels.expand(4, 384)) and layouts.blocks is None
-    assert layouts.for_rows(16384) is layouts.groups
+    assert torch.equal(layouts.groups, channels.expand(4, 384))
+    assert torch.equal(layouts.tiles, torch.ones(4, 3)) and layouts.rows is channels
+    assert layouts.for_rows(16384) == (layouts.tiles, channels) and layouts.for_rows(8) == (layouts.groups, None)
+    assert fp8.CublasScales.of(torch.rand(320), None, 4).tiles is None  # rows that are not whole tiles
 
 
 @pytest.mark.parametrize("m, n, k, block, config", [

@@ -87,7 +87,7 @@ def test_fp8_kv_cache_and_weights_on_cuda_match_the_torch_reference(tmp_path):
     # cuBLAS's block-scaled product (Hopper with torch >= 2.9) with the same scales, rows padded to a multiple of 4.
     cublas = fp8.cublas_weight_scales(values, channel_scales, None)
     assert cublas is not None, "this torch or GPU has no block-scaled _scaled_mm"
-    for m in (1, 5, 65, 300):
+    for m in (1, 5, 65, 300, fp8.BLOCK_SCALES_MIN_ROWS + 5):  # the last as tiles of ones, rows' scales after
         xm = torch.randn(m, 512, generator=gen).cuda().bfloat16()
         ours = fp8.fp8_linear(xm, values, channel_scales, None, cublas_scales=cublas)
         assert ours.shape == (m, 384)

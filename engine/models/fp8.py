@@ -173,43 +173,52 @@ def _gpu_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
     if cublas_scales is not None:
         xq, x_scales = fp8_kernels.quantize_rows(x, ACTIVATION_GROUP, cublas_layout=True)
-        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=cublas_scales.for_rows(x.shape[0]),
-                               out_dtype=x.dtype)
-        return out[: x.shape[0]]
+        weight_scales, row_scales = cublas_scales.for_rows(x.shape[0])
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=weight_scales, out_dtype=x.dtype)
+        out = out[: x.shape[0]]
+        return out if row_scales is None else out.mul_(row_scales)
     xq, x_scales = fp8_kernels.quantize_rows(x, ACTIVATION_GROUP)
     return fp8_kernels.scaled_matmul(xq, x_scales, weight, scale, block, x.dtype)
 
 
-# From this many tokens on, block weights multiply with cuBLAS's 128 x 128 weight scaling; below it, with their
-# scales repeated over each tile's rows (1 x 128 scaling). The same product, but cuBLAS runs other kernels for
-# the two: on an H200, 128 x 128 is 1.4-1.65x bf16 at 4,096-16,384 tokens against 1.1-1.3x for 1 x 128, and
-# 1 x 128 is the faster one at decode batch sizes (bench/fp8_gemm.py; bench/RESULTS.md).
+# From this many tokens on, weights multiply with cuBLAS's 128 x 128 weight scaling; below it, with 1 x 128 scaling
+# (one scale per row and 128 columns). The same product, but cuBLAS runs other kernels for the two: on an H200,
+# 128 x 128 is 1.4-1.65x bf16 at 4,096-16,384 tokens against 1.1-1.3x for 1 x 128, and 1 x 128 is the faster one
+# at decode batch sizes (bench/fp8_gemm.py; bench/RESULTS.md).
 BLOCK_SCALES_MIN_ROWS = 1024
 
 
 @dataclass(frozen=True)
 class CublasScales:
-    """A weight's scales in the layouts cuBLAS's block-scaled ``torch._scaled_mm`` takes.
+    """A weight's scales in the layouts cuBLAS's block-scaled ``torch._scaled_mm`` takes; all describe the same
+    weight exactly.
 
-    ``groups``: one scale per output row and 128 columns, [groups, out] contiguous (per-channel scales
-    repeated over the groups, block scales over their tile's rows). ``blocks``: one per 128 x 128 tile, as
-    the transposed view cuBLAS takes, for block weights only. Both describe the same weight exactly."""
+    ``groups``: one scale per output row and 128 columns, [groups, out] contiguous (per-channel scales repeated
+    over the groups, block scales over their tile's rows). ``tiles``: one per 128 x 128 tile, as the transposed
+    view cuBLAS takes. Per-channel scales vary within a tile, so for them the tiles are ones and ``rows`` holds
+    the scales that then multiply the product's columns."""
 
     groups: torch.Tensor
-    blocks: torch.Tensor | None
+    tiles: torch.Tensor | None
+    rows: torch.Tensor | None = None
 
     @classmethod
     def of(cls, scale: torch.Tensor, block: tuple[int, int] | None, num_groups: int) -> CublasScales:
         """From per-channel scales [out] (``block`` None) or 128 x 128 block scales [out / 128, groups]."""
-        if block is None:
-            return cls(scale[None, :].expand(num_groups, scale.shape[0]).contiguous(), None)
-        return cls(scale.repeat_interleave(block[0], 0).t().contiguous(), scale.t())
+        if block is not None:
+            return cls(scale.repeat_interleave(block[0], 0).t().contiguous(), scale.t())
+        n = scale.shape[0]
+        groups = scale[None, :].expand(num_groups, n).contiguous()
+        if n % 128:
+            return cls(groups, None)
+        return cls(groups, torch.ones(n // 128, num_groups, device=scale.device).t(), scale)
 
-    def for_rows(self, num_rows: int) -> torch.Tensor:
-        """The scales whose cuBLAS kernel is faster for a product of ``num_rows`` tokens."""
-        if self.blocks is not None and num_rows >= BLOCK_SCALES_MIN_ROWS:
-            return self.blocks
-        return self.groups
+    def for_rows(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight scales, the output columns' scales or None) for the faster of cuBLAS's kernels at
+        ``num_rows`` tokens."""
+        if self.tiles is not None and num_rows >= BLOCK_SCALES_MIN_ROWS:
+            return self.tiles, self.rows
+        return self.groups, None
 
 
 def cublas_weight_scales(weight: torch.Tensor, scale: torch.Tensor,
