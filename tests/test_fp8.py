@@ -340,3 +340,20 @@ def test_unsupported_quantization_configs_are_refused_by_name(block_dirs, tmp_pa
         (tmp_path / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_pretrained(tmp_path)
+
+
+def test_scale_columns_kernel_multiplies_each_column_in_float32_and_rounds_once():
+    """The kernel that applies per-channel weight scales to a product's columns (run by Triton's interpreter here,
+    on the GPU in tests/test_gpu.py): each column times its scale, in place, for partial tiles and row strides."""
+    from engine.models import fp8_kernels
+
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(37, 300, generator=gen)
+    x = base[:, :290]  # rows contiguous, a stride past the columns
+    scales = torch.rand(290, generator=gen) + 0.5
+    want = base[:, :290] * scales
+    assert fp8_kernels.scale_columns_(x, scales) is x
+    torch.testing.assert_close(x, want, atol=0, rtol=0)
+    torch.testing.assert_close(base[:, 290:], torch.randn(37, 300, generator=torch.Generator().manual_seed(7))[:, 290:])
+    with pytest.raises(ValueError, match="float32 scales"):
+        fp8_kernels.scale_columns_(x, scales[:10])

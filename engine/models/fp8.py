@@ -14,8 +14,11 @@ with float32 accumulation, and the scales are applied to the result. On a GPU wi
 (compute capability 8.9+) both layouts run through cuBLAS's block-scaled ``torch._scaled_mm`` where torch
 and the GPU have it (Hopper, CUDA 12.9+; 1.1-1.9x faster than bf16 at decode batch sizes on Llama-3.1-8B's
 projections, see bench/RESULTS.md), else through a Triton kernel (``fp8_kernels.scaled_matmul``) with the
-same arithmetic. cuBLAS takes block weights' scales in two layouts (``CublasScales``), one per tile and one
-repeated per row, and runs other kernels for each; the product picks by its token count. Elsewhere (the CPU) the same arithmetic runs as dequantize-then-matmul: activations are
+same arithmetic. cuBLAS runs other kernels for 1 x 128 weight scales (one per row and 128 columns) and for
+128 x 128 tiles, and the tiles' are the faster ones from a few hundred tokens on; ``CublasScales`` keeps both
+layouts of a weight and the product picks by its token count. Per-channel weights go through the tile kernels
+as tiles of ones, their channels' scales then multiplying the product's columns (``scale_columns_``).
+Elsewhere (the CPU) the same arithmetic runs as dequantize-then-matmul: activations are
 rounded through FP8 exactly as the GPU path rounds them, so CPU accuracy tests measure what the GPU
 computes. The CPU layers widen their FP8 values to float32 once and keep them (``Fp8Weights``): CPUs have
 no FP8 arithmetic to save memory with.
@@ -176,16 +179,17 @@ def _gpu_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         weight_scales, row_scales = cublas_scales.for_rows(x.shape[0])
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=weight_scales, out_dtype=x.dtype)
         out = out[: x.shape[0]]
-        return out if row_scales is None else out.mul_(row_scales)
+        return out if row_scales is None else fp8_kernels.scale_columns_(out, row_scales)
     xq, x_scales = fp8_kernels.quantize_rows(x, ACTIVATION_GROUP)
     return fp8_kernels.scaled_matmul(xq, x_scales, weight, scale, block, x.dtype)
 
 
 # From this many tokens on, weights multiply with cuBLAS's 128 x 128 weight scaling; below it, with 1 x 128 scaling
-# (one scale per row and 128 columns). The same product, but cuBLAS runs other kernels for the two: on an H200,
-# 128 x 128 is 1.4-1.65x bf16 at 4,096-16,384 tokens against 1.1-1.3x for 1 x 128, and 1 x 128 is the faster one
-# at decode batch sizes (bench/fp8_gemm.py; bench/RESULTS.md).
-BLOCK_SCALES_MIN_ROWS = 1024
+# (one scale per row and 128 columns). The same product, but cuBLAS runs other kernels for the two. On an H200, with
+# Llama-3.1-8B's projections (bench/fp8_gemm.py, bench/RESULTS.md): 1 x 128 is the faster one at 151 tokens; from
+# 256 tokens on, 128 x 128 is, even with per-channel scales applied to the output afterwards (at 16,384 tokens
+# 1.46-1.74x bf16 against 1.16-1.32x).
+BLOCK_SCALES_MIN_ROWS = 256
 
 
 @dataclass(frozen=True)

@@ -214,3 +214,29 @@ def scaled_matmul(a: torch.Tensor, a_scales: torch.Tensor, weight: torch.Tensor,
         _sum_splits_kernel[(triton.cdiv(m * n, block_size),)](target, out, m * n, split, m * n, BLOCK=block_size,
                                                               num_warps=4)
     return out
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _scale_columns_kernel(x_ptr, s_ptr, num_rows, num_cols, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < num_rows) & (cols[None, :] < num_cols)
+    ptrs = x_ptr + rows[:, None] * stride_x + cols[None, :]
+    scales = tl.load(s_ptr + cols, mask=cols < num_cols, other=0.0)
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, (x * scales[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_columns_(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x *= scales`` in place for x [m, n] (rows contiguous) and float32 scales [n], multiplied in float32 and
+    rounded once. torch's broadcast multiply takes its unvectorized path here (a 16k-token prefill step of
+    Llama-3.1-8B spent 66 ms in it on an H200); this kernel reads and writes 16-byte vectors."""
+    if x.dim() != 2 or x.stride(1) != 1 or scales.shape != (x.shape[1],) or scales.dtype != torch.float32:
+        raise ValueError(f"scale_columns_: x {tuple(x.shape)} with contiguous rows and float32 scales of its "
+                         f"{x.shape[-1]} columns expected, got scales {tuple(scales.shape)} {scales.dtype}")
+    m, n = x.shape
+    if m:
+        block_m, block_n = 16, 256
+        _scale_columns_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            x, scales.contiguous(), m, n, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+    return x
