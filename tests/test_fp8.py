@@ -194,26 +194,6 @@ def test_reference_fp8_linear_is_the_scaled_product():
     assert 0 < relative_error(ours, exact) < 0.05
 
 
-def test_load_time_block_quantization_matches_the_checkpoint_format_and_takes_partial_tiles():
-    """``quantize_blocks`` rounds whole tiles exactly as FP8 checkpoints store them, and an edge tile that is only
-    partly inside W (the default model's 576 columns are 4.5 tiles) gets the scale of the values it holds."""
-    gen = torch.Generator().manual_seed(3)
-    w = torch.randn(256, 384, generator=gen)
-    values, scales = fp8.quantize_blocks(w)
-    want_values, want_scales = quantize_blocks(w, 128)
-    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)) and torch.equal(scales, want_scales)
-    w = torch.randn(200, 330, generator=gen)
-    w[150:, 300:] *= 1000  # the corner tile's scale must not leak into its neighbours
-    values, scales = fp8.quantize_blocks(w)
-    assert values.shape == (200, 330) and scales.shape == (2, 3)
-    torch.testing.assert_close(scales[1, 2], w[128:, 256:].abs().max() / 448)
-    torch.testing.assert_close(scales[1, 1], w[128:, 128:256].abs().max() / 448)
-    back = fp8.dequantize_weight(values, scales, (128, 128), torch.float32)
-    tile_scale = scales.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :330]
-    # 3 mantissa bits: within 1/16 of each value, or half of float8's smallest step (2^-9) times its tile's scale.
-    assert ((back - w).abs() <= w.abs() / 16 + tile_scale * 2**-10).all()
-
-
 def test_cublas_scale_layouts_describe_the_same_weight_and_tiles_serve_large_batches_only():
     """cuBLAS takes a weight's scales per row and 128 columns ([groups, out]) or per 128 x 128 tile. Both layouts
     must give every (row, group) its scale: block scales repeated over their rows, or per-channel scales as

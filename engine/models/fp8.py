@@ -39,7 +39,6 @@ from kvcache.paged_cache import FP8_DTYPE, fp8_to_float32, quantize_fp8
 
 
 ACTIVATION_GROUP = 128  # activation columns that share one scale (and block weights' tile width)
-WEIGHT_BLOCK = (128, 128)  # ``--quantization fp8``'s weight tiles: rows x columns that share one scale
 
 
 @dataclass(frozen=True)
@@ -80,19 +79,6 @@ class Fp8Scheme:
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W [out, in] -> (float8 W, float32 scales [out]) with ``W ~= W8 * scales[:, None]``."""
     return quantize_fp8(weight)
-
-
-def quantize_blocks(weight: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [out, in] -> (float8 W, float32 scales [ceil(out / rows), ceil(in / cols)]): each ``block`` tile of W
-    scaled so that its absolute maximum maps to 448, as FP8 checkpoints store their weights. Edge tiles are
-    partial."""
-    n, k = weight.shape
-    bn, bk = block
-    padded = F.pad(weight.float(), (0, blocks(k, bk) * bk - k, 0, blocks(n, bn) * bn - n))
-    tiles = padded.view(blocks(n, bn), bn, blocks(k, bk), bk).transpose(1, 2)  # [row tiles, col tiles, bn, bk]
-    values, scales = quantize_fp8(tiles.reshape(*tiles.shape[:2], bn * bk))
-    values = values.view(*tiles.shape).transpose(1, 2).reshape(padded.shape)[:n, :k].contiguous()
-    return values, scales
 
 
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
