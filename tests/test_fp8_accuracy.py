@@ -36,12 +36,12 @@ VARIANTS = {
 # Perplexity may rise by at most this fraction over float32's: the issue's +2% for the KV cache and +3% for the
 # weights, and their sum for both. Measured on the same code and packages: -0.1% / +2.7% / +2.7% on one CPU host,
 # -0.2% / +2.5% / +3.8% on another (an AMD EPYC). The likely cause: float32 sums in another order there, which
-# moves values across FP8 rounding boundaries; the default model's weights come from a 4-bit GGUF (16 levels per 32 values), so the
-# pattern of those roundings, not their size, moves the perplexity. float8_e4m3 keeps 3 mantissa bits, so each
-# value is off by up to 6% (2.6% RMS on this model's weights, whatever the scale): weight rounding alone, with
-# unquantized activations, already costs +2.0% here. Activations take one scale per token and 128 columns; one
-# per token cost +3.7%. The cache stores K rotated by a Hadamard matrix (kvcache.paged_cache); unrotated it cost
-# +2.3%.
+# moves values across FP8 rounding boundaries; the default model's weights come from a 4-bit GGUF (16 levels per
+# 32 values), so the pattern of those roundings, not their size, moves the perplexity. float8_e4m3 keeps 3
+# mantissa bits, so each value is off by up to 6% (2.6% RMS on this model's weights, whatever the scale): weight
+# rounding alone, with unquantized activations, already costs +2.0% here. Activations take one scale per token and
+# 128 columns; one per token cost +3.7%. The cache stores K rotated by a Hadamard matrix (kvcache.paged_cache);
+# unrotated it cost +2.3%.
 PERPLEXITY_BUDGET = {"fp8 KV cache": 0.02, "fp8 weights": 0.03, "fp8 weights + KV cache": 0.05}
 
 
