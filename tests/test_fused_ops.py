@@ -178,6 +178,52 @@ def test_silu_and_mul_matches_torch(dtype, inter_size):
     _assert_matches(fused_ops.silu_and_mul(x), ref_module(x))
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 6, 8])  # padded to 4, 8 and 8 rows for cuBLAS
+def test_fp8_outputs_are_what_the_linear_would_quantize(dtype, num_tokens):
+    """The norms and SwiGLU written as an FP8 linear's input: the same float8 bits and scales as quantizing their
+    ordinary output with ``fp8_kernels.quantize_rows``, the padding rows zeros, the residual sum unchanged."""
+    from engine.models import fp8_kernels
+
+    hidden, inter = 384, 640  # 3 and 5 groups of 128; SwiGLU's columns in blocks of 1024, so one partial block
+    x = _strided_rows(num_tokens, hidden, dtype, seed=21, scale=2.0)
+    residual = _randn(num_tokens, hidden, dtype=dtype, seed=22)
+    weight = _randn(hidden, dtype=dtype, seed=23).abs() + 0.5
+    for res in (None, residual):
+        values, scales, new_residual = fused_ops.rms_norm_fp8(x, weight, 1e-5, res)
+        if res is None:
+            normed, want_residual = fused_ops.rms_norm(x, weight, 1e-5), None
+        else:
+            normed, want_residual = fused_ops.fused_add_rms_norm(x, res, weight, 1e-5)
+        want_values, want_scales = fp8_kernels.quantize_rows(normed, 128, cublas_layout=True)
+        assert values.shape == (-(-num_tokens // 4) * 4, hidden) and scales.stride(0) == 1
+        assert _same_bits(values, want_values) and torch.equal(scales, want_scales)
+        assert not values[num_tokens:].float().any()
+        assert (new_residual is None) == (res is None)
+        if res is not None:
+            assert torch.equal(new_residual, want_residual)
+    gate_up = _strided_rows(num_tokens, 2 * inter, dtype, seed=24, scale=3.0)
+    values, scales = fused_ops.silu_and_mul_fp8(gate_up)
+    want_values, want_scales = fp8_kernels.quantize_rows(fused_ops.silu_and_mul(gate_up), 128, cublas_layout=True)
+    assert _same_bits(values, want_values) and torch.equal(scales, want_scales)
+    # gate|up's per-channel weight scales, left on the product for SwiGLU to apply (prefill's 128 x 128 tiles).
+    column_scales = _randn(2 * inter, dtype=torch.float32, seed=25).abs() + 0.1
+    scaled = fp8_kernels.scale_columns_(gate_up.clone(), column_scales)
+    assert torch.equal(fused_ops.silu_and_mul(gate_up, column_scales=column_scales), fused_ops.silu_and_mul(scaled))
+    values, scales = fused_ops.silu_and_mul_fp8(gate_up, column_scales)
+    want_values, want_scales = fp8_kernels.quantize_rows(fused_ops.silu_and_mul(scaled), 128, cublas_layout=True)
+    assert _same_bits(values, want_values) and torch.equal(scales, want_scales)
+    torch_path = SiluAndMul()
+    torch_path.use_triton = False
+    _assert_matches(torch_path(gate_up, column_scales=column_scales), torch_path(scaled))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fused_ops.rms_norm_fp8(x[:, :320], weight[:320], 1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # Input checks and edge cases
 

@@ -120,14 +120,39 @@ def fp8_gemm_available(device: torch.device) -> bool:
     return _has_fp8_tensor_cores(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+@dataclass(frozen=True)
+class Fp8Activation:
+    """A linear layer's input already quantized, by the kernel that computed it (``fused_ops.rms_norm_fp8``,
+    ``silu_and_mul_fp8``), in the layout cuBLAS's block-scaled product takes: float8 ``values`` [rows padded to
+    a multiple of 4, k], float32 ``scales`` one per token and 128 columns (a token-major transposed view), the
+    ``num_rows`` real tokens, and the compute ``dtype`` the product returns. Only layers whose product runs
+    through cuBLAS's block scaling take one (``Fp8Weights.takes_fp8_input``)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    num_rows: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.num_rows, self.values.shape[1]))
+
+
+def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                block: tuple[int, int] | None = None, widened: torch.Tensor | None = None,
                cublas_scales: CublasScales | None = None) -> torch.Tensor:
     """``x @ W^T + bias`` for an FP8 ``weight`` [out, in] with its scales; ``x`` [..., in] in the compute dtype.
 
     ``widened`` is ``widen_weight``'s result for this weight, kept by the caller so that the reference path
     does not convert the FP8 values again on every call; ``cublas_scales`` likewise ``cublas_weight_scales``'s,
-    on GPUs where cuBLAS takes them."""
+    on GPUs where cuBLAS takes them, which an ``Fp8Activation`` input needs."""
+    if isinstance(x, Fp8Activation):
+        out, column_scales = fp8_linear_deferring_scales(x, weight, cublas_scales)
+        if column_scales is not None:
+            from engine.models import fp8_kernels
+
+            fp8_kernels.scale_columns_(out, column_scales)
+        return out if bias is None else out + bias
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if fp8_gemm_available(x.device) and rows.shape[0] > 0:
@@ -137,6 +162,23 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], weight.shape[0])
+
+
+def fp8_linear_deferring_scales(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
+                                cublas_scales: CublasScales) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``fp8_linear`` without a bias through cuBLAS, the per-channel weight scales left to the caller where the
+    product runs on 128 x 128 tiles of ones (from ``BLOCK_SCALES_MIN_ROWS`` tokens on): (the product in the
+    compute dtype, [rows, out], and the float32 scales of its columns or None). ``out * scales`` rounded once to
+    the compute dtype is what ``fp8_linear`` returns; a kernel that reads the product anyway (SwiGLU after
+    gate|up) applies them on the way and saves a pass over it."""
+    from engine.models import fp8_kernels
+
+    if cublas_scales is None:
+        raise ValueError("fp8_linear: the cuBLAS product needs the weight's cuBLAS scales")
+    if isinstance(x, Fp8Activation):
+        return _cublas_product(x.values, x.scales, x.num_rows, weight, cublas_scales, x.dtype)
+    xq, x_scales = fp8_kernels.quantize_rows(x, ACTIVATION_GROUP, cublas_layout=True)
+    return _cublas_product(xq, x_scales, x.shape[0], weight, cublas_scales, x.dtype)
 
 
 def widen_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
@@ -161,13 +203,19 @@ def _gpu_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     from engine.models import fp8_kernels
 
     if cublas_scales is not None:
-        xq, x_scales = fp8_kernels.quantize_rows(x, ACTIVATION_GROUP, cublas_layout=True)
-        weight_scales, row_scales = cublas_scales.for_rows(x.shape[0])
-        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=weight_scales, out_dtype=x.dtype)
-        out = out[: x.shape[0]]
-        return out if row_scales is None else fp8_kernels.scale_columns_(out, row_scales)
+        out, column_scales = fp8_linear_deferring_scales(x, weight, cublas_scales)
+        return out if column_scales is None else fp8_kernels.scale_columns_(out, column_scales)
     xq, x_scales = fp8_kernels.quantize_rows(x, ACTIVATION_GROUP)
     return fp8_kernels.scaled_matmul(xq, x_scales, weight, scale, block, x.dtype)
+
+
+def _cublas_product(xq: torch.Tensor, x_scales: torch.Tensor, num_rows: int, weight: torch.Tensor,
+                    cublas_scales: CublasScales, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """cuBLAS's block-scaled product of quantized activations (rows padded to a multiple of 4) and an FP8 weight:
+    ([num_rows, out] in ``dtype``, the scales its columns still need or None)."""
+    weight_scales, column_scales = cublas_scales.for_rows(num_rows)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=weight_scales, out_dtype=dtype)[:num_rows]
+    return out, column_scales
 
 
 # From this many tokens on, weights multiply with cuBLAS's 128 x 128 weight scaling; below it, with 1 x 128 scaling

@@ -60,6 +60,19 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, num_rows, num_cols, num_groups,
     tl.store(s_ptr + row * stride_s + groups * stride_sg, scale, mask=groups < num_groups)
 
 
+def empty_quantized(m: int, k: int, group: int, device: torch.device,
+                    cublas_layout: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for ``m`` rows of ``k`` quantized activations: float8 values and float32 scales, one per row and
+    ``group`` columns; with ``cublas_layout`` the rows padded to a multiple of 4 and the scales a transposed
+    view (token-major), as cuBLAS's 1 x 128 block scaling takes them."""
+    num_groups = triton.cdiv(k, group)
+    rows = -(-m // 4) * 4 if cublas_layout else m
+    values = torch.empty((rows, k), dtype=FP8_DTYPE, device=device)
+    if cublas_layout:
+        return values, torch.empty((num_groups, rows), dtype=torch.float32, device=device).t()
+    return values, torch.empty((rows, num_groups), dtype=torch.float32, device=device)
+
+
 def quantize_rows(x: torch.Tensor, group: int | None = None,
                   cublas_layout: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [m, k] -> (float8 [m, k], float32 scales [m, 1] or [m, ceil(k / group)]); see ``fp8.quantize_rows``.
@@ -71,12 +84,8 @@ def quantize_rows(x: torch.Tensor, group: int | None = None,
     m, k = x.shape
     group_size = k if group is None else group
     num_groups = triton.cdiv(k, group_size)
-    rows = -(-m // 4) * 4 if cublas_layout else m
-    values = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
-    if cublas_layout:
-        scales = torch.empty((num_groups, rows), dtype=torch.float32, device=x.device).t()
-    else:
-        scales = torch.empty((rows, num_groups), dtype=torch.float32, device=x.device)
+    values, scales = empty_quantized(m, k, group_size, x.device, cublas_layout)
+    rows = values.shape[0]
     if not m:
         return values, scales
     if group is not None and group == triton.next_power_of_2(group) and group <= 1024:

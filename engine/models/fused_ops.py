@@ -11,6 +11,9 @@ group is one kernel:
   With an ``mrope_section`` (Qwen2.5-VL's M-RoPE) a token has three positions, and each rotary
   frequency takes its cos/sin from the position of the section it falls in.
 * ``silu_and_mul``: SwiGLU on a fused ``[gate | up]`` projection.
+* ``rms_norm_fp8`` / ``silu_and_mul_fp8``: the same, written as the FP8 input of the linear that follows
+  (``engine.models.fp8``): float8 values with one scale per token and 128 columns, so that no separate
+  quantization kernel runs before the product (three launches per decoder layer fewer).
 
 Numerics: every kernel rounds where the torch code in ``engine.models.layers`` rounds
 (Hugging Face's order): the residual add in the model dtype; the norm in float32, cast to the
@@ -47,23 +50,44 @@ def _round(x, out_ptr):
 
 
 @triton.jit
+def _store_fp8_groups(v, cols, mask, q_row_ptr, s_row_ptr, stride_sg, first_group, num_groups):
+    """``v`` [groups, group] float32, the columns ``cols`` of a row, one group per row of the tile, stored as
+    float8_e4m3 with one float32 scale per group, the arithmetic of ``fp8_kernels.quantize_rows``: a group's
+    absolute maximum maps to 448."""
+    scale = tl.maximum(tl.max(tl.abs(v), 1) / 448.0, 1.1754943508222875e-38)
+    tl.store(q_row_ptr + cols, (v / scale[:, None]).to(q_row_ptr.dtype.element_ty), mask=mask)
+    groups = first_group + tl.arange(0, v.shape[0])
+    tl.store(s_row_ptr + groups * stride_sg, scale, mask=groups < num_groups)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    eps, hidden_size, stride_x, stride_r, stride_o, stride_ro,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr,
+    eps, num_rows, hidden_size, stride_x, stride_r, stride_o, stride_ro, stride_q, stride_s, stride_sg,
+    HAS_RESIDUAL: tl.constexpr, FP8_GROUP: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """One row, as a [BLOCK / 128, 128] tile (or [1, BLOCK]). ``FP8_GROUP`` (0 or 128) > 0: the normed row goes out
+    as float8 values and a scale per 128 columns (one row of the tile each; ``q_ptr``, ``s_ptr``), not to
+    ``out_ptr`` (which then only gives the model dtype); rows from ``num_rows`` on are padding, zeros. The tile is
+    the same either way, so that both sum the squares in the same order and round alike."""
+    COLS: tl.constexpr = 128 if BLOCK >= 128 else BLOCK
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < hidden_size
+    offs = tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    in_row = offs < hidden_size
+    mask = in_row & (row < num_rows) if FP8_GROUP > 0 else in_row
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         x = _round(x + r, out_ptr)  # the residual stream is kept in the model dtype
         tl.store(residual_out_ptr + row * stride_ro + offs, x.to(residual_out_ptr.dtype.element_ty), mask=mask)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / hidden_size + eps)
+    w = tl.load(weight_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
     out = w * _round(x * rstd, out_ptr)  # cast back before the weight, like Hugging Face
-    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8_GROUP > 0:
+        _store_fp8_groups(_round(out, out_ptr), offs, in_row, q_ptr + row * stride_q, s_ptr + row * stride_s,
+                          stride_sg, 0, tl.cdiv(hidden_size, FP8_GROUP))
+    else:
+        tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -132,15 +156,31 @@ def _rope_kernel(
                          num_k_heads, stride_kh, stride_koh, HEAD_DIM, HALF_PAD, BLOCK_HK, HAS_NORM)
 
 
-@triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_x, stride_o, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["num_rows"])
+def _silu_and_mul_kernel(x_ptr, col_scale_ptr, out_ptr, q_ptr, s_ptr, num_rows, inter_size, stride_x, stride_o,
+                         stride_q, stride_s, stride_sg, COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """``BLOCK`` columns of one row, as ``_rms_norm_kernel`` tiles them; ``FP8_GROUP`` > 0 as there.
+    ``COL_SCALES``: gate and up times their columns' scales first, each rounded to the model dtype, as
+    ``fp8_kernels.scale_columns_`` would leave them."""
+    COLS: tl.constexpr = FP8_GROUP if FP8_GROUP > 0 else BLOCK
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < inter_size
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    in_row = offs < inter_size
+    mask = in_row & (row < num_rows) if FP8_GROUP > 0 else in_row
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter_size + offs, mask=mask, other=0.0).to(tl.float32)
+    if COL_SCALES:
+        gate = _round(gate * tl.load(col_scale_ptr + offs, mask=in_row, other=0.0), out_ptr)
+        up = _round(up * tl.load(col_scale_ptr + inter_size + offs, mask=in_row, other=0.0), out_ptr)
     act = _round(gate / (1.0 + tl.exp(-gate)), out_ptr)  # F.silu, rounded to the model dtype
-    tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8_GROUP > 0:
+        _store_fp8_groups(_round(act * up, out_ptr), offs, in_row, q_row_ptr=q_ptr + row * stride_q,
+                          s_row_ptr=s_ptr + row * stride_s, stride_sg=stride_sg,
+                          first_group=tl.program_id(1) * (BLOCK // FP8_GROUP),
+                          num_groups=tl.cdiv(inter_size, FP8_GROUP))
+    else:
+        tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,7 +221,18 @@ def _norm_launch(hidden_size: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------
 
 
-def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _fp8_output(name: str, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(values, scales, group): room for ``x``'s rows of ``width`` columns quantized as cuBLAS's block-scaled
+    product takes them (``fp8_kernels.empty_quantized``), after checking that the width splits into groups."""
+    from engine.models.fp8_kernels import GROUP, empty_quantized
+
+    if width % GROUP:
+        raise ValueError(f"{name}: FP8 output needs a width that is a multiple of {GROUP}, got {width}")
+    return (*empty_quantized(x.shape[0], width, GROUP, x.device, cublas_layout=True), GROUP)
+
+
+def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+              fp8: bool = False):
     _check_activation(name, "x", x, 2)
     num_tokens, hidden_size = x.shape
     if not 0 < hidden_size <= MAX_HIDDEN_SIZE:
@@ -192,18 +243,26 @@ def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight:
         if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
             raise ValueError(f"{name}: residual must match x ({tuple(x.shape)} {x.dtype} on {x.device}), "
                              f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}")
-    out = torch.empty((num_tokens, hidden_size), dtype=x.dtype, device=x.device)
-    new_residual = torch.empty_like(out) if residual is not None else None
+    if fp8:
+        values, scales, group = _fp8_output(name, x, hidden_size)
+        assert group == 128, "the kernel's tile rows are its FP8 groups"
+        out, rows = x, values.shape[0]  # out: only its dtype is read
+    else:
+        out = torch.empty((num_tokens, hidden_size), dtype=x.dtype, device=x.device)
+        values = scales = out  # unused
+        rows, group = num_tokens, 0
+    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     if num_tokens > 0:
         block, num_warps = _norm_launch(hidden_size)
         res_in = residual if residual is not None else x  # unused without HAS_RESIDUAL
         res_out = new_residual if new_residual is not None else out
-        _rms_norm_kernel[(num_tokens,)](
-            x, res_in, weight, out, res_out, float(eps), hidden_size,
-            x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps, enable_fp_fusion=False,
+        _rms_norm_kernel[(rows,)](
+            x, res_in, weight, out, res_out, values, scales, float(eps), num_tokens, hidden_size,
+            x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0), values.stride(0), scales.stride(0),
+            scales.stride(1), HAS_RESIDUAL=residual is not None, FP8_GROUP=group, BLOCK=block, num_warps=num_warps,
+            enable_fp_fusion=False,
         )
-    return out, new_residual
+    return ((values, scales) if fp8 else out), new_residual
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -217,6 +276,17 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)``, the sum rounded to the model dtype; inputs are not written."""
     return _rms_norm("fused_add_rms_norm", x, residual, weight, eps)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``rms_norm`` (``fused_add_rms_norm`` with a ``residual``) written straight as the input of an FP8 linear:
+    ``(values, scales, x + residual or None)``, the normed rows rounded to the model dtype and then quantized as
+    ``fp8_kernels.quantize_rows(normed, 128, cublas_layout=True)`` quantizes them, bit for bit (rows padded to a
+    multiple of 4 with zeros, scales a token-major transposed view). The hidden size must be a multiple of 128."""
+    (values, scales), new_residual = _rms_norm("rms_norm_fp8", x, residual, weight, eps, fp8=True)
+    return values, scales, new_residual
 
 
 def rotary(
@@ -319,17 +389,37 @@ def _rope(
     return q_out, k_out
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of ``x`` [num_tokens, 2 * inter] (any row stride): ``silu(gate) * up``, [num_tokens, inter]."""
+def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor | None = None):
+    """SwiGLU of ``x`` [num_tokens, 2 * inter] (any row stride): ``silu(gate) * up``, [num_tokens, inter]
+    (with ``fp8``, ``silu_and_mul_fp8``'s result). ``column_scales`` (float32 [2 * inter]): the SwiGLU of
+    ``x`` times them, each product rounded to ``x``'s dtype, as ``fp8_kernels.scale_columns_`` would leave it."""
     _check_activation("silu_and_mul", "x", x, 2)
     num_tokens, width = x.shape
     if width % 2 != 0:
         raise ValueError(f"silu_and_mul: the last dim must be even ([gate | up]), got {width}")
+    if column_scales is not None and (column_scales.shape != (width,) or column_scales.dtype != torch.float32
+                                      or column_scales.device != x.device or column_scales.stride(0) != 1):
+        raise ValueError(f"silu_and_mul: column_scales must be a contiguous ({width},) float32 tensor on "
+                         f"{x.device}, got {tuple(column_scales.shape)} {column_scales.dtype}")
     inter_size = width // 2
-    out = torch.empty((num_tokens, inter_size), dtype=x.dtype, device=x.device)
+    if fp8:
+        values, scales, group = _fp8_output("silu_and_mul_fp8", x, inter_size)
+        out, rows = x, values.shape[0]  # out: only its dtype is read
+    else:
+        out = torch.empty((num_tokens, inter_size), dtype=x.dtype, device=x.device)
+        values = scales = out  # unused
+        rows, group = num_tokens, 0
     if num_tokens > 0 and inter_size > 0:
         block = min(triton.next_power_of_2(inter_size), 1024)
-        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter_size, block))](
-            x, out, inter_size, x.stride(0), out.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=False,
+        _silu_and_mul_kernel[(rows, triton.cdiv(inter_size, block))](
+            x, column_scales if column_scales is not None else x, out, values, scales, num_tokens, inter_size,
+            x.stride(0), out.stride(0), values.stride(0), scales.stride(0), scales.stride(1),
+            COL_SCALES=column_scales is not None, FP8_GROUP=group, BLOCK=block, num_warps=4, enable_fp_fusion=False,
         )
-    return out
+    return (values, scales) if fp8 else out
+
+
+def silu_and_mul_fp8(x: torch.Tensor, column_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu_and_mul`` written straight as the input of an FP8 linear: ``(values, scales)`` as in
+    ``rms_norm_fp8``. The intermediate size must be a multiple of 128."""
+    return silu_and_mul(x, fp8=True, column_scales=column_scales)

@@ -60,9 +60,18 @@ class RMSNorm(nn.Module):
         self.use_triton: bool | None = None  # see the module docstring
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8_out: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``fp8_out``: the caller's next layer takes an ``Fp8Activation`` (``Fp8Weights.takes_fp8_input``); the
+        Triton path then returns one, quantized as the layer would quantize the normed rows, in the same kernel.
+        The torch path returns the normed rows either way."""
         if _use_triton(self.use_triton, x):
+            if fp8_out and x.dim() == 2:
+                from engine.models.fp8 import Fp8Activation
+
+                values, scales, residual = _fused_ops().rms_norm_fp8(x, self.weight, self.eps, residual)
+                out = Fp8Activation(values, scales, x.shape[0], x.dtype)
+                return out if residual is None else (out, residual)
             return self._forward_triton(x, residual)
         if residual is not None:
             # Add in the model dtype, as Hugging Face does, so the stored residual is exactly theirs.
@@ -90,9 +99,20 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.use_triton: bool | None = None  # see the module docstring
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * intermediate]
+    def forward(self, x: torch.Tensor, fp8_out: bool = False,
+                column_scales: torch.Tensor | None = None) -> torch.Tensor:  # x: [num_tokens, 2 * intermediate]
+        """``fp8_out`` as in ``RMSNorm.forward``. ``column_scales`` (float32, [2 * intermediate]): scales that
+        ``x``'s columns still need (``Fp8Weights.matmul_deferring_scales``), each product rounded to ``x``'s
+        dtype before the activation, as if they had been applied to ``x`` first."""
         if _use_triton(self.use_triton, x):
-            return _fused_ops().silu_and_mul(x)
+            if fp8_out:
+                from engine.models.fp8 import Fp8Activation
+
+                values, scales = _fused_ops().silu_and_mul_fp8(x, column_scales)
+                return Fp8Activation(values, scales, x.shape[0], x.dtype)
+            return _fused_ops().silu_and_mul(x, column_scales=column_scales)
+        if column_scales is not None:
+            x = (x.float() * column_scales).to(x.dtype)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up  # [num_tokens, intermediate]
 
@@ -242,6 +262,12 @@ class Fp8Weights:
     def is_fp8(self) -> bool:
         return self.weight.dtype == torch.float8_e4m3fn
 
+    @property
+    def takes_fp8_input(self) -> bool:
+        """Whether ``forward`` takes an ``Fp8Activation`` (its input quantized by the kernel that computed it): an
+        FP8 weight on a GPU whose product runs through cuBLAS's block scaling. It takes plain tensors too."""
+        return self.is_fp8 and self.weight.is_cuda and self._kept("_cublas_scales") is not None
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.is_fp8:
             from engine.models.fp8 import fp8_linear
@@ -252,6 +278,15 @@ class Fp8Weights:
             return fp8_linear(x, self.weight, self.weight_scale_inv, bias, self.fp8_block,
                               cublas_scales=self._kept("_cublas_scales"))
         return F.linear(x, self.weight, bias)
+
+    def matmul_deferring_scales(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where ``takes_fp8_input``: ``fp8.fp8_linear_deferring_scales`` on this weight (no bias), the product
+        and the scales its columns still need, for a consumer that applies them as it reads the product."""
+        from engine.models.fp8 import fp8_linear_deferring_scales
+
+        if self.bias is not None:
+            raise ValueError("matmul_deferring_scales: a layer with a bias adds it after the scales")
+        return fp8_linear_deferring_scales(x, self.weight, self._kept("_cublas_scales"))
 
     def _kept(self, name: str) -> torch.Tensor | None:
         """An operand derived from the FP8 weight once and kept until the weight changes: on the CPU, which has

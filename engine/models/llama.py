@@ -97,8 +97,19 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [num_tokens, hidden_size]
+    @property
+    def takes_fp8_input(self) -> bool:
+        return self.gate_up_proj.takes_fp8_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size], or an Fp8Activation
+        # With FP8 weights, SwiGLU applies gate|up's per-channel scales where the product leaves them (prefill) and
+        # writes the down projection's input already quantized: two passes over the activations fewer.
+        if self.gate_up_proj.takes_fp8_input:
+            gate_up, column_scales = self.gate_up_proj.matmul_deferring_scales(x)
+        else:
+            gate_up, column_scales = self.gate_up_proj(x), None
+        act = self.act_fn(gate_up, fp8_out=self.down_proj.takes_fp8_input, column_scales=column_scales)
+        return self.down_proj(act)  # [num_tokens, hidden_size]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -117,14 +128,17 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None for the first layer
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of the previous block is fused into this block's first norm.
+        # The residual add of the previous block is fused into this block's first norm. With FP8 weights the
+        # norms write the projections' inputs already quantized (``Fp8Activation``).
+        fp8_qkv = self.self_attn.qkv_proj.takes_fp8_input
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, fp8_out=fp8_qkv)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, fp8_out=fp8_qkv)
         hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        fp8_mlp = isinstance(self.mlp, LlamaMLP) and self.mlp.takes_fp8_input
+        hidden, residual = self.post_attention_layernorm(hidden, residual, fp8_out=fp8_mlp)
         return self.mlp(hidden), residual
 
 
