@@ -8,6 +8,7 @@ arithmetic, so these tests pin down the numerics; the GPU tests compare the kern
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -338,3 +339,50 @@ def test_scale_columns_kernel_multiplies_each_column_in_float32_and_rounds_once(
     assert torch.equal(base[:, 290:], untouched)  # nothing past the columns is written
     with pytest.raises(ValueError, match="float32 scales"):
         fp8_kernels.scale_columns_(x, scales[:10])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU tensors need "
+                    "TRITON_INTERPRET=1 (conftest sets it without CUDA); on a GPU, tests/test_gpu.py covers this")
+def test_projections_taking_inputs_quantized_by_norms_and_swiglu_compute_the_same(tmp_path, monkeypatch):
+    """The decoder's wiring of FP8 inputs: norms and SwiGLU writing ``Fp8Activation``s (padded rows, residual sums,
+    the first layer without one), and SwiGLU applying gate|up's deferred channel scales in a prefill of 263 tokens,
+    give bit for bit the tokens and logprobs of quantizing before each product. cuBLAS's block-scaled product is
+    stood in for by float32 arithmetic on the same operands, the norm, SwiGLU and quantization kernels run in
+    Triton's interpreter."""
+    from engine.models.layers import Fp8Weights, set_use_triton
+    from kvcache.paged_cache import fp8_to_float32
+
+    products = []
+
+    def cublas_stand_in(xq, x_scales, num_rows, weight, channel_scales, dtype):
+        assert xq.shape[0] % 4 == 0 and x_scales.stride(0) == 1  # cuBLAS's layout
+        x = fp8_to_float32(xq) * x_scales.repeat_interleave(fp8.ACTIVATION_GROUP, 1)
+        out = torch.nn.functional.linear(x, fp8_to_float32(weight)).to(dtype)[:num_rows]
+        deferred = num_rows >= fp8.BLOCK_SCALES_MIN_ROWS  # the 128 x 128 tiles' case: channel scales left over
+        products.append((num_rows, deferred))
+        return (out, channel_scales) if deferred else ((out.float() * channel_scales).to(dtype), None)
+
+    def matmul(self, x, bias):
+        return fp8.fp8_linear(x, self.weight, self.weight_scale_inv, bias, self.fp8_block,
+                              cublas_scales=self._kept("_cublas_scales"))
+
+    monkeypatch.setattr(fp8, "fp8_gemm_available", lambda device: True)
+    monkeypatch.setattr(fp8, "cublas_weight_scales", lambda weight, scale, block: scale)
+    monkeypatch.setattr(fp8, "_cublas_product", cublas_stand_in)
+    monkeypatch.setattr(Fp8Weights, "matmul", matmul)
+    config = transformers.LlamaConfig(**{**BLOCK_CONFIG, "intermediate_size": 384})
+    model_dir = save_checkpoint(config, tmp_path)
+    prompts = make_prompts(config.vocab_size, lens=[200, 40, 23])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+
+    def run(fused: bool):
+        monkeypatch.setattr(Fp8Weights, "takes_fp8_input", property(lambda self: fused and self.is_fp8))
+        llm = LLM(str(model_dir), dtype="float32", max_model_len=512, quantization="fp8", num_kvcache_blocks=128)
+        set_use_triton(llm.engine.runner.model, True)
+        products.clear()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], list(products)
+
+    (got, fused_products), (want, plain_products) = run(True), run(False)
+    assert fused_products == plain_products and (263, True) in fused_products and (3, False) in fused_products
+    assert got == want

@@ -18,6 +18,9 @@ same arithmetic. cuBLAS runs other kernels for 1 x 128 weight scales (one per ro
 128 x 128 tiles, and the tiles' are the faster ones from a few hundred tokens on; ``CublasScales`` keeps both
 layouts of a weight and the product picks by its token count. Per-channel weights go through the tile kernels
 as tiles of ones, their channels' scales then multiplying the product's columns (``scale_columns_``).
+Where a layer's input comes from an RMSNorm or SwiGLU kernel (``engine.models.llama``), that kernel writes it
+already quantized (``Fp8Activation``, ``fused_ops.rms_norm_fp8``), and SwiGLU applies gate|up's channel scales
+as it reads the product (``fp8_linear_deferring_scales``): fewer launches and passes over the activations.
 Elsewhere (the CPU) the same arithmetic runs as dequantize-then-matmul: activations are
 rounded through FP8 exactly as the GPU path rounds them, so CPU accuracy tests measure what the GPU
 computes. The CPU layers widen their FP8 values to float32 once and keep them (``Fp8Weights``): CPUs have

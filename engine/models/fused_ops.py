@@ -283,8 +283,10 @@ def rms_norm_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``rms_norm`` (``fused_add_rms_norm`` with a ``residual``) written straight as the input of an FP8 linear:
     ``(values, scales, x + residual or None)``, the normed rows rounded to the model dtype and then quantized as
-    ``fp8_kernels.quantize_rows(normed, 128, cublas_layout=True)`` quantizes them, bit for bit (rows padded to a
-    multiple of 4 with zeros, scales a token-major transposed view). The hidden size must be a multiple of 128."""
+    ``fp8_kernels.quantize_rows(normed, 128, cublas_layout=True)`` quantizes them (rows padded to a multiple of 4
+    with zeros, scales a token-major transposed view). The compiler may order the sum of squares differently from
+    ``rms_norm``'s, so a normed value can round the other way now and then. The hidden size must be a multiple of
+    128."""
     (values, scales), new_residual = _rms_norm("rms_norm_fp8", x, residual, weight, eps, fp8=True)
     return values, scales, new_residual
 
