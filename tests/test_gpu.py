@@ -117,45 +117,40 @@ def test_fp8_kv_cache_and_weights_on_cuda_match_the_torch_reference(tmp_path):
     assert all(len(t) == 40 for t in _greedy(quantized, prompts, 40))
 
 
-def test_fp8_inputs_quantized_by_norms_and_swiglu_agree_with_separate_kernels(tmp_path, monkeypatch):
+@pytest.mark.parametrize("num_tokens", [151, 300])  # 1 x 128 weight scales; 128 x 128 tiles, channel scales after
+def test_fp8_inputs_quantized_by_norms_and_swiglu_agree_with_separate_kernels(num_tokens, monkeypatch):
     """With FP8 weights the norms and SwiGLU write the next projection's input already quantized, and SwiGLU
-    applies gate|up's channel scales in prefill: the greedy tokens and logprobs of separate kernels for each
-    (CUDA graphs, float32). The compiled norms may sum a row's squares in another order, which moves an FP8
-    rounding now and then (tests/test_fp8.py checks the wiring bit for bit on the CPU): tokens may part only
-    where the reference's top two were within 0.01, and logprobs agree to 0.01 until then."""
-    from engine.models.layers import Fp8Weights
-    from engine.models.llama import LlamaMLP
-    from tests.helpers import SMALL_CONFIG, save_checkpoint
+    applies gate|up's channel scales from 256 tokens on: one norm and MLP (bf16, compiled kernels, cuBLAS) give
+    what separate kernels give. The compiled norms may sum a row's squares in another order, which moves an FP8
+    rounding now and then, so the outputs agree to FP8's noise, not bit for bit; tests/test_fp8.py checks the
+    decoder's wiring bit for bit on the CPU. (Whole tiny models are no check here: with FP8 a change of 1e-6 in
+    one norm's scales already changes greedy tokens of a random 2-layer model.)"""
+    from types import SimpleNamespace
 
-    config = transformers.LlamaConfig(**{**SMALL_CONFIG, "hidden_size": 512, "intermediate_size": 1024,
-                                         "num_attention_heads": 8, "num_key_value_heads": 2,
-                                         "max_position_embeddings": 512})
-    model_dir = save_checkpoint(config, tmp_path)
-    # The first step's 403 tokens multiply through 128 x 128 tiles, gate|up's channel scales applied in SwiGLU.
-    prompts = _prompts(VOCAB, lens=[300, 40, 63])
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    from engine.models import fp8
+    from engine.models.layers import Fp8Weights, RMSNorm
+    from engine.models.llama import LlamaMLP
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        mlp = LlamaMLP(SimpleNamespace(hidden_size=512, intermediate_size=1024)).to(torch.bfloat16)
+        norm = RMSNorm(512, 1e-5).to(torch.bfloat16)
+        for p in (*mlp.parameters(), norm.weight):
+            p.data.normal_(0.0, 0.05 if p.dim() > 1 else 1.0)
+        assert fp8.quantize_model_weights(mlp) == 2
+        x, residual = torch.randn(2, num_tokens, 512, dtype=torch.bfloat16).unbind(0)
 
     def run():
-        llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, quantization="fp8",
-                  num_kvcache_blocks=128)
-        layer = llm.engine.runner.model.model.layers[0]
-        fused = layer.self_attn.qkv_proj.takes_fp8_input and isinstance(layer.mlp, LlamaMLP)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        del llm
-        return fused, [o.outputs[0] for o in outs]
+        h, new_residual = norm(x, residual, fp8_out=mlp.takes_fp8_input)
+        return mlp(h), new_residual, isinstance(h, fp8.Fp8Activation)
 
-    fused, got = run()
-    assert fused
+    got, got_residual, fused = run()
     monkeypatch.setattr(Fp8Weights, "takes_fp8_input", property(lambda self: False))
-    unfused, want = run()
-    assert not unfused
-    for ours, theirs in zip(got, want):
-        assert len(ours.token_ids) == len(theirs.token_ids) == 24
-        for a, b in zip(ours.logprobs, theirs.logprobs):
-            if a.token_id != b.token_id:
-                assert b.top_logprobs[0] - b.top_logprobs[1] < 0.01, "tokens parted without a near tie"
-                break
-            assert a.logprob == pytest.approx(b.logprob, abs=0.01)
+    want, want_residual, unfused = run()
+    assert fused and not unfused
+    assert torch.equal(got_residual, want_residual)
+    assert got.shape == want.shape == (num_tokens, 512)
+    assert _rel_err(got.float(), want.float()) < 1e-2
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
