@@ -150,11 +150,7 @@ def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, scale: tor
     does not convert the FP8 values again on every call; ``cublas_scales`` likewise ``cublas_weight_scales``'s,
     on GPUs where cuBLAS takes them, which an ``Fp8Activation`` input needs."""
     if isinstance(x, Fp8Activation):
-        out, column_scales = fp8_linear_deferring_scales(x, weight, cublas_scales)
-        if column_scales is not None:
-            from engine.models import fp8_kernels
-
-            fp8_kernels.scale_columns_(out, column_scales)
+        out = _cublas_fp8_linear(x, weight, cublas_scales)
         return out if bias is None else out + bias
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
@@ -206,10 +202,18 @@ def _gpu_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     from engine.models import fp8_kernels
 
     if cublas_scales is not None:
-        out, column_scales = fp8_linear_deferring_scales(x, weight, cublas_scales)
-        return out if column_scales is None else fp8_kernels.scale_columns_(out, column_scales)
+        return _cublas_fp8_linear(x, weight, cublas_scales)
     xq, x_scales = fp8_kernels.quantize_rows(x, ACTIVATION_GROUP)
     return fp8_kernels.scaled_matmul(xq, x_scales, weight, scale, block, x.dtype)
+
+
+def _cublas_fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
+                       cublas_scales: CublasScales) -> torch.Tensor:
+    """``fp8_linear_deferring_scales`` with the column scales it leaves applied: the product, no bias."""
+    from engine.models import fp8_kernels
+
+    out, column_scales = fp8_linear_deferring_scales(x, weight, cublas_scales)
+    return out if column_scales is None else fp8_kernels.scale_columns_(out, column_scales)
 
 
 def _cublas_product(xq: torch.Tensor, x_scales: torch.Tensor, num_rows: int, weight: torch.Tensor,
