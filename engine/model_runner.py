@@ -35,6 +35,7 @@ from engine.distributed import broadcast_from_rank0, kv_head_range, min_over_ran
 from engine.input_batch import InputBatch
 from engine.loader import load_model
 from engine.model_config import ModelConfig
+from engine.models.layers import Fp8Weights
 from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingTensors, build_logprobs, gather_logprobs, score_tokens
 from engine.step_buffers import StepBuffers
@@ -242,9 +243,11 @@ class ModelRunner:
         start = time.perf_counter()
         layer = self.model.attention_layers()[0]
         windows = tuple(sorted({a.sliding_window for a in self.model.attention_layers()}))
+        # FP8 projections that take quantized inputs get them from the decode kernels too (Attention.forward).
+        fp8_inputs = any(m.takes_fp8_input for m in self.model.modules() if isinstance(m, Fp8Weights))
         n = self.backend.warm_up(layer.num_heads, layer.k_cache, layer.v_cache, self.buffers.block_tables.device,
                                  max(self.config.max_num_batched_tokens, 1), windows, layer.kv_scales,
-                                 self.dtype, layer.softcap)
+                                 self.dtype, layer.softcap, fp8_out=fp8_inputs)
         if n:
             logger.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - start)
         self._warm_up_experts()

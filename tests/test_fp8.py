@@ -341,15 +341,11 @@ def test_scale_columns_kernel_multiplies_each_column_in_float32_and_rounds_once(
         fp8_kernels.scale_columns_(x, scales[:10])
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU tensors need "
-                    "TRITON_INTERPRET=1 (conftest sets it without CUDA); on a GPU, tests/test_gpu.py covers this")
-def test_projections_taking_inputs_quantized_by_norms_and_swiglu_compute_the_same(tmp_path, monkeypatch):
-    """The decoder's wiring of FP8 inputs: norms and SwiGLU writing ``Fp8Activation``s (padded rows, residual sums,
-    the first layer without one), and SwiGLU applying gate|up's deferred channel scales in a prefill of 263 tokens,
-    give bit for bit the tokens and logprobs of quantizing before each product. cuBLAS's block-scaled product is
-    stood in for by float32 arithmetic on the same operands, the norm, SwiGLU and quantization kernels run in
-    Triton's interpreter."""
-    from engine.models.layers import Fp8Weights, set_use_triton
+def stand_in_for_cublas(monkeypatch) -> list[tuple[int, bool]]:
+    """cuBLAS's block-scaled product stood in for by float32 arithmetic on the same operands (its layout checked),
+    so that the decoder's FP8-input wiring runs on the CPU; returns the list each product appends (tokens, whether
+    the channel scales were left to the caller) to."""
+    from engine.models.layers import Fp8Weights
     from kvcache.paged_cache import fp8_to_float32
 
     products = []
@@ -370,19 +366,72 @@ def test_projections_taking_inputs_quantized_by_norms_and_swiglu_compute_the_sam
     monkeypatch.setattr(fp8, "cublas_weight_scales", lambda weight, scale, block: scale)
     monkeypatch.setattr(fp8, "_cublas_product", cublas_stand_in)
     monkeypatch.setattr(Fp8Weights, "matmul", matmul)
+    return products
+
+
+def run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused: bool, **options):
+    """Greedy tokens and logprobs of ``prompts`` with FP8 weights, the layers taking inputs quantized by the kernels
+    before them (``fused``) or quantizing them themselves."""
+    from engine.models.layers import Fp8Weights, set_use_triton
+
+    monkeypatch.setattr(Fp8Weights, "takes_fp8_input", property(lambda self: fused and self.is_fp8))
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=512, quantization="fp8", num_kvcache_blocks=128,
+              **options)
+    set_use_triton(llm.engine.runner.model, True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.engine.close()
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+NEEDS_INTERPRETER = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1 "
+    "(conftest sets it without CUDA); on a GPU, tests/test_gpu.py covers this")
+
+
+@NEEDS_INTERPRETER
+def test_projections_taking_inputs_quantized_by_norms_and_swiglu_compute_the_same(tmp_path, monkeypatch):
+    """The decoder's wiring of FP8 inputs: norms and SwiGLU writing ``Fp8Activation``s (padded rows, residual sums,
+    the first layer without one), and SwiGLU applying gate|up's deferred channel scales in a prefill of 263 tokens,
+    give bit for bit the tokens and logprobs of quantizing before each product. cuBLAS's block-scaled product is
+    stood in for by float32 arithmetic on the same operands, the norm, SwiGLU and quantization kernels run in
+    Triton's interpreter."""
+    products = stand_in_for_cublas(monkeypatch)
     config = transformers.LlamaConfig(**{**BLOCK_CONFIG, "intermediate_size": 384})
     model_dir = save_checkpoint(config, tmp_path)
     prompts = make_prompts(config.vocab_size, lens=[200, 40, 23])
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    got = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=True)
+    fused_products = list(products)
+    products.clear()
+    want = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=False)
+    assert fused_products == products and (263, True) in products and (3, False) in products
+    assert got == want
 
-    def run(fused: bool):
-        monkeypatch.setattr(Fp8Weights, "takes_fp8_input", property(lambda self: fused and self.is_fp8))
-        llm = LLM(str(model_dir), dtype="float32", max_model_len=512, quantization="fp8", num_kvcache_blocks=128)
-        set_use_triton(llm.engine.runner.model, True)
-        products.clear()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], list(products)
 
-    (got, fused_products), (want, plain_products) = run(True), run(False)
-    assert fused_products == plain_products and (263, True) in fused_products and (3, False) in fused_products
+@NEEDS_INTERPRETER
+def test_o_proj_takes_its_input_quantized_by_the_decode_kernels(tmp_path, monkeypatch):
+    """With heads 128 wide, decode steps hand o_proj the attention output already quantized by the Triton decode
+    kernels (one scale per token and head); prefill steps quantize it in o_proj. Tokens and logprobs are bit for bit
+    those of quantizing every input in its layer (cuBLAS stood in for as above, kernels in the interpreter)."""
+    import engine.attention.triton_backend as triton_backend
+
+    stand_in_for_cublas(monkeypatch)
+    quantized_outputs = []  # per layer and step: whether attention returned its output quantized
+    forward = triton_backend.TritonAttentionBackend.forward
+
+    def spy(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        quantized_outputs.append(isinstance(out, tuple))
+        return out
+
+    monkeypatch.setattr(triton_backend.TritonAttentionBackend, "forward", spy)
+    config = transformers.LlamaConfig(**{**BLOCK_CONFIG, "hidden_size": 256, "num_attention_heads": 2,
+                                         "num_key_value_heads": 1, "head_dim": 128, "intermediate_size": 256})
+    model_dir = save_checkpoint(config, tmp_path)
+    prompts = make_prompts(config.vocab_size, lens=[30, 9, 17])
+    got = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=True, attention_backend="triton")
+    assert any(quantized_outputs) and not all(quantized_outputs)  # decode-only steps, not the prefill
+    quantized_outputs.clear()
+    want = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=False, attention_backend="triton")
+    assert quantized_outputs and not any(quantized_outputs)
     assert got == want

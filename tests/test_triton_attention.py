@@ -478,6 +478,56 @@ def test_fp8_decode_rejects_odd_cache_strides():
                                kv_scales=kv_scales)
 
 
+@pytest.mark.parametrize("fp8_cache", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("reqs, num_splits", [(DECODES + [PAD], 1), (DECODES, 3), ([(300, 1), (2, 1), PAD], 32)])
+def test_decode_writes_its_output_quantized_as_the_next_projection_takes_it(fp8_cache, dtype, reqs, num_splits):
+    """With ``fp8_out`` the decode kernels (either cache, unsplit or merged after splits) write the output as an
+    FP8 projection's input, one scale per token and head of 128: bit for bit what ``fp8_kernels.quantize_rows``
+    makes of the plain output in cuBLAS's layout, rows padded to 4 with zeros."""
+    from engine.models.fp8_kernels import empty_quantized, quantize_rows
+
+    case = make_case(70 + num_splits, reqs, 2, 2, 128, 16)
+    q, kw = case.q.to(dtype), {}
+    if fp8_cache:
+        case, kv_scales, q = fp8_case(case)
+        q, kw = q.to(dtype), {"kv_scales": kv_scales}
+    else:
+        case.k_cache, case.v_cache = case.k_cache.to(dtype), case.v_cache.to(dtype)
+    m, rows = case.meta, q.shape[0]
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale, out, num_splits,
+                           **kw)
+    want_values, want_scales = quantize_rows(out.view(rows, -1), 128, cublas_layout=True)
+    values, scales = empty_quantized(rows, out[0].numel(), 128, q.device, cublas_layout=True)
+    assert values.shape[0] > rows  # padding rows to fill
+    values.view(torch.uint8).fill_(0x7F)  # NaN bytes and scales: everything must be written
+    scales.fill_(float("nan"))
+    unwritten = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale, unwritten,
+                           num_splits, fp8_out=(values, scales), **kw)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    assert unwritten.isnan().all(), "the quantized output replaces the plain one"
+
+
+def test_backend_quantizes_the_output_of_decode_only_steps_with_128_wide_heads():
+    """``fp8_out``: a decode-only step comes back quantized (the plain output's quantize_rows); a mixed step and
+    64-wide heads come back plain."""
+    from engine.models.fp8_kernels import quantize_rows
+
+    case = make_case(15, [(61, 1), (200, 1), (7, 1), PAD], 2, 4, 128, 16)
+    backend = TritonAttentionBackend()
+    args = (case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
+    plain = backend.forward(*args)
+    values, scales = backend.forward(*args, fp8_out=True)
+    want_values, want_scales = quantize_rows(plain.view(4, -1), 128, cublas_layout=True)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)) and torch.equal(scales, want_scales)
+    for case in (make_case(11, MIXED, 1, 8, 128, 16), make_case(12, [(61, 1), PAD], 2, 4, 64, 16)):
+        out = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, fp8_out=True)
+        assert_matches(out, reference(case), case.padding_rows)
+
+
 # bfloat16 needs a GPU (the interpreter's bfloat16 dot is not exact).
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("group, head_dim, num_splits", [(2, 128, 1), (4, 64, 3)])

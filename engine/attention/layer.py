@@ -47,7 +47,11 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        fp8_out: bool = False,
+    ):  # [num_tokens, num_heads * head_dim], a tensor or an Fp8Activation
+        """``fp8_out``: the caller's output projection takes an ``Fp8Activation`` (``Fp8Weights.takes_fp8_input``);
+        the backend then returns one where its decode kernels can quantize the output (decode-only steps, heads 128
+        wide), and the plain output elsewhere."""
         if self.k_cache is None or self.backend is None:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache or backend bound")
         n = q.shape[0]
@@ -62,5 +66,10 @@ class Attention(nn.Module):
             self.sliding_window,
             self.kv_scales,
             self.softcap,
+            fp8_out=fp8_out,
         )
+        if isinstance(out, tuple):
+            from engine.models.fp8 import Fp8Activation
+
+            return Fp8Activation(*out, n, q.dtype)
         return out.view(n, self.num_heads * self.head_dim)

@@ -63,7 +63,8 @@ class TorchAttentionBackend:
 
     def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, max_query_len: int, windows: tuple[int, ...] = (0,),
-                kv_scales: KVScales | None = None, dtype: torch.dtype | None = None, softcap: float = 0.0) -> int:
+                kv_scales: KVScales | None = None, dtype: torch.dtype | None = None, softcap: float = 0.0,
+                fp8_out: bool = False) -> int:
         """Nothing to compile: plain torch ops."""
         return 0
 
@@ -79,6 +80,7 @@ class TorchAttentionBackend:
         window: int = 0,  # a sliding window: a query sees only the last ``window`` positions; 0: all
         kv_scales: KVScales | None = None,  # an FP8 cache's scales
         softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
+        fp8_out: bool = False,  # the Triton backend may return the output quantized; this one never does
     ) -> torch.Tensor:
         num_tokens = meta.slot_mapping.shape[0]
         write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping, kv_scales)

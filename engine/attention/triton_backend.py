@@ -13,6 +13,8 @@ from engine.attention.triton_kernels import (
     paged_prefill_attention,
     write_paged_kv,
 )
+from engine.models.fp8 import ACTIVATION_GROUP
+from engine.models.fp8_kernels import empty_quantized
 
 
 class TritonAttentionBackend:
@@ -36,21 +38,29 @@ class TritonAttentionBackend:
         window: int = 0,  # a sliding window (the last ``window`` positions); 0: the whole context
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's scales
         softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        fp8_out: bool = False,  # the next projection takes its input quantized (see below)
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, num_heads, head_dim]
+        """The attention output; with ``fp8_out``, on a decode-only step whose heads are as wide as an FP8
+        projection's activation group (128), the output quantized by the decode kernels as that projection
+        takes it: (float8 values [rows padded to 4, num_heads * head_dim], float32 scales, one per token and
+        head, token-major; ``fp8_kernels.empty_quantized``'s cuBLAS layout). Other steps return the plain output."""
         num_tokens = meta.slot_mapping.shape[0]
+        if fp8_out and _quantizes_output(q, meta, num_tokens):
+            q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q)
+            quantized = empty_quantized(num_tokens, q.shape[1] * q.shape[2], q.shape[2], q.device, cublas_layout=True)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # unwritten: it gives the rounding dtype
+            paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out,
+                                   self._num_splits(q, k_cache, meta), self._order(meta), window=window,
+                                   kv_scales=kv_scales, softcap=softcap, fp8_out=quantized)
+            return quantized
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         # An FP8 cache holds K rotated: the same launch turns the queries alike (kvcache.paged_cache).
         q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q)
         d = meta.num_decodes
         if d > 0:
-            # The split count follows the table's capacity, not this step's lengths: under a CUDA graph
-            # the table's shape is what stays fixed across replays.
-            max_context_len = meta.block_tables.shape[1] * k_cache.shape[1]
-            num_splits = choose_num_splits(d, k_cache.shape[2], max_context_len, num_sms(q.device))
-            order = meta.decode_order[:d] if meta.decode_order is not None else None
             paged_decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
-                                   out[:d], num_splits, order, window=window, kv_scales=kv_scales,
-                                   softcap=softcap)
+                                   out[:d], self._num_splits(q[:d], k_cache, meta), self._order(meta),
+                                   window=window, kv_scales=kv_scales, softcap=softcap)
         if meta.num_reqs > d:
             # Decode rows come first, one token each, so the prefill tokens start at row d.
             n = meta.num_reqs
@@ -62,11 +72,31 @@ class TritonAttentionBackend:
             out[num_tokens:].zero_()  # padding rows beyond the batch: finite, like a seq_len 0 row
         return out
 
+    @staticmethod
+    def _num_splits(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> int:
+        """The decode rows' split count. It follows the table's capacity, not this step's lengths: under a CUDA
+        graph the table's shape is what stays fixed across replays."""
+        max_context_len = meta.block_tables.shape[1] * k_cache.shape[1]
+        return choose_num_splits(q.shape[0], k_cache.shape[2], max_context_len, num_sms(q.device))
+
+    @staticmethod
+    def _order(meta: AttentionMetadata) -> torch.Tensor | None:
+        return meta.decode_order[: meta.num_decodes] if meta.decode_order is not None else None
+
     def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, max_query_len: int, windows: tuple[int, ...] = (0,),
                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
-                softcap: float = 0.0) -> int:
+                softcap: float = 0.0, fp8_out: bool = False) -> int:
         """Compile the kernels' variants before the first step (see ``compile_variants``), for each of the
-        model's attention windows (0: none); ``dtype`` is the compute dtype (an FP8 cache's is not)."""
+        model's attention windows (0: none); ``dtype`` is the compute dtype (an FP8 cache's is not);
+        ``fp8_out``: the decode kernels' quantized outputs too (``forward``'s ``fp8_out``)."""
+        fp8_out = fp8_out and k_cache.shape[3] == ACTIVATION_GROUP
         return sum(compile_variants(num_heads, k_cache, v_cache, block_tables, max_query_len, w, kv_scales, dtype,
-                                    softcap) for w in windows)
+                                    softcap, fp8_out) for w in windows)
+
+
+def _quantizes_output(q: torch.Tensor, meta: AttentionMetadata, num_tokens: int) -> bool:
+    """Whether the decode kernels can write this step's output quantized: decode rows only, each head one of the
+    projection's activation groups."""
+    return (q.shape[2] == ACTIVATION_GROUP and meta.num_decodes == meta.num_reqs == num_tokens == q.shape[0] > 0
+            and q.dtype in (torch.float16, torch.bfloat16, torch.float32))

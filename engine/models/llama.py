@@ -84,7 +84,9 @@ class LlamaAttention(nn.Module):
         # Qwen3 norms each head of q and k before rope; on the GPU norms and rope are one kernel.
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
         q, k = self.rotary_emb(positions, q, k, q_norm, k_norm)
-        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v, meta)  # [num_tokens, q_size]
+        # With FP8 weights a decode step's attention output comes quantized as o_proj takes it (``Fp8Activation``).
+        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v, meta,
+                        fp8_out=self.o_proj.takes_fp8_input)  # [num_tokens, q_size]
         return self.o_proj(out)
 
 
