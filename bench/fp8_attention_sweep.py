@@ -16,6 +16,13 @@ instead, on a W1-like prefill step: fresh prompts of uniform lengths in [100, 10
 times the FP8 decode kernel as the engine picks it against the one in ``old_triton_kernels.py`` (a copy of
 engine/attention/triton_kernels.py from another commit, e.g. ``git show HEAD~1:engine/attention/triton_kernels.py``),
 alternating, in one process, and prints how far their outputs are apart.
+
+    python bench/fp8_attention_sweep.py --fp8-out [--baseline old_triton_kernels.py]
+
+times the decode kernels (bf16 and FP8 caches) writing their output quantized for an FP8 o_proj (``fp8_out``,
+written by the merge of split contexts) against writing it plain and quantizing it with
+``fp8_kernels.quantize_rows``, and against the baseline module's ``fp8_out`` where one is given (any split
+count it takes); alternating, each twice.
 """
 
 from __future__ import annotations
@@ -69,9 +76,12 @@ def main() -> None:
     parser.add_argument("--groups", type=int, nargs="+", default=[2, 4], help="query heads per KV head")
     parser.add_argument("--prefill", action="store_true", help="sweep the prefill kernel instead")
     parser.add_argument("--baseline", type=Path, help="a copy of triton_kernels.py to time the FP8 decode against")
+    parser.add_argument("--fp8-out", action="store_true", help="time the decode kernels' quantized output")
     args = parser.parse_args()
     if args.prefill:
         return prefill_sweep(args.groups)
+    if args.fp8_out:
+        return quantized_output(args.groups, args.baseline)
     if args.baseline:
         return against_baseline(args.groups, args.baseline)
     device = torch.device("cuda")
@@ -117,14 +127,58 @@ def decode_batch(device: torch.device):
     return lens, cache, fp8, scales, tables, seq_lens, order, max_blocks * block
 
 
+def load_module(path: Path):
+    spec = importlib.util.spec_from_file_location("baseline_triton_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def quantized_output(groups: list[int], baseline_path: Path | None) -> None:
+    """The decode kernels writing o_proj's quantized input against a plain output quantized afterwards."""
+    from engine.attention import triton_kernels as current
+    from engine.models.fp8_kernels import quantize_rows
+
+    baseline = load_module(baseline_path) if baseline_path else None
+    device = torch.device("cuda")
+    lens, cache, fp8, scales, tables, seq_lens, order, capacity = decode_batch(device)
+    kv_heads, head_dim = cache.shape[3], cache.shape[4]
+    for group in groups:
+        q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
+        for kind in ("bf16", "fp8"):
+            k, v = (cache[0], cache[1]) if kind == "bf16" else (fp8[0], fp8[1])
+            kv_scales = None if kind == "bf16" else tuple(scales)
+            for n_rows in (len(lens), 8, 32):
+                sub = slice(0, n_rows)
+                splits = choose_num_splits(n_rows, kv_heads, capacity, num_sms(device))
+                out = torch.empty_like(q[sub])
+                # As many rows as sequences: the engine's CUDA graphs take multiples of 4 and need no padding rows.
+                quantized = (torch.empty(n_rows, out[0].numel(), dtype=torch.float8_e4m3fn, device=device),
+                             torch.empty(out.shape[1], n_rows, dtype=torch.float32, device=device).t())
+                rows_order = order if n_rows == len(lens) else None
+
+                def plain():
+                    current.paged_decode_attention(q[sub], k, v, tables[sub], seq_lens[sub], 0.088, out, splits,
+                                                   rows_order, kv_scales=kv_scales)
+                    quantize_rows(out.view(n_rows, -1), head_dim, cublas_layout=True)
+
+                runs = {"plain + quantize_rows": plain}
+                for name, module in (("fp8_out", current), ("baseline fp8_out", baseline)):
+                    if module is not None and (splits > 1 or module is baseline):  # the merge writes fp8_out
+                        runs[name] = lambda module=module: module.paged_decode_attention(
+                            q[sub], k, v, tables[sub], seq_lens[sub], 0.088, out, splits, rows_order,
+                            kv_scales=kv_scales, fp8_out=quantized)
+                for name, run in list(runs.items()) * 2:
+                    print(f"group {group} {kind:4s} {n_rows:3d} rows, {splits:2d} splits, {name:22s} "
+                          f"{graph_time(run) * 1e6:7.1f} us", flush=True)
+
+
 def against_baseline(groups: list[int], path: Path) -> None:
     """The FP8 decode kernel (the engine's tiles) against another version of the kernels' module, each timed
     twice, alternating, on the W1-like batch and on 8 and 32 rows with split contexts."""
     from engine.attention import triton_kernels as current
 
-    spec = importlib.util.spec_from_file_location("baseline_triton_kernels", path)
-    baseline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(baseline)
+    baseline = load_module(path)
     device = torch.device("cuda")
     lens, cache, fp8, scales, tables, seq_lens, order, capacity = decode_batch(device)
     kv_heads, head_dim = cache.shape[3], cache.shape[4]

@@ -478,13 +478,17 @@ def test_fp8_decode_rejects_odd_cache_strides():
                                kv_scales=kv_scales)
 
 
-@pytest.mark.parametrize("fp8_cache", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
-@pytest.mark.parametrize("reqs, num_splits", [(DECODES + [PAD], 1), (DECODES, 3), ([(300, 1), (2, 1), PAD], 32)])
+@pytest.mark.parametrize("fp8_cache, dtype, reqs, num_splits", [
+    (False, torch.float32, DECODES + [PAD], 2),
+    (True, torch.float32, DECODES, 3),
+    (False, torch.float16, DECODES, 3),
+    (True, torch.float16, [(300, 1), (2, 1), PAD], 32),
+] + ([(False, torch.bfloat16, DECODES + [PAD], 2), (True, torch.bfloat16, DECODES + [PAD], 4)] if DEVICE == "cuda"
+     else []))
 def test_decode_writes_its_output_quantized_as_the_next_projection_takes_it(fp8_cache, dtype, reqs, num_splits):
-    """With ``fp8_out`` the decode kernels (either cache, unsplit or merged after splits) write the output as an
-    FP8 projection's input, one scale per token and head of 128: bit for bit what ``fp8_kernels.quantize_rows``
-    makes of the plain output in cuBLAS's layout, rows padded to 4 with zeros."""
+    """With ``fp8_out`` the decode kernels' merge (either cache) writes the output as an FP8 projection's input,
+    one scale per token and head of 128: bit for bit what ``fp8_kernels.quantize_rows`` makes of the plain
+    output in cuBLAS's layout, rows padded to 4 with zeros. Unsplit contexts refuse it."""
     from engine.models.fp8_kernels import empty_quantized, quantize_rows
 
     case = make_case(70 + num_splits, reqs, 2, 2, 128, 16)
@@ -509,11 +513,14 @@ def test_decode_writes_its_output_quantized_as_the_next_projection_takes_it(fp8_
     assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
     assert torch.equal(scales, want_scales)
     assert unwritten.isnan().all(), "the quantized output replaces the plain one"
+    with pytest.raises(ValueError, match="split contexts"):
+        paged_decode_attention(q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale, unwritten, 1,
+                               fp8_out=(values, scales), **kw)
 
 
 def test_backend_quantizes_the_output_of_decode_only_steps_with_128_wide_heads():
-    """``fp8_out``: a decode-only step comes back quantized (the plain output's quantize_rows); a mixed step and
-    64-wide heads come back plain."""
+    """``fp8_out``: a decode-only step of a few rows (contexts split) comes back quantized (the plain output's
+    quantize_rows); a mixed step, 64-wide heads and a batch too large to split come back plain."""
     from engine.models.fp8_kernels import quantize_rows
 
     case = make_case(15, [(61, 1), (200, 1), (7, 1), PAD], 2, 4, 128, 16)
@@ -523,7 +530,8 @@ def test_backend_quantizes_the_output_of_decode_only_steps_with_128_wide_heads()
     values, scales = backend.forward(*args, fp8_out=True)
     want_values, want_scales = quantize_rows(plain.view(4, -1), 128, cublas_layout=True)
     assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)) and torch.equal(scales, want_scales)
-    for case in (make_case(11, MIXED, 1, 8, 128, 16), make_case(12, [(61, 1), PAD], 2, 4, 64, 16)):
+    many = make_case(16, [(5 + i, 1) for i in range(40)], 8, 1, 128, 16)  # 320 programs unsplit on <= 132 SMs
+    for case in (make_case(11, MIXED, 1, 8, 128, 16), make_case(12, [(61, 1), PAD], 2, 4, 64, 16), many):
         out = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, fp8_out=True)
         assert_matches(out, reference(case), case.padding_rows)
 

@@ -40,19 +40,24 @@ class TritonAttentionBackend:
         softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
         fp8_out: bool = False,  # the next projection takes its input quantized (see below)
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, num_heads, head_dim]
-        """The attention output; with ``fp8_out``, on a decode-only step whose heads are as wide as an FP8
-        projection's activation group (128), the output quantized by the decode kernels as that projection
-        takes it: (float8 values [rows padded to 4, num_heads * head_dim], float32 scales, one per token and
-        head, token-major; ``fp8_kernels.empty_quantized``'s cuBLAS layout). Other steps return the plain output."""
+        """The attention output; with ``fp8_out``, on a decode-only step whose contexts are split (a few dozen
+        rows or fewer) and whose heads are as wide as an FP8 projection's activation group (128), the output
+        quantized by the decode kernels' merge as that projection takes it: (float8 values [rows padded to 4,
+        num_heads * head_dim], float32 scales, one per token and head, token-major; ``fp8_kernels.empty_quantized``'s
+        cuBLAS layout). Other steps return the plain output: unsplit, quantizing in the decode kernel was slower
+        than the projection's own pass (bench/RESULTS.md)."""
         num_tokens = meta.slot_mapping.shape[0]
         if fp8_out and _quantizes_output(q, meta, num_tokens):
-            q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q)
-            quantized = empty_quantized(num_tokens, q.shape[1] * q.shape[2], q.shape[2], q.device, cublas_layout=True)
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # unwritten: it gives the rounding dtype
-            paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out,
-                                   self._num_splits(q, k_cache, meta), self._order(meta), window=window,
-                                   kv_scales=kv_scales, softcap=softcap, fp8_out=quantized)
-            return quantized
+            num_splits = self._num_splits(q, k_cache, meta)
+            if num_splits > 1:
+                q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q)
+                quantized = empty_quantized(num_tokens, q.shape[1] * q.shape[2], q.shape[2], q.device,
+                                            cublas_layout=True)
+                out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # unwritten: it gives the rounding dtype
+                paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out, num_splits,
+                                       self._order(meta), window=window, kv_scales=kv_scales, softcap=softcap,
+                                       fp8_out=quantized)
+                return quantized
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         # An FP8 cache holds K rotated: the same launch turns the queries alike (kvcache.paged_cache).
         q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q)

@@ -139,36 +139,18 @@ def _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_
         tl.store(part_lse_ptr + (seq * NUM_HEADS + heads) * NUM_SPLITS + split, lse, mask=head_mask)
 
 
-@triton.jit
-def _fp8_head_scale(amax):
-    """The scale of one head's output row as the next projection's quantized input (``fp8_kernels.quantize_rows``'s
-    arithmetic): the row's absolute maximum maps to 448."""
-    return tl.maximum(amax / 448.0, 1.1754943508222875e-38)
-
-
-@triton.jit
-def _store_fp8_head_cols(x, cols, scale, seq, heads, head_mask, fp8_values_ptr, stride_fv, HEAD_DIM: tl.constexpr):
-    """Columns ``cols`` of the rows ``x`` [GROUP_PAD, C] (rounded to the model dtype, float32) divided by their
-    head's ``scale`` [GROUP_PAD], as float8_e4m3 into row ``seq`` of the quantized output [rows, heads * HEAD_DIM]."""
-    ptrs = fp8_values_ptr + seq * stride_fv + heads[:, None] * HEAD_DIM + cols[None, :]
-    tl.store(ptrs, (x / scale[:, None]).to(fp8_values_ptr.dtype.element_ty), mask=head_mask[:, None])
-
-
-@_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window", "stride_fs")
+@_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window")
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, fp8_values_ptr, fp8_scales_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, max_context_len, window, softcap,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_fv, stride_fs,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, FP8_OUT: tl.constexpr,
+    HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    """Decode attention on a cache in the query's dtype (the scale pointers and strides are unused).
-
-    ``FP8_OUT`` (unsplit contexts): the output rows go out quantized instead, as the next projection's input
-    (``fp8_values_ptr``/``fp8_scales_ptr``, one scale per token and head; ``paged_decode_attention``)."""
+    """Decode attention on a cache in the query's dtype (the scale pointers and strides are unused)."""
     seq = tl.program_id(0)
     if HAS_ORDER:
         seq = tl.load(order_ptr + seq)  # longest contexts first, so that short ones fill the tail
@@ -210,14 +192,8 @@ def _decode_split_kernel(
         m_i = m_new
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty range gives zeros, never NaN
-    if FP8_OUT and NUM_SPLITS == 1:
-        o = o.to(out_ptr.dtype.element_ty).to(tl.float32)  # the rows as the model dtype holds them
-        scale = _fp8_head_scale(tl.max(tl.abs(o), 1))
-        _store_fp8_head_cols(o, offs_d, scale, seq, heads, head_mask, fp8_values_ptr, stride_fv, HEAD_DIM)
-        tl.store(fp8_scales_ptr + seq + heads * stride_fs, scale, mask=head_mask)
-    else:
-        _store_decode_rows(o, offs_d, seq, split, heads, head_mask, out_ptr, part_out_ptr, stride_ob, stride_oh,
-                           NUM_HEADS, HEAD_DIM, NUM_SPLITS)
+    _store_decode_rows(o, offs_d, seq, split, heads, head_mask, out_ptr, part_out_ptr, stride_ob, stride_oh,
+                       NUM_HEADS, HEAD_DIM, NUM_SPLITS)
     _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_HEADS, NUM_SPLITS)
 
 
@@ -260,17 +236,17 @@ def _fp8_word_pairs_to_f16(words):
         }""", constraints="=r,=r,r", args=[words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
 
-@_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window", "stride_fs")
+@_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window")
 def _decode_split_fp8_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, fp8_values_ptr, fp8_scales_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, max_context_len, window, softcap,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_fv, stride_fs,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, FP8_OUT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, K_PAIRS: tl.constexpr,
+    HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PTX: tl.constexpr, K_PAIRS: tl.constexpr,
 ):
     """Decode attention on an FP8 cache, read as 16-bit words: each tile is two half-width tiles.
 
@@ -362,19 +338,10 @@ def _decode_split_fp8_kernel(
         m_i = m_new
 
     inv_l = 1.0 / (V_LIFT * tl.where(l_i > 0, l_i, 1.0))  # an empty range gives zeros, never NaN
-    if FP8_OUT and NUM_SPLITS == 1:  # quantized as the next projection's input (``_decode_split_kernel``)
-        o_even = (acc_even * inv_l[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
-        o_odd = (acc_odd * inv_l[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
-        scale = _fp8_head_scale(tl.maximum(tl.max(tl.abs(o_even), 1), tl.max(tl.abs(o_odd), 1)))
-        _store_fp8_head_cols(o_even, 2 * offs_j, scale, seq, heads, head_mask, fp8_values_ptr, stride_fv, HEAD_DIM)
-        _store_fp8_head_cols(o_odd, 2 * offs_j + 1, scale, seq, heads, head_mask, fp8_values_ptr, stride_fv,
-                             HEAD_DIM)
-        tl.store(fp8_scales_ptr + seq + heads * stride_fs, scale, mask=head_mask)
-    else:
-        _store_decode_rows(acc_even * inv_l[:, None], 2 * offs_j, seq, split, heads, head_mask, out_ptr,
-                           part_out_ptr, stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, NUM_SPLITS)
-        _store_decode_rows(acc_odd * inv_l[:, None], 2 * offs_j + 1, seq, split, heads, head_mask, out_ptr,
-                           part_out_ptr, stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, NUM_SPLITS)
+    _store_decode_rows(acc_even * inv_l[:, None], 2 * offs_j, seq, split, heads, head_mask, out_ptr, part_out_ptr,
+                       stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, NUM_SPLITS)
+    _store_decode_rows(acc_odd * inv_l[:, None], 2 * offs_j + 1, seq, split, heads, head_mask, out_ptr,
+                       part_out_ptr, stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, NUM_SPLITS)
     _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_HEADS, NUM_SPLITS)
 
 
@@ -384,8 +351,9 @@ def _decode_merge_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     FP8_OUT: tl.constexpr,
 ):
-    """One head of one row: the splits' partial outputs weighted by their log-sum-exps; with ``FP8_OUT``
-    quantized as the next projection's input (``_decode_split_kernel``)."""
+    """One head of one row: the splits' partial outputs weighted by their log-sum-exps. ``FP8_OUT``: the row
+    quantized as an FP8 projection's input instead (``paged_decode_attention``'s ``fp8_out``): rounded to the
+    model dtype, then its absolute maximum mapped to 448, ``fp8_kernels.quantize_rows``'s arithmetic."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -401,7 +369,7 @@ def _decode_merge_kernel(
     res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
     if FP8_OUT:
         res = res.to(out_ptr.dtype.element_ty).to(tl.float32)
-        scale = _fp8_head_scale(tl.max(tl.abs(res), 0))
+        scale = tl.maximum(tl.max(tl.abs(res), 0) / 448.0, 1.1754943508222875e-38)
         tl.store(fp8_values_ptr + seq * stride_fv + head * HEAD_DIM + offs_d,
                  (res / scale).to(fp8_values_ptr.dtype.element_ty))
         tl.store(fp8_scales_ptr + seq + head * stride_fs, scale)
@@ -928,11 +896,12 @@ def paged_decode_attention(
     mixed lengths from ending on one long context. A sequence of length 0 (padding) gets
     zeros. Returns ``out``.
 
-    ``fp8_out``: the output is written quantized, as an FP8 projection takes its input (``engine.models.fp8``),
-    into float8_e4m3 ``values`` [rows, num_heads * head_dim] and float32 ``scales`` [rows, num_heads] (one per
-    token and head, any strides with ``scales.stride(0) == 1``; rows >= num_seqs), instead of into ``out``:
-    the rows rounded to ``out``'s dtype, then each head's absolute maximum mapped to 448, exactly what
-    ``fp8_kernels.quantize_rows`` makes of ``out``. Rows past ``num_seqs`` get zeros.
+    ``fp8_out`` (split contexts only: the merge kernel writes it): the output is written quantized, as an FP8
+    projection takes its input (``engine.models.fp8``), into float8_e4m3 ``values`` [rows, num_heads * head_dim]
+    and float32 ``scales`` [rows, num_heads] (one per token and head, any strides with ``scales.stride(0) == 1``;
+    rows >= num_seqs), instead of into ``out``: the rows rounded to ``out``'s dtype, then each head's absolute
+    maximum mapped to 448, exactly what ``fp8_kernels.quantize_rows`` makes of ``out``. Rows past ``num_seqs``
+    get zeros. Unsplit, the decode kernel quantizing its own rows was slower than a separate pass (bench/RESULTS.md).
     """
     _check_attention_args("paged_decode_attention", q, k_cache, v_cache, block_tables, seq_lens, out, kv_scales)
     _check_scale("paged_decode_attention", scale)
@@ -951,6 +920,8 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     if fp8_out is not None:
+        if num_splits == 1:
+            raise ValueError("paged_decode_attention: fp8_out needs split contexts (num_splits > 1)")
         _check_fp8_out(q, fp8_out)
         values, scales = fp8_out
         if values.shape[0] > num_seqs:  # rows the product takes but no sequence fills: as quantize_rows pads
@@ -981,8 +952,6 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
                    kv_scales, softcap, k_pairs: bool, fp8_out=None) -> torch.Tensor:
     """The decode kernel (and the merge) on checked arguments; ``k_pairs``: an FP8 cache's K converted as word
     pairs (``_fp8_word_pairs_to_f16``)."""
-    fp8_values, fp8_scales = fp8_out if fp8_out is not None else (out, out)
-    fp8_strides = (fp8_values.stride(0), fp8_scales.stride(1)) if fp8_out is not None else (0, 0)
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_context_len = block_tables.shape[1] * block_size
@@ -1006,16 +975,16 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
         cache_strides = tuple(st // 2 for st in cache_strides)
     kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, part_out, part_lse,
-        *scale_ptrs, fp8_values, fp8_scales, scale if softcap else scale * LOG2_E, max_context_len, window,
-        float(softcap), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *cache_strides,
-        *scale_strides, *fp8_strides,
+        *scale_ptrs, scale if softcap else scale * LOG2_E, max_context_len, window, float(softcap),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *cache_strides, *scale_strides,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), HAS_ORDER=order is not None, SLIDING=window > 0,
-        SOFTCAP=bool(softcap), FP8_OUT=fp8_out is not None, **dtype_arg, num_warps=num_warps, num_stages=num_stages,
-        **launch_options,
+        SOFTCAP=bool(softcap), **dtype_arg, num_warps=num_warps, num_stages=num_stages, **launch_options,
     )
     if num_splits > 1:
+        fp8_values, fp8_scales = fp8_out if fp8_out is not None else (out, out)  # the latter unused
+        fp8_strides = (fp8_values.stride(0), fp8_scales.stride(1)) if fp8_out is not None else (0, 0)
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, fp8_values, fp8_scales, out.stride(0), out.stride(1), *fp8_strides,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
@@ -1177,7 +1146,7 @@ def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tenso
                      max_query_len: int, window: int = 0, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                      dtype: torch.dtype | None = None, softcap: float = 0.0, fp8_out: bool = False) -> int:
     """Compile every kernel variant a step can pick (each split count, each prefill tile height; with
-    ``fp8_out`` each split count's quantized output too) now, so that no step waits for a compile mid-run.
+    ``fp8_out`` the merge's quantized output too) now, so that no step waits for a compile mid-run.
     ``block_tables`` should be the caller's own table buffer, so that its row stride matches the steps'
     tables. Returns how many variants ran; once Triton's on-disk cache holds them this takes well under a
     second.
@@ -1194,13 +1163,13 @@ def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tenso
     while num_splits <= MAX_NUM_SPLITS:
         paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits, order, window=window,
                                kv_scales=kv_scales, softcap=softcap)
-        num_splits, variants = num_splits * 2, variants + 1
-        if fp8_out:
+        if fp8_out and num_splits > 1:
             quantized = (torch.empty(4, num_heads * head_dim, dtype=FP8_DTYPE, device=device),
                          torch.empty(num_heads, 4, dtype=torch.float32, device=device).t())
-            paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits // 2, order,
+            paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits, order,
                                    window=window, kv_scales=kv_scales, softcap=softcap, fp8_out=quantized)
             variants += 1
+        num_splits, variants = num_splits * 2, variants + 1
     tiles, query_len = set(), 1
     while query_len < 2 * max(max_query_len, 1):
         n = min(query_len, max_query_len)
