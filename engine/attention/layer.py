@@ -50,8 +50,8 @@ class Attention(nn.Module):
         fp8_out: bool = False,
     ):  # [num_tokens, num_heads * head_dim], a tensor or an Fp8Activation
         """``fp8_out``: the caller's output projection takes an ``Fp8Activation`` (``Fp8Weights.takes_fp8_input``);
-        the backend then returns one where its decode kernels can quantize the output (decode-only steps, heads 128
-        wide), and the plain output elsewhere."""
+        the backend then returns one where its decode kernels can quantize the output (decode-only steps with split
+        contexts, heads 128 wide), and the plain output elsewhere."""
         if self.k_cache is None or self.backend is None:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache or backend bound")
         n = q.shape[0]

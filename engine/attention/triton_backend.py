@@ -47,25 +47,23 @@ class TritonAttentionBackend:
         cuBLAS layout). Other steps return the plain output: unsplit, quantizing in the decode kernel was slower
         than the projection's own pass (bench/RESULTS.md)."""
         num_tokens = meta.slot_mapping.shape[0]
-        if fp8_out and _quantizes_output(q, meta, num_tokens):
-            num_splits = self._num_splits(q, k_cache, meta)
-            if num_splits > 1:
-                q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q)
-                quantized = empty_quantized(num_tokens, q.shape[1] * q.shape[2], q.shape[2], q.device,
-                                            cublas_layout=True)
-                out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # unwritten: it gives the rounding dtype
-                paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out, num_splits,
-                                       self._order(meta), window=window, kv_scales=kv_scales, softcap=softcap,
-                                       fp8_out=quantized)
-                return quantized
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         # An FP8 cache holds K rotated: the same launch turns the queries alike (kvcache.paged_cache).
         q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q)
         d = meta.num_decodes
+        quantized = None
         if d > 0:
+            # The split count follows the table's capacity, not this step's lengths: under a CUDA graph
+            # the table's shape is what stays fixed across replays.
+            max_context_len = meta.block_tables.shape[1] * k_cache.shape[1]
+            num_splits = choose_num_splits(d, k_cache.shape[2], max_context_len, num_sms(q.device))
+            if fp8_out and num_splits > 1 and _quantizes_output(q, meta, num_tokens):
+                quantized = empty_quantized(num_tokens, q.shape[1] * q.shape[2], q.shape[2], q.device,
+                                            cublas_layout=True)
+            order = meta.decode_order[:d] if meta.decode_order is not None else None
             paged_decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
-                                   out[:d], self._num_splits(q[:d], k_cache, meta), self._order(meta),
-                                   window=window, kv_scales=kv_scales, softcap=softcap)
+                                   out[:d], num_splits, order, window=window, kv_scales=kv_scales,
+                                   softcap=softcap, fp8_out=quantized)
         if meta.num_reqs > d:
             # Decode rows come first, one token each, so the prefill tokens start at row d.
             n = meta.num_reqs
@@ -75,18 +73,7 @@ class TritonAttentionBackend:
                                     softcap=softcap)
         if num_tokens < q.shape[0]:
             out[num_tokens:].zero_()  # padding rows beyond the batch: finite, like a seq_len 0 row
-        return out
-
-    @staticmethod
-    def _num_splits(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> int:
-        """The decode rows' split count. It follows the table's capacity, not this step's lengths: under a CUDA
-        graph the table's shape is what stays fixed across replays."""
-        max_context_len = meta.block_tables.shape[1] * k_cache.shape[1]
-        return choose_num_splits(q.shape[0], k_cache.shape[2], max_context_len, num_sms(q.device))
-
-    @staticmethod
-    def _order(meta: AttentionMetadata) -> torch.Tensor | None:
-        return meta.decode_order[: meta.num_decodes] if meta.decode_order is not None else None
+        return out if quantized is None else quantized  # ``out`` then only gave the rounding dtype
 
     def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, max_query_len: int, windows: tuple[int, ...] = (0,),
@@ -101,7 +88,6 @@ class TritonAttentionBackend:
 
 
 def _quantizes_output(q: torch.Tensor, meta: AttentionMetadata, num_tokens: int) -> bool:
-    """Whether the decode kernels can write this step's output quantized: decode rows only, each head one of the
-    projection's activation groups."""
-    return (q.shape[2] == ACTIVATION_GROUP and meta.num_decodes == meta.num_reqs == num_tokens == q.shape[0] > 0
-            and q.dtype in (torch.float16, torch.bfloat16, torch.float32))
+    """Whether the decode kernels can write this step's output quantized: decode rows only (no padding beyond
+    them), each head one of the projection's activation groups."""
+    return q.shape[2] == ACTIVATION_GROUP and meta.num_decodes == meta.num_reqs == num_tokens == q.shape[0]
