@@ -15,7 +15,8 @@ instead, on a W1-like prefill step: fresh prompts of uniform lengths in [100, 10
 
 times the FP8 decode kernel as the engine picks it against the one in ``old_triton_kernels.py`` (a copy of
 engine/attention/triton_kernels.py from another commit, e.g. ``git show HEAD~1:engine/attention/triton_kernels.py``),
-alternating, in one process, and prints how far their outputs are apart.
+alternating, in one process, and prints how far their outputs are apart; ``--baseline-cache bf16`` does the
+same for the decode kernel on a bf16 cache.
 
     python bench/fp8_attention_sweep.py --fp8-out [--baseline old_triton_kernels.py]
 
@@ -41,12 +42,13 @@ from roofline import graph_time  # noqa: E402
 
 from kvcache.paged_cache import quantize_fp8  # noqa: E402
 from engine.attention.triton_kernels import (  # noqa: E402
-    _decode_tiles, _prefill_tiles, choose_num_splits, num_sms, paged_decode_attention, paged_prefill_attention)
+    _decode_kv_heads, _decode_tiles, _prefill_tiles, choose_num_splits, num_sms, paged_decode_attention,
+    paged_prefill_attention)
 
-VARIANTS = {
+VARIANTS = {  # (BLOCK_N, warps, stages, registers a thread at most[, FP8: KV heads a program])
     "bf16": [(128, 4, 3, None), (128, 4, 3, 168), (128, 4, 3, 128), (64, 4, 3, None), (64, 4, 3, 128)],
-    "fp8": [(128, 4, 3, None), (128, 4, 3, 168), (128, 4, 2, None), (128, 4, 2, 168), (128, 4, 3, 160),
-            (128, 4, 2, 128), (64, 4, 3, None)],
+    "fp8": [(128, 4, 3, None, 1), (128, 4, 2, None, 1), (128, 4, 3, None, 2), (128, 4, 2, None, 2),
+            (128, 4, 2, 168, 2), (128, 4, 2, 128, 2), (64, 4, 3, None, 2), (128, 2, 2, None, 2)],
 }
 
 
@@ -77,13 +79,15 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="sweep the prefill kernel instead")
     parser.add_argument("--baseline", type=Path, help="a copy of triton_kernels.py to time the FP8 decode against")
     parser.add_argument("--fp8-out", action="store_true", help="time the decode kernels' quantized output")
+    parser.add_argument("--baseline-cache", choices=("fp8", "bf16"), default="fp8",
+                        help="the cache --baseline times the decode kernels on")
     args = parser.parse_args()
     if args.prefill:
         return prefill_sweep(args.groups)
     if args.fp8_out:
         return quantized_output(args.groups, args.baseline)
     if args.baseline:
-        return against_baseline(args.groups, args.baseline)
+        return against_baseline(args.groups, args.baseline, args.baseline_cache)
     device = torch.device("cuda")
     lens, cache, fp8, scales, tables, seq_lens, order, capacity = decode_batch(device)
     rows, kv_heads, head_dim = len(lens), cache.shape[3], cache.shape[4]
@@ -101,6 +105,8 @@ def main() -> None:
                 tokens = sum(lens[:n_rows])
                 splits = choose_num_splits(n_rows, kv_heads, capacity, sms)
                 picked = (*_decode_tiles(head_dim, splits, kind == "fp8"), None)  # no register limit
+                if kind == "fp8":
+                    picked = (*picked, _decode_kv_heads(group, kv_heads, splits))
                 for tiles in VARIANTS[kind] if n_rows == rows else [picked]:
                     try:
                         us = graph_time(lambda: paged_decode_attention(
@@ -173,9 +179,9 @@ def quantized_output(groups: list[int], baseline_path: Path | None) -> None:
                           f"{graph_time(run) * 1e6:7.1f} us", flush=True)
 
 
-def against_baseline(groups: list[int], path: Path) -> None:
-    """The FP8 decode kernel (the engine's tiles) against another version of the kernels' module, each timed
-    twice, alternating, on the W1-like batch and on 8 and 32 rows with split contexts."""
+def against_baseline(groups: list[int], path: Path, cache_kind: str = "fp8") -> None:
+    """The decode kernel on an FP8 (or bf16) cache, the engine's tiles, against another version of the kernels'
+    module, each timed twice, alternating, on the W1-like batch and on 8 and 32 rows with split contexts."""
     from engine.attention import triton_kernels as current
 
     baseline = load_module(path)
@@ -190,9 +196,10 @@ def against_baseline(groups: list[int], path: Path) -> None:
             outs = {}
             for name, module in (("baseline", baseline), ("current", current)) * 2:
                 out = torch.empty_like(q[sub])
+                kc, vc, ks = (cache[0], cache[1], None) if cache_kind == "bf16" else (fp8[0], fp8[1], tuple(scales))
                 run = lambda: module.paged_decode_attention(  # noqa: E731
-                    q[sub], fp8[0], fp8[1], tables[sub], seq_lens[sub], 0.088, out, splits,
-                    order if n_rows == len(lens) else None, kv_scales=tuple(scales))
+                    q[sub], kc, vc, tables[sub], seq_lens[sub], 0.088, out, splits,
+                    order if n_rows == len(lens) else None, kv_scales=ks)
                 us = graph_time(run) * 1e6
                 run()
                 outs[name] = out.float()

@@ -467,6 +467,29 @@ def test_fp8_decode_ignores_nan_in_slots_past_the_context():
         assert_matches(out, ref, case.padding_rows)
 
 
+@pytest.mark.parametrize("group, num_kv_heads", [(4, 2), (2, 4), (8, 2)])
+def test_fp8_decode_reads_several_kv_heads_in_one_program(group, num_kv_heads):
+    """Two KV heads a program (their query heads stacked in the rows one dot pads to 16), unsplit and split, give
+    the torch backend's result and the one-KV-head programs' output; more than fit the rows are refused."""
+    case, kv_scales, q = fp8_case(make_case(15, MIXED, num_kv_heads, group, 64, 16))
+    ref = fp8_reference(case, kv_scales)
+    d, m = case.meta.num_decodes, case.meta
+    for num_splits in (1, 2):
+        outs = []
+        for kv_heads in (1, 2):
+            out = torch.full_like(q[:d], float("nan"))
+            paged_decode_attention(q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d],
+                                   case.scale, out, num_splits, kv_scales=kv_scales,
+                                   tiles=(128, 4, 2, None, kv_heads))
+            assert_matches(out, ref[:d], [])
+            outs.append(out)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    too_many = 4 if group * 4 > 16 else num_kv_heads * 2
+    with pytest.raises(ValueError, match="KV heads per program"):
+        paged_decode_attention(q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d], case.scale,
+                               torch.empty_like(q[:d]), 1, kv_scales=kv_scales, tiles=(128, 4, 2, None, too_many))
+
+
 def test_fp8_decode_rejects_odd_cache_strides():
     """The FP8 decode kernel reads the caches as 16-bit words: a cache view with an odd stride is refused."""
     case, kv_scales, q = fp8_case(make_case(14, [(20, 1)], 2, 2, 64, 16))

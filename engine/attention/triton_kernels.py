@@ -246,7 +246,7 @@ def _decode_split_fp8_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PTX: tl.constexpr, K_PAIRS: tl.constexpr,
+    PTX: tl.constexpr, K_PAIRS: tl.constexpr, KV_HEADS: tl.constexpr,
 ):
     """Decode attention on an FP8 cache, read as 16-bit words: each tile is two half-width tiles.
 
@@ -265,10 +265,16 @@ def _decode_split_fp8_kernel(
     * A key's scale multiplies its column of the scores. A value's scale multiplies its column of ``p``,
       lifted by ``V_LIFT`` = 2^8 (undone with the normalization), so that small probabilities times small
       scales stay out of float16's subnormals: a product below 2^-14 needs ``p`` under 2^-22 / scale, a key
-      whose term ``p * v`` is under 448 * 2^-22 (~1.1e-4), and even it keeps a subnormal's precision. V's largest magnitude may reach 448 * 65504 /
-      2^8 (~115k), queries' 65504.
+      whose term ``p * v`` is under 448 * 2^-22 (~1.1e-4), and even it keeps a subnormal's precision. V's
+      largest magnitude may reach 448 * 65504 / 2^8 (~115k), queries' 65504.
     * K is loaded without masks: a position past the context reads a slot of its block or of block 0 (the
       block table's padding), and its score is masked. V is masked: stale values times ``p`` = 0 could be NaN.
+
+    * ``KV_HEADS`` neighbouring KV heads per program, their query heads stacked in the rows (GROUP * KV_HEADS <=
+      GROUP_PAD): the dots pad the rows to 16 whatever their number, so with 4 query heads a KV head two KV heads
+      fill 8 of them and the softmax's work per useful row halves. Each KV head's scores are computed for all
+      rows and kept in its own; each KV head's V is multiplied by ``p`` with the other rows zeroed
+      (``_decode_kv_heads`` says where it pays).
 
     SASS per 128-key tile (sm_90, Triton 3.6): 1,009 instructions with V's rows rescaled and K permuted
     byte-wise, 814 this way; on the H200 95 us -> 87 us on that batch.
@@ -278,13 +284,14 @@ def _decode_split_fp8_kernel(
     seq = tl.program_id(0)
     if HAS_ORDER:
         seq = tl.load(order_ptr + seq)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) * KV_HEADS  # the program's first KV head
     split = tl.program_id(2)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_j = tl.arange(0, HALF)  # word j holds dimensions 2j (low byte) and 2j + 1 (high byte)
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
-    head_mask = offs_g < GROUP
+    head_mask = offs_g < GROUP * KV_HEADS
+    row_kv_head = offs_g // GROUP  # which of the program's KV heads each row's query head reads
 
     seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_context_len)
     first_key, start, end = _split_range(seq_len, window, split, SLIDING, PAGE_SIZE, BLOCK_N, NUM_SPLITS)
@@ -312,15 +319,18 @@ def _decode_split_fp8_kernel(
         # The cache strides arrive in 16-bit words (the wrapper halves them; HEAD_DIM is even). K is read
         # unmasked: a key past the end reads some slot of its block or of block 0, and its score is masked.
         k_rows = block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh
-        k_w = tl.load(k_words + k_rows[:, None] + offs_j[None, :])
-        if K_PAIRS:
-            k_a, k_b = _fp8_word_pairs_to_f16(k_w)
-        else:
-            k_a, k_b = _fp8_bytes_to(k_w, False, DOT_DTYPE, PTX), _fp8_bytes_to(k_w, True, DOT_DTYPE, PTX)
-        s = (tl.dot(q_a, tl.trans(k_a), input_precision=DOT_PRECISION)
-             + tl.dot(q_b, tl.trans(k_b), input_precision=DOT_PRECISION))  # [GROUP_PAD, BLOCK_N]
         scale_rows = block_ids * stride_sb + in_block * stride_ss + kv_head
-        s = s * (qk_scale * tl.load(k_scale_ptr + scale_rows, mask=valid, other=0.0))[None, :]
+        s = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
+        for h in tl.static_range(KV_HEADS):
+            k_w = tl.load(k_words + (k_rows + h * stride_kh)[:, None] + offs_j[None, :])
+            if K_PAIRS:
+                k_a, k_b = _fp8_word_pairs_to_f16(k_w)
+            else:
+                k_a, k_b = _fp8_bytes_to(k_w, False, DOT_DTYPE, PTX), _fp8_bytes_to(k_w, True, DOT_DTYPE, PTX)
+            s_h = (tl.dot(q_a, tl.trans(k_a), input_precision=DOT_PRECISION)
+                   + tl.dot(q_b, tl.trans(k_b), input_precision=DOT_PRECISION))  # [GROUP_PAD, BLOCK_N]
+            s_h = s_h * (qk_scale * tl.load(k_scale_ptr + scale_rows + h, mask=valid, other=0.0))[None, :]
+            s = s_h if KV_HEADS == 1 else tl.where((row_kv_head == h)[:, None], s_h, s)
         if SOFTCAP:
             s = _soft_cap(s, softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -328,13 +338,20 @@ def _decode_split_fp8_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        acc_even = acc_even * alpha[:, None]
+        acc_odd = acc_odd * alpha[:, None]
         v_rows = block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh
-        v_scales = tl.load(v_scale_ptr + scale_rows, mask=valid, other=0.0)
-        v_w = tl.load(v_words + v_rows[:, None] + offs_j[None, :], mask=valid[:, None], other=0)
-        v_lo, v_hi = _fp8_bytes_to(v_w, False, DOT_DTYPE, PTX), _fp8_bytes_to(v_w, True, DOT_DTYPE, PTX)
-        p = (p * (v_scales * V_LIFT)[None, :]).to(DOT_DTYPE)  # each key's V scale, lifted by 2^8 (docstring)
-        acc_even = acc_even * alpha[:, None] + tl.dot(p, v_lo, input_precision=DOT_PRECISION)
-        acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_hi, input_precision=DOT_PRECISION)
+        for h in tl.static_range(KV_HEADS):
+            v_scales = tl.load(v_scale_ptr + scale_rows + h, mask=valid, other=0.0)
+            v_w = tl.load(v_words + (v_rows + h * stride_vh)[:, None] + offs_j[None, :], mask=valid[:, None],
+                          other=0)
+            v_lo, v_hi = _fp8_bytes_to(v_w, False, DOT_DTYPE, PTX), _fp8_bytes_to(v_w, True, DOT_DTYPE, PTX)
+            p_h = p * (v_scales * V_LIFT)[None, :]  # each key's V scale, lifted by 2^8 (docstring)
+            if KV_HEADS > 1:
+                p_h = tl.where((row_kv_head == h)[:, None], p_h, 0.0)
+            p_h = p_h.to(DOT_DTYPE)
+            acc_even += tl.dot(p_h, v_lo, input_precision=DOT_PRECISION)
+            acc_odd += tl.dot(p_h, v_hi, input_precision=DOT_PRECISION)
         m_i = m_new
 
     inv_l = 1.0 / (V_LIFT * tl.where(l_i > 0, l_i, 1.0))  # an empty range gives zeros, never NaN
@@ -680,11 +697,25 @@ def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[in
     batch 118 us against 139 us with 64 keys and 202 us with 8 warps; 8 and 32 split rows: 14 / 38 us
     against 16 / 47 us with 64 keys; bench/RESULTS.md). No register limit: capped at 128 a thread, four FP8
     programs fit an SM instead of three (161 registers, Triton 3.6), but the W1-like batch took 106 us against
-    94 (bf16 at 168 or 128: 149 or 159 us against 130; bench/fp8_attention_sweep.py).
+    94 (bf16 at 168 or 128: 149 or 159 us against 130; bench/fp8_attention_sweep.py). FP8 unsplit: two pipeline
+    stages, not three (Llama-3.1-8B's heads, W1-like batch: 83.4 us against 87.6).
     """
     if head_dim > 128:
         return 32, 4, 3
-    return (128 if num_splits == 1 or fp8 else 64), 4, 3
+    if fp8:
+        return 128, 4, (2 if num_splits == 1 else 3)
+    return (128 if num_splits == 1 else 64), 4, 3
+
+
+def _decode_kv_heads(group: int, num_kv_heads: int, num_splits: int) -> int:
+    """KV heads per program of the FP8 decode kernel (``KV_HEADS`` there): two where contexts are split in two and
+    their query heads fit the 16 rows a dot pads to, else one. On the H200 (Llama-3.1-8B's heads, 4 query heads a
+    KV head, bench/RESULTS.md): 32 rows in 2 splits 29.5 us against 30.4; 8 rows in 8 splits 12.7 against 11.3
+    (few rows want every program they can get); 151 rows unsplit 84.9 against 87.7 with 3 stages, but with the
+    2 stages unsplit contexts now take (83.4 alone) the two together gave no more than either."""
+    if num_splits == 2 and 2 * group <= 16 and num_kv_heads % 2 == 0:
+        return 2
+    return 1
 
 
 def _interpreted() -> bool:
@@ -882,7 +913,7 @@ def paged_decode_attention(
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written in full
     num_splits: int | None = None,
     order: torch.Tensor | None = None,  # [num_seqs] int32: a permutation of the rows, longest context first
-    tiles: tuple | None = None,  # (BLOCK_N, num_warps, num_stages[, max registers per thread]), for tuning sweeps
+    tiles: tuple | None = None,  # (BLOCK_N, warps, stages[, max registers a thread[, FP8: KV heads a program]]): sweeps
     window: int = 0,  # a sliding window: only the last ``window`` keys; 0: the whole context
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's (k_scales, v_scales)
     softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
@@ -957,7 +988,14 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
     max_context_len = block_tables.shape[1] * block_size
     group = num_heads // num_kv_heads
     fp8 = kv_scales is not None
-    block_n, num_warps, num_stages, max_registers = (*(tiles or _decode_tiles(head_dim, num_splits, fp8)), None)[:4]
+    block_n, num_warps, num_stages, max_registers, kv_heads = (
+        *(tiles or _decode_tiles(head_dim, num_splits, fp8)), None, None)[:5]
+    if kv_heads is None:
+        kv_heads = _decode_kv_heads(group, num_kv_heads, num_splits) if fp8 else 1
+    if num_kv_heads % kv_heads or (fp8 and group * kv_heads > max(16, triton.next_power_of_2(group))) or (
+            not fp8 and kv_heads != 1):
+        raise ValueError(f"paged_decode_attention: {kv_heads} KV heads per program do not fit {num_kv_heads} KV "
+                         f"heads of {group} query heads")
     launch_options = {"maxnreg": max_registers} if max_registers and q.is_cuda and _limits_registers() else {}
     scale_args = _scale_args(kv_scales, k_cache)
     scale_ptrs, scale_strides = scale_args[:2], scale_args[2:]
@@ -967,13 +1005,14 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
     else:
         part_out = part_lse = out  # unused: the kernel writes out directly
     kernel = _decode_split_fp8_kernel if fp8 else _decode_split_kernel
-    dtype_arg = {"DOT_DTYPE": _dot_dtype(q.dtype, True), "PTX": _fp8_ptx(q), "K_PAIRS": k_pairs} if fp8 else {}
+    dtype_arg = {"DOT_DTYPE": _dot_dtype(q.dtype, True), "PTX": _fp8_ptx(q), "K_PAIRS": k_pairs,
+                 "KV_HEADS": kv_heads} if fp8 else {}
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     if fp8:  # the FP8 kernel reads the caches as 16-bit words
         if any(st % 2 for st in cache_strides):
             raise ValueError(f"paged_decode_attention: an FP8 cache's strides must be even, got {cache_strides}")
         cache_strides = tuple(st // 2 for st in cache_strides)
-    kernel[(num_seqs, num_kv_heads, num_splits)](
+    kernel[(num_seqs, num_kv_heads // kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, part_out, part_lse,
         *scale_ptrs, scale if softcap else scale * LOG2_E, max_context_len, window, float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *cache_strides, *scale_strides,
