@@ -188,6 +188,7 @@ def against_baseline(groups: list[int], path: Path, cache_kind: str = "fp8") -> 
     device = torch.device("cuda")
     lens, cache, fp8, scales, tables, seq_lens, order, capacity = decode_batch(device)
     kv_heads, head_dim = cache.shape[3], cache.shape[4]
+    kc, vc, ks = (cache[0], cache[1], None) if cache_kind == "bf16" else (fp8[0], fp8[1], tuple(scales))
     for group in groups:
         q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
         for n_rows in (len(lens), 8, 32):
@@ -196,7 +197,6 @@ def against_baseline(groups: list[int], path: Path, cache_kind: str = "fp8") -> 
             outs = {}
             for name, module in (("baseline", baseline), ("current", current)) * 2:
                 out = torch.empty_like(q[sub])
-                kc, vc, ks = (cache[0], cache[1], None) if cache_kind == "bf16" else (fp8[0], fp8[1], tuple(scales))
                 run = lambda: module.paged_decode_attention(  # noqa: E731
                     q[sub], kc, vc, tables[sub], seq_lens[sub], 0.088, out, splits,
                     order if n_rows == len(lens) else None, kv_scales=ks)

@@ -467,7 +467,7 @@ def test_fp8_decode_ignores_nan_in_slots_past_the_context():
         assert_matches(out, ref, case.padding_rows)
 
 
-@pytest.mark.parametrize("group, num_kv_heads", [(4, 2), (2, 4), (8, 2)])
+@pytest.mark.parametrize("group, num_kv_heads", [(4, 2), (2, 4), (8, 4)])
 def test_fp8_decode_reads_several_kv_heads_in_one_program(group, num_kv_heads):
     """Two KV heads a program (their query heads stacked in the rows one dot pads to 16), unsplit and split, give
     the torch backend's result and the one-KV-head programs' output; more than fit the rows are refused."""
@@ -484,7 +484,8 @@ def test_fp8_decode_reads_several_kv_heads_in_one_program(group, num_kv_heads):
             assert_matches(out, ref[:d], [])
             outs.append(out)
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
-    too_many = 4 if group * 4 > 16 else num_kv_heads * 2
+    # Twice the KV heads there are, or (8 query heads a KV head) all four: 32 rows where a dot has 16.
+    too_many = num_kv_heads if group * num_kv_heads > 16 else num_kv_heads * 2
     with pytest.raises(ValueError, match="KV heads per program"):
         paged_decode_attention(q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d], case.scale,
                                torch.empty_like(q[:d]), 1, kv_scales=kv_scales, tiles=(128, 4, 2, None, too_many))

@@ -269,7 +269,6 @@ def _decode_split_fp8_kernel(
       largest magnitude may reach 448 * 65504 / 2^8 (~115k), queries' 65504.
     * K is loaded without masks: a position past the context reads a slot of its block or of block 0 (the
       block table's padding), and its score is masked. V is masked: stale values times ``p`` = 0 could be NaN.
-
     * ``KV_HEADS`` neighbouring KV heads per program, their query heads stacked in the rows (GROUP * KV_HEADS <=
       GROUP_PAD): the dots pad the rows to 16 whatever their number, so with 4 query heads a KV head two KV heads
       fill 8 of them and the softmax's work per useful row halves. Each KV head's scores are computed for all
@@ -707,13 +706,18 @@ def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[in
     return (128 if num_splits == 1 else 64), 4, 3
 
 
+def _group_pad(group: int) -> int:
+    """Rows of the decode kernels' dots for ``group`` query heads a KV head: tl.dot takes 16 at the least."""
+    return max(16, triton.next_power_of_2(group))
+
+
 def _decode_kv_heads(group: int, num_kv_heads: int, num_splits: int) -> int:
     """KV heads per program of the FP8 decode kernel (``KV_HEADS`` there): two where contexts are split in two and
     their query heads fit the 16 rows a dot pads to, else one. On the H200 (Llama-3.1-8B's heads, 4 query heads a
     KV head, bench/RESULTS.md): 32 rows in 2 splits 29.5 us against 30.4; 8 rows in 8 splits 12.7 against 11.3
     (few rows want every program they can get); 151 rows unsplit 84.9 against 87.7 with 3 stages, but with the
     2 stages unsplit contexts now take (83.4 alone) the two together gave no more than either."""
-    if num_splits == 2 and 2 * group <= 16 and num_kv_heads % 2 == 0:
+    if num_splits == 2 and 2 * group <= _group_pad(group) and num_kv_heads % 2 == 0:
         return 2
     return 1
 
@@ -992,7 +996,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
         *(tiles or _decode_tiles(head_dim, num_splits, fp8)), None, None)[:5]
     if kv_heads is None:
         kv_heads = _decode_kv_heads(group, num_kv_heads, num_splits) if fp8 else 1
-    if num_kv_heads % kv_heads or (fp8 and group * kv_heads > max(16, triton.next_power_of_2(group))) or (
+    if num_kv_heads % kv_heads or (fp8 and group * kv_heads > _group_pad(group)) or (
             not fp8 and kv_heads != 1):
         raise ValueError(f"paged_decode_attention: {kv_heads} KV heads per program do not fit {num_kv_heads} KV "
                          f"heads of {group} query heads")
@@ -1016,7 +1020,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
         q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, part_out, part_lse,
         *scale_ptrs, scale if softcap else scale * LOG2_E, max_context_len, window, float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *cache_strides, *scale_strides,
-        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim,
         PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), HAS_ORDER=order is not None, SLIDING=window > 0,
         SOFTCAP=bool(softcap), **dtype_arg, num_warps=num_warps, num_stages=num_stages, **launch_options,
@@ -1126,7 +1130,8 @@ def write_paged_kv(
     def fail(msg: str) -> None:
         raise ValueError(f"write_paged_kv: {msg}")
 
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         fail(f"caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] of one shape, got "
              f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     row_shape = tuple(k_cache.shape[2:])
