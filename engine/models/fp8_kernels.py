@@ -219,9 +219,17 @@ def scaled_matmul(a: torch.Tensor, a_scales: torch.Tensor, weight: torch.Tensor,
                                 W_BLOCK_N=block[0] if block is not None else 0,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
-        block_size = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block_size),)](target, out, m * n, split, m * n, BLOCK=block_size,
-                                                              num_warps=4)
+        sum_splits(target, out)
+    return out
+
+
+def sum_splits(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = parts.sum(0)`` for float32 partial products [splits, m, n] (contiguous), rounded once to
+    ``out``'s dtype."""
+    numel = out.numel()
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(numel, block),)](parts, out, numel, parts.shape[0], numel, BLOCK=block,
+                                                     num_warps=4)
     return out
 
 

@@ -1,0 +1,263 @@
+"""A Gluon (Triton's explicit-layout dialect) FP8 product for decode batch sizes on Hopper, measured against
+cuBLAS's 1 x 128-scaled product (bench/RESULTS.md). The engine does not use it: at the batch sizes of a W1
+decode step (~151 tokens) cuBLAS's is faster.
+
+    python bench/fp8_wgmma.py                    # Llama-3.1-8B's projections at 1, 64, 128, 151, 255 tokens
+    python bench/fp8_wgmma.py --batches 151 --layers gate_up
+
+Needs a Hopper GPU and a Triton with Gluon (measured with 3.6).
+
+``C = (X * x_scales) @ (W * w_scales)^T`` with X quantized per token and 128 columns and W per output channel
+(``engine.models.fp8``). The scales change every 128 columns, so each group's product is accumulated on its own
+and scaled into a float32 accumulator on the CUDA cores ("promotion"). cuBLAS's 1 x 128 kernels and a
+``tl.dot`` kernel wait for a group's tensor-core product before scaling it. Here a group's ``wgmma`` is issued
+asynchronously and the previous group's finished product is scaled while it runs (``warpgroup_mma_wait(1)``);
+TMA keeps ``STAGES`` groups of weights, activations and the activations' scales in flight. The group loop is
+unrolled by ``UNROLL``: an accumulator in flight carried around a loop makes ptxas serialize every wgmma
+(its C7514 message).
+
+Each program computes a ``[BLOCK_W, BLOCK_T]`` tile of C^T: weight rows on the MMA's M side (64 a warpgroup),
+tokens on its N side. The token tiles of one weight tile are neighbouring programs and share its bytes through
+the L2. Each configuration is timed in a CUDA graph on weight copies that do not fit the L2
+(``fp8_gemm.graph_time``), its output compared with cuBLAS's; the five fastest are printed with the default's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.models import fp8, fp8_kernels  # noqa: E402
+from fp8_gemm import SHAPES, copies_needed, graph_time, weights  # noqa: E402
+
+try:  # Gluon ships with recent Tritons only
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+GROUP = 128  # activation columns per scale, the K step
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """``block_w`` weight rows (64 a warpgroup) x ``block_t`` tokens a program, ``stages`` groups in flight, K cut
+    into ``split`` parts summed by a second launch."""
+
+    block_w: int
+    block_t: int
+    stages: int
+    split: int = 1
+    unroll: int = 4
+    warps_t: int = 1  # warpgroups side by side along the tokens
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_w // 16 * self.warps_t
+
+
+def default_config(num_rows: int, n: int, k: int, num_sms: int = 132) -> WgmmaConfig:
+    block_t = min(64, max(16, triton.next_power_of_2(num_rows)))
+    tiles = triton.cdiv(num_rows, block_t) * triton.cdiv(n, 64)
+    split = 1
+    while tiles * split < 2 * num_sms and k // GROUP // (split * 2) >= 8:
+        split *= 2
+    return WgmmaConfig(64, block_t, 4, split)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _fetch(w_desc, x_desc, xs_desc, w_smem, x_smem, xs_smem, ready, g, count, first, off_w, off_t,
+               STAGES: gl.constexpr):
+        """TMA loads of group ``g`` of this split (if ``g < count``) into its stage's buffers."""
+        K_STEP: gl.constexpr = w_desc.block_type.shape[1]
+        slot = g % STAGES
+        bar = ready.index(slot)
+        pred = g < count
+        mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes + xs_desc.block_type.nbytes,
+                        pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [off_w, (first + g) * K_STEP], bar, w_smem.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [off_t, (first + g) * K_STEP], bar, x_smem.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(xs_desc, [first + g, off_t], bar, xs_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _issue(w_smem, x_smem, xs_smem, ready, g, zero, mma: gl.constexpr, STAGES: gl.constexpr):
+        """Wait for group ``g``'s operands, start its product: (its activations' scales [1, tokens], the product
+        in flight)."""
+        slot = g % STAGES
+        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+        scale = xs_smem.index(slot).slice(0, zero.shape[1], dim=1).load(mma)
+        product = warpgroup_mma(w_smem.index(slot), x_smem.index(slot).permute((1, 0)), zero, use_acc=False,
+                                is_async=True)
+        return scale, product
+
+    @gluon.jit(do_not_specialize=["num_rows", "groups_per_split"])
+    def _fp8_wgmma_kernel(w_desc, x_desc, xs_desc, w_scale_ptr, out_ptr, num_rows, n, num_groups, groups_per_split,
+                          stride_out, stride_split,
+                          BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr, UNROLL: gl.constexpr,
+                          WARPS_T: gl.constexpr, num_warps: gl.constexpr):
+        pid_t = gl.program_id(0)  # fastest: the token tiles of one weight tile run together
+        pid_w = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        off_t = pid_t * BLOCK_T
+        off_w = pid_w * BLOCK_W
+        first = pid_k * groups_per_split
+        count = gl.minimum(groups_per_split, num_groups - first)
+        K_STEP: gl.constexpr = w_desc.block_type.shape[1]  # one scale group
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WARPS_T, WARPS_T],
+                                                      instr_shape=[16, BLOCK_T // WARPS_T, 32])
+        rows_of: gl.constexpr = gl.SliceLayout(1, mma)
+        cols_of: gl.constexpr = gl.SliceLayout(0, mma)
+
+        # Each stage: a group's weight tile, activation tile and the activations' scales for it (token-major).
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_W, K_STEP], w_desc.layout)
+        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_T, K_STEP], x_desc.layout)
+        xs_smem = gl.allocate_shared_memory(xs_desc.dtype, [STAGES] + xs_desc.block_type.shape, xs_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+
+        # Whole iterations of UNROLL groups; the last split's groups past K load as zeros (TMA fills them).
+        padded = gl.cdiv(count, UNROLL) * UNROLL
+        for i in gl.static_range(STAGES):
+            _fetch(w_desc, x_desc, xs_desc, w_smem, x_smem, xs_smem, ready, i, padded, first, off_w, off_t, STAGES)
+
+        zero = gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=mma)
+        acc = gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=mma)
+        for start in range(0, padded, UNROLL):
+            # Unrolled, so that no accumulator in flight is carried around a loop (ptxas then serializes every
+            # wgmma). Each group's product starts, then the one before it, finished, is scaled while it runs.
+            prev_scale, prev = _issue(w_smem, x_smem, xs_smem, ready, start, zero, mma, STAGES)
+            for j in gl.static_range(1, UNROLL):
+                scale, cur = _issue(w_smem, x_smem, xs_smem, ready, start + j, zero, mma, STAGES)
+                acc += warpgroup_mma_wait(num_outstanding=1, deps=(prev,)) * prev_scale
+                # The finished group's buffers are free: fetch the group STAGES after it into them.
+                _fetch(w_desc, x_desc, xs_desc, w_smem, x_smem, xs_smem, ready, start + j - 1 + STAGES, padded,
+                       first, off_w, off_t, STAGES)
+                prev, prev_scale = cur, scale
+            acc += warpgroup_mma_wait(num_outstanding=0, deps=(prev,)) * prev_scale
+            _fetch(w_desc, x_desc, xs_desc, w_smem, x_smem, xs_smem, ready, start + UNROLL - 1 + STAGES, padded,
+                   first, off_w, off_t, STAGES)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+
+        rows = off_w + gl.arange(0, BLOCK_W, layout=rows_of)
+        tokens = off_t + gl.arange(0, BLOCK_T, layout=cols_of)
+        row_mask = rows < n
+        acc = acc * gl.load(w_scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        ptrs = out_ptr + pid_k * stride_split + tokens[None, :] * stride_out + rows[:, None]
+        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (tokens < num_rows)[None, :])
+
+
+def fp8_wgmma(xq: torch.Tensor, x_scales: torch.Tensor, num_rows: int, weight: torch.Tensor,
+              w_scales: torch.Tensor, out_dtype: torch.dtype, config: WgmmaConfig | None = None) -> torch.Tensor:
+    """xq [rows, k] float8 (rows >= ``num_rows``, a multiple of 4; padding rows are never stored) with scales
+    [rows, k / 128] stored token-major (the transposed view ``empty_quantized(cublas_layout=True)`` makes),
+    weight [n, k] float8 with per-channel scales [n] -> [num_rows, n] in ``out_dtype``."""
+    n, k = weight.shape
+    rows = xq.shape[0]
+    if k % GROUP or xq.shape[1] != k or rows % 4:
+        raise ValueError(f"fp8_wgmma: K {k} must be a multiple of {GROUP} and match the activations' "
+                         f"{xq.shape[1]}, their rows ({rows}) a multiple of 4")
+    if x_scales.shape != (rows, k // GROUP) or x_scales.stride() != (1, rows):
+        raise ValueError(f"fp8_wgmma: activation scales {tuple(x_scales.shape)} with strides {x_scales.stride()}, "
+                         f"expected ({rows}, {k // GROUP}) token-major")
+    cfg = config or default_config(num_rows, n, k, torch.cuda.get_device_properties(xq.device).multi_processor_count)
+    out = torch.empty((num_rows, n), dtype=out_dtype, device=xq.device)
+    if not num_rows:
+        return out
+    groups = k // GROUP
+    # Every split but the last takes whole unrolled iterations; the last one's extra groups lie past K.
+    groups_per_split = triton.cdiv(triton.cdiv(groups, cfg.split), cfg.unroll) * cfg.unroll
+    split = triton.cdiv(groups, groups_per_split)
+    target = out if split == 1 else torch.empty((split, num_rows, n), dtype=torch.float32, device=xq.device)
+    w_desc = TensorDescriptor.from_tensor(
+        weight, [cfg.block_w, GROUP], gl.NVMMASharedLayout.get_default_for([cfg.block_w, GROUP], gl.float8e4nv))
+    x_desc = TensorDescriptor.from_tensor(
+        xq, [cfg.block_t, GROUP], gl.NVMMASharedLayout.get_default_for([cfg.block_t, GROUP], gl.float8e4nv))
+    xs_box = [1, max(cfg.block_t, 32)]  # whole 128-byte rows, so that every stage's TMA target stays aligned
+    xs_desc = TensorDescriptor.from_tensor(x_scales.t(), xs_box,
+                                           gl.NVMMASharedLayout.get_default_for(xs_box, gl.float32))
+    grid = (triton.cdiv(num_rows, cfg.block_t), triton.cdiv(n, cfg.block_w), split)
+    _fp8_wgmma_kernel[grid](w_desc, x_desc, xs_desc, w_scales, target, num_rows, n, groups, groups_per_split,
+                            n, num_rows * n, BLOCK_W=cfg.block_w, BLOCK_T=cfg.block_t, STAGES=cfg.stages,
+                            UNROLL=cfg.unroll, WARPS_T=cfg.warps_t, num_warps=cfg.num_warps)
+    if split > 1:
+        fp8_kernels.sum_splits(target, out)
+    return out
+
+
+def sweep(shape: str, batches, layers) -> None:
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, (n, k) in SHAPES[shape].items():
+        if layers and name not in layers:
+            continue
+        ws = weights(n, k, copies_needed(n, k))
+        for m in batches:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = fp8_kernels.quantize_rows(x, fp8.ACTIVATION_GROUP, cublas_layout=True)
+            fp8_wgmma(xq, xs, m, ws[0]["values"], ws[0]["scales"], torch.bfloat16)
+            torch.cuda.synchronize()  # a fault here stops the sweep: every later call would report it
+            want = torch._scaled_mm(xq, ws[0]["values"].t(), scale_a=xs, scale_b=ws[0]["cublas"].groups,
+                                    out_dtype=torch.bfloat16)[:m].float()
+            cublas = graph_time([lambda w=w: torch._scaled_mm(xq, w["values"].t(), scale_a=xs,
+                                                               scale_b=w["cublas"].groups, out_dtype=torch.bfloat16)
+                                 for w in ws])
+            configs = [WgmmaConfig(bw, bt, stages, split, 4) for bw, bt, stages, split in
+                       itertools.product((64, 128), (16, 32, 64), (3, 4), (1, 2, 4))]
+            configs += [WgmmaConfig(bw, bt, stages, split, 4, warps_t)
+                        for bw, bt, warps_t in ((64, 128, 2), (64, 256, 2), (64, 256, 4), (128, 128, 2), (128, 128, 1))
+                        for stages in (2, 3) for split in (1, 2)]
+            results = []
+            for cfg in configs:
+                if cfg.block_t > max(16, 2 * triton.next_power_of_2(m)) or k // GROUP // cfg.split < cfg.unroll:
+                    continue
+                try:
+                    got = fp8_wgmma(xq, xs, m, ws[0]["values"], ws[0]["scales"], torch.bfloat16, cfg).float()
+                    error = float((got - want).norm() / want.norm())
+                    t = graph_time([lambda w=w, cfg=cfg: fp8_wgmma(xq, xs, m, w["values"], w["scales"],
+                                                                    torch.bfloat16, cfg) for w in ws], reps=3)
+                except Exception as exc:  # out of shared memory or registers for this tile
+                    print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                results.append((t, cfg, error))
+            results.sort(key=lambda r: r[0])
+            pick = default_config(m, n, k, num_sms)
+            picked = next((f"{t:.1f} us" for t, c, _ in results if c == pick), "not run")
+            print(f"{name} m={m}: cuBLAS 1x128 {cublas:.1f} us ({n * k / (cublas * 1e-6) / 1e12:.2f} TB/s); "
+                  f"default {pick} -> {picked}")
+            for t, cfg, error in results[:5]:
+                print(f"    {t:7.1f} us {n * k / (t * 1e-6) / 1e12:5.2f} TB/s {cublas / t:5.2f}x  {cfg}  "
+                      f"error against cuBLAS {error:.1e}", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--batches", default="1,64,128,151,255", help="comma-separated token counts")
+    parser.add_argument("--layers", default="", help="comma-separated projections (default: all)")
+    args = parser.parse_args()
+    if gluon is None:
+        raise SystemExit("this Triton has no Gluon")
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    sweep(args.shape, tuple(int(b) for b in args.batches.split(",")),
+          tuple(filter(None, args.layers.split(","))))
+
+
+if __name__ == "__main__":
+    main()
