@@ -215,6 +215,12 @@ def test_cublas_scale_layouts_describe_the_same_weight_and_tiles_serve_large_bat
     assert torch.equal(layouts.tiles, torch.ones(4, 3)) and layouts.rows is channels
     assert layouts.for_rows(16384) == (layouts.tiles, channels) and layouts.for_rows(8) == (layouts.groups, None)
     assert fp8.CublasScales.of(torch.rand(320), None, 4).tiles is None  # rows that are not whole tiles
+    # Wide products move to the tiles sooner (gate|up- and q|k|v-sized weights of an 8B model).
+    for rows, first in ((28672, 160), (6144, 224), (4096, fp8.BLOCK_SCALES_MIN_ROWS)):
+        layouts = fp8.CublasScales.of(torch.rand(rows, generator=gen), None, 4)
+        assert layouts.for_rows(first - 1)[0] is layouts.groups and layouts.for_rows(first)[0] is layouts.tiles
+    layouts = fp8.CublasScales.of(torch.rand(224, 4, generator=gen), (128, 128), 4)  # 28,672 rows in blocks
+    assert layouts.min_rows == 160 and layouts.for_rows(160) == (layouts.tiles, None)
 
 
 @pytest.mark.parametrize("m, n, k, block, config", [
@@ -354,7 +360,8 @@ def stand_in_for_cublas(monkeypatch) -> list[tuple[int, bool]]:
         assert xq.shape[0] % 4 == 0 and x_scales.stride(0) == 1  # cuBLAS's layout
         x = fp8_to_float32(xq) * x_scales.repeat_interleave(fp8.ACTIVATION_GROUP, 1)
         out = torch.nn.functional.linear(x, fp8_to_float32(weight)).to(dtype)[:num_rows]
-        deferred = num_rows >= fp8.BLOCK_SCALES_MIN_ROWS  # the 128 x 128 tiles' case: channel scales left over
+        # the 128 x 128 tiles' case: channel scales left over
+        deferred = num_rows >= fp8.block_scales_min_rows(weight.shape[0])
         products.append((num_rows, deferred))
         return (out, channel_scales) if deferred else ((out.float() * channel_scales).to(dtype), None)
 

@@ -15,7 +15,7 @@ with float32 accumulation, and the scales are applied to the result. On a GPU wi
 and the GPU have it (Hopper, CUDA 12.9+; 1.1-1.9x faster than bf16 at decode batch sizes on Llama-3.1-8B's
 projections, see bench/RESULTS.md), else through a Triton kernel (``fp8_kernels.scaled_matmul``) with the
 same arithmetic. cuBLAS runs other kernels for 1 x 128 weight scales (one per row and 128 columns) and for
-128 x 128 tiles, and the tiles' are the faster ones from a few hundred tokens on; ``CublasScales`` keeps both
+128 x 128 tiles, and the tiles' are the faster ones from 160-256 tokens on; ``CublasScales`` keeps both
 layouts of a weight and the product picks by its token count. Per-channel weights go through the tile kernels
 as tiles of ones, their channels' scales then multiplying the product's columns (``scale_columns_``).
 Where a layer's input comes from an RMSNorm or SwiGLU kernel (``engine.models.llama``), that kernel writes it
@@ -166,7 +166,7 @@ def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, scale: tor
 def fp8_linear_deferring_scales(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
                                 cublas_scales: CublasScales) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``fp8_linear`` without a bias through cuBLAS, the per-channel weight scales left to the caller where the
-    product runs on 128 x 128 tiles of ones (from ``BLOCK_SCALES_MIN_ROWS`` tokens on): (the product in the
+    product runs on 128 x 128 tiles of ones (from ``block_scales_min_rows`` tokens on): (the product in the
     compute dtype, [rows, out], and the float32 scales of its columns or None). ``out * scales`` rounded once to
     the compute dtype is what ``fp8_linear`` returns; a kernel that reads the product anyway (SwiGLU after
     gate|up) applies them on the way and saves a pass over it."""
@@ -229,8 +229,20 @@ def _cublas_product(xq: torch.Tensor, x_scales: torch.Tensor, num_rows: int, wei
 # (one scale per row and 128 columns). The same product, but cuBLAS runs other kernels for the two. On an H200, with
 # Llama-3.1-8B's projections (bench/fp8_gemm.py, bench/RESULTS.md): 1 x 128 is the faster one at 151 tokens; from
 # 256 tokens on, 128 x 128 is, even with per-channel scales applied to the output afterwards (at 16,384 tokens
-# 1.46-1.74x bf16 against 1.16-1.32x).
+# 1.46-1.74x bf16 against 1.16-1.32x). Wide products cross over sooner (``block_scales_min_rows``).
 BLOCK_SCALES_MIN_ROWS = 256
+
+
+def block_scales_min_rows(out_features: int) -> int:
+    """The token count from which a weight with this many output rows multiplies on cuBLAS's 128 x 128 kernels.
+    Measured on an H200 at 144-256 tokens (bench/RESULTS.md): gate|up's 28,672 rows were faster on the tiles from
+    160 tokens on (their channel scales applied by SwiGLU; 59.9 against 72.2 us at 192), q|k|v's 6,144 rows from
+    224 (20.9 against 26.8 us, scales included), o's and down's 4,096 rows not before 256."""
+    if out_features >= 16384:
+        return 160
+    if out_features >= 6144:
+        return 224
+    return BLOCK_SCALES_MIN_ROWS
 
 
 @dataclass(frozen=True)
@@ -246,22 +258,24 @@ class CublasScales:
     groups: torch.Tensor
     tiles: torch.Tensor | None
     rows: torch.Tensor | None = None
+    min_rows: int = BLOCK_SCALES_MIN_ROWS  # tokens from which the tiles serve (``block_scales_min_rows``)
 
     @classmethod
     def of(cls, scale: torch.Tensor, block: tuple[int, int] | None, num_groups: int) -> CublasScales:
         """From per-channel scales [out] (``block`` None) or 128 x 128 block scales [out / 128, groups]."""
         if block is not None:
-            return cls(scale.repeat_interleave(block[0], 0).t().contiguous(), scale.t())
+            groups = scale.repeat_interleave(block[0], 0).t().contiguous()
+            return cls(groups, scale.t(), None, block_scales_min_rows(groups.shape[1]))
         n = scale.shape[0]
         groups = scale[None, :].expand(num_groups, n).contiguous()
         if n % 128:
             return cls(groups, None)
-        return cls(groups, torch.ones(n // 128, num_groups, device=scale.device).t(), scale)
+        return cls(groups, torch.ones(n // 128, num_groups, device=scale.device).t(), scale, block_scales_min_rows(n))
 
     def for_rows(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight scales, the output columns' scales or None) for the faster of cuBLAS's kernels at
         ``num_rows`` tokens."""
-        if self.tiles is not None and num_rows >= BLOCK_SCALES_MIN_ROWS:
+        if self.tiles is not None and num_rows >= self.min_rows:
             return self.tiles, self.rows
         return self.groups, None
 
