@@ -15,7 +15,6 @@ the accumulator once at the end: no pass over the output afterwards.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from dataclasses import dataclass
@@ -26,8 +25,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models import fp8, fp8_kernels  # noqa: E402
-from fp8_gemm import SHAPES, copies_needed, graph_time, weights  # noqa: E402
+from engine.models import fp8_kernels  # noqa: E402
+from fp8_gemm import graph_time  # noqa: E402
+from fp8_wgmma import cli, products, time_configs  # noqa: E402
 
 try:  # Gluon ships with recent Tritons only
     from triton.experimental import gluon
@@ -151,62 +151,32 @@ def fp8_prefill(xq: torch.Tensor, x_scales: torch.Tensor, num_rows: int, weight:
 
 
 def sweep(shape: str, batches, layers) -> None:
-    for name, (n, k) in SHAPES[shape].items():
-        if layers and name not in layers:
-            continue
-        ws = weights(n, k, copies_needed(n, k))
-        for m in batches:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            xq, xs = fp8_kernels.quantize_rows(x, fp8.ACTIVATION_GROUP, cublas_layout=True)
-            fp8_prefill(xq, xs, m, ws[0]["values"], ws[0]["scales"], torch.bfloat16, PrefillConfig(128, 4))
-            torch.cuda.synchronize()  # a fault here stops the sweep: every later call would report it
-            cub = ws[0]["cublas"]
+    def first(xq, xs, m, w):
+        fp8_prefill(xq, xs, m, w["values"], w["scales"], torch.bfloat16, PrefillConfig(128, 4))
 
-            def engine(w):  # what the engine runs from 256 tokens on: 128 x 128 tiles of ones, then the scales
-                c = w["cublas"]
-                out = torch._scaled_mm(xq, w["values"].t(), scale_a=xs, scale_b=c.tiles, out_dtype=torch.bfloat16)
-                return fp8_kernels.scale_columns_(out[:m], c.rows)
+    for name, n, k, ws, m, xq, xs in products(shape, batches, layers, first):
+        def engine(w):  # what the engine runs from 256 tokens on: 128 x 128 tiles of ones, then the scales
+            c = w["cublas"]
+            out = torch._scaled_mm(xq, w["values"].t(), scale_a=xs, scale_b=c.tiles, out_dtype=torch.bfloat16)
+            return fp8_kernels.scale_columns_(out[:m], c.rows)
 
-            want = engine(ws[0]).float()
-            tiles_only = graph_time([lambda w=w: torch._scaled_mm(xq, w["values"].t(), scale_a=xs,
-                                                                   scale_b=w["cublas"].tiles,
-                                                                   out_dtype=torch.bfloat16) for w in ws])
-            ours_engine = graph_time([lambda w=w: engine(w) for w in ws])
-            flops = 2 * m * n * k
-            print(f"{name} m={m}: cuBLAS 128x128 tiles {tiles_only:.1f} us ({flops / tiles_only / 1e6:.0f} TFLOPS), "
-                  f"+ column scales {ours_engine:.1f} us", flush=True)
-            del cub
-            results = []
-            for block_n, stages, regs in itertools.product((128, 64), (3, 4, 5), (232, 200)):
-                cfg = PrefillConfig(block_n, stages, regs)
-                try:
-                    got = fp8_prefill(xq, xs, m, ws[0]["values"], ws[0]["scales"], torch.bfloat16, cfg).float()
-                    error = float((got - want).norm() / want.norm())
-                    t = graph_time([lambda w=w, cfg=cfg: fp8_prefill(xq, xs, m, w["values"], w["scales"],
-                                                                      torch.bfloat16, cfg) for w in ws], reps=3)
-                except Exception as exc:  # out of shared memory or registers for this tile
-                    print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
-                    continue
-                results.append((t, cfg, error))
-            results.sort(key=lambda r: r[0])
-            for t, cfg, error in results[:4]:
-                print(f"    {t:8.1f} us {flops / t / 1e6:5.0f} TFLOPS {ours_engine / t:5.2f}x  {cfg}  "
-                      f"error against cuBLAS {error:.1e}", flush=True)
-        del ws
-        torch.cuda.empty_cache()
+        want = engine(ws[0]).float()
+        tiles_only = graph_time([lambda w=w: torch._scaled_mm(xq, w["values"].t(), scale_a=xs,
+                                                               scale_b=w["cublas"].tiles,
+                                                               out_dtype=torch.bfloat16) for w in ws])
+        ours_engine = graph_time([lambda w=w: engine(w) for w in ws])
+        flops = 2 * m * n * k
+        print(f"{name} m={m}: cuBLAS 128x128 tiles {tiles_only:.1f} us ({flops / tiles_only / 1e6:.0f} TFLOPS), "
+              f"+ column scales {ours_engine:.1f} us", flush=True)
+        configs = [PrefillConfig(*c) for c in itertools.product((128, 64), (3, 4, 5), (232, 200))]
+        results = time_configs(configs, lambda cfg: fp8_prefill, xq, xs, m, ws, want)
+        for t, cfg, error in results[:4]:
+            print(f"    {t:8.1f} us {flops / t / 1e6:5.0f} TFLOPS {ours_engine / t:5.2f}x  {cfg}  "
+                  f"error against cuBLAS {error:.1e}", flush=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
-    parser.add_argument("--batches", default="1024,4096,16384", help="comma-separated token counts")
-    parser.add_argument("--layers", default="", help="comma-separated projections (default: all)")
-    args = parser.parse_args()
-    if gluon is None:
-        raise SystemExit("this Triton has no Gluon")
-    torch.manual_seed(0)
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    sweep(args.shape, tuple(int(b) for b in args.batches.split(",")), tuple(filter(None, args.layers.split(","))))
+    cli(__doc__, "1024,4096,16384", sweep)
 
 
 if __name__ == "__main__":

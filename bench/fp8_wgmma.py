@@ -96,17 +96,6 @@ if gluon is not None:
         tma.async_copy_global_to_shared(x_desc, [off_t, (first + g) * K_STEP], bar, x_smem.index(slot), pred=pred)
         tma.async_copy_global_to_shared(xs_desc, [first + g, off_t], bar, xs_smem.index(slot), pred=pred)
 
-    @gluon.jit
-    def _issue(w_smem, x_smem, xs_smem, ready, g, zero, mma: gl.constexpr, STAGES: gl.constexpr):
-        """Wait for group ``g``'s operands, start its product: (its activations' scales [1, tokens], the product
-        in flight)."""
-        slot = g % STAGES
-        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-        scale = xs_smem.index(slot).slice(0, zero.shape[1], dim=1).load(mma)
-        product = warpgroup_mma(w_smem.index(slot), x_smem.index(slot).permute((1, 0)), zero, use_acc=False,
-                                is_async=True)
-        return scale, product
-
     @gluon.jit(do_not_specialize=["num_rows", "groups_per_split"])
     def _fp8_wgmma_kernel(w_desc, x_desc, xs_desc, w_scale_ptr, out_ptr, num_rows, n, num_groups, groups_per_split,
                           stride_out, stride_split,
@@ -144,9 +133,9 @@ if gluon is not None:
         for start in range(0, padded, UNROLL):
             # Unrolled, so that no accumulator in flight is carried around a loop (ptxas then serializes every
             # wgmma). Each group's product starts, then the one before it, finished, is scaled while it runs.
-            prev_scale, prev = _issue(w_smem, x_smem, xs_smem, ready, start, zero, mma, STAGES)
+            prev_scale, prev = _issue(w_smem, x_smem, xs_smem, ready, start, zero, mma, STAGES, True)
             for j in gl.static_range(1, UNROLL):
-                scale, cur = _issue(w_smem, x_smem, xs_smem, ready, start + j, zero, mma, STAGES)
+                scale, cur = _issue(w_smem, x_smem, xs_smem, ready, start + j, zero, mma, STAGES, True)
                 acc += warpgroup_mma_wait(num_outstanding=1, deps=(prev,)) * prev_scale
                 # The finished group's buffers are free: fetch the group STAGES after it into them.
                 _fetch(w_desc, x_desc, xs_desc, w_smem, x_smem, xs_smem, ready, start + j - 1 + STAGES, padded,
@@ -189,6 +178,46 @@ if gluon is not None:
             tma.async_copy_global_to_shared(sb_desc, [first + g, off_t + TILE_A], bar, sb_smem.index(slot),
                                             pred=pred)
 
+    @gluon.constexpr_function
+    def _mma_layout(num_warps, tokens):
+        """The wgmma accumulator's layout for 64 weight rows a warpgroup x ``tokens``."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, tokens, 32])
+
+    @gluon.jit
+    def _start_wide(w_desc, xa_desc, xb_desc, sa_desc, sb_desc, num_groups, groups_per_split, UNROLL: gl.constexpr,
+                    HAS_B: gl.constexpr, STAGES: gl.constexpr):
+        """The two-tile kernels' program: (first token, first weight row, split, its first group, its groups
+        rounded up to whole ``UNROLL``s, the buffers w, xa, xb, sa, sb and their barriers), the first ``STAGES``
+        groups requested.
+        Without ``HAS_B`` the second tile's buffers are the first's."""
+        TILE_A: gl.constexpr = xa_desc.block_type.shape[0]
+        TILE_B: gl.constexpr = xb_desc.block_type.shape[0]
+        pid_t = gl.program_id(0)
+        pid_w = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        off_t = pid_t * TILE_A
+        if HAS_B:
+            off_t = pid_t * (TILE_A + TILE_B)
+        off_w = pid_w * w_desc.block_type.shape[0]
+        first = pid_k * groups_per_split
+        count = gl.cdiv(gl.minimum(groups_per_split, num_groups - first), UNROLL) * UNROLL
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        xa_smem = gl.allocate_shared_memory(xa_desc.dtype, [STAGES] + xa_desc.block_type.shape, xa_desc.layout)
+        sa_smem = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
+        if HAS_B:
+            xb_smem = gl.allocate_shared_memory(xb_desc.dtype, [STAGES] + xb_desc.block_type.shape, xb_desc.layout)
+            sb_smem = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
+        else:
+            xb_smem = xa_smem
+            sb_smem = sa_smem
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            _fetch_wide(w_desc, xa_desc, xb_desc, sa_desc, sb_desc, w_smem, xa_smem, xb_smem, sa_smem, sb_smem,
+                        ready, i, count, first, off_w, off_t, HAS_B, STAGES)
+        return off_t, off_w, pid_k, first, count, w_smem, xa_smem, xb_smem, sa_smem, sb_smem, ready
+
     @gluon.jit
     def _store_tile(acc, w_scale_ptr, out_ptr, off_w, off_t, num_rows, n, stride_out, mma: gl.constexpr):
         rows = off_w + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, mma))
@@ -205,38 +234,12 @@ if gluon is not None:
         """Two token tiles a program (e.g. 128 + 32 for 151 tokens), so that each weight byte passes the L2 once;
         each group: both products issued, the first scaled while the second runs, then the second."""
         BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
-        K_STEP: gl.constexpr = w_desc.block_type.shape[1]
         TILE_A: gl.constexpr = xa_desc.block_type.shape[0]
         TILE_B: gl.constexpr = xb_desc.block_type.shape[0]
-        pid_t = gl.program_id(0)
-        pid_w = gl.program_id(1)
-        pid_k = gl.program_id(2)
-        off_t = pid_t * TILE_A
-        if HAS_B:
-            off_t = pid_t * (TILE_A + TILE_B)
-        off_w = pid_w * BLOCK_W
-        first = pid_k * groups_per_split
-        count = gl.minimum(groups_per_split, num_groups - first)
-
-        mma_a: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, TILE_A, 32])
-        mma_b: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, TILE_B, 32])
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_W, K_STEP], w_desc.layout)
-        xa_smem = gl.allocate_shared_memory(xa_desc.dtype, [STAGES, TILE_A, K_STEP], xa_desc.layout)
-        sa_smem = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
-        if HAS_B:
-            xb_smem = gl.allocate_shared_memory(xb_desc.dtype, [STAGES, TILE_B, K_STEP], xb_desc.layout)
-            sb_smem = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
-        else:
-            xb_smem = xa_smem
-            sb_smem = sa_smem
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            _fetch_wide(w_desc, xa_desc, xb_desc, sa_desc, sb_desc, w_smem, xa_smem, xb_smem, sa_smem, sb_smem,
-                        ready, i, count, first, off_w, off_t, HAS_B, STAGES)
+        mma_a: gl.constexpr = _mma_layout(num_warps, TILE_A)
+        mma_b: gl.constexpr = _mma_layout(num_warps, TILE_B)
+        off_t, off_w, pid_k, first, count, w_smem, xa_smem, xb_smem, sa_smem, sb_smem, ready = _start_wide(
+            w_desc, xa_desc, xb_desc, sa_desc, sb_desc, num_groups, groups_per_split, 1, HAS_B, STAGES)
 
         zero_a = gl.zeros([BLOCK_W, TILE_A], gl.float32, layout=mma_a)
         acc_a = gl.zeros([BLOCK_W, TILE_A], gl.float32, layout=mma_a)
@@ -267,10 +270,11 @@ if gluon is not None:
 
 
     @gluon.jit
-    def _issue_pair(w_smem, x_smem, s_smem, ready, g, reuse, mma: gl.constexpr, STAGES: gl.constexpr,
+    def _issue(w_smem, x_smem, s_smem, ready, g, reuse, mma: gl.constexpr, STAGES: gl.constexpr,
                     WAIT: gl.constexpr):
         """Start group ``g``'s product of one token tile (waiting for its operands first if ``WAIT``), written
-        into ``reuse``'s registers (a finished product no longer needed): (its scales, the product in flight)."""
+        into ``reuse``'s registers (zeros, or a finished product no longer needed): (the activations' scales
+        [1, tokens], the product in flight)."""
         slot = g % STAGES
         if WAIT:
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
@@ -287,51 +291,31 @@ if gluon is not None:
         runs, and the second while group g + 1's first runs (unrolled by ``UNROLL`` groups, nothing in flight
         around the loop)."""
         BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
-        K_STEP: gl.constexpr = w_desc.block_type.shape[1]
         TILE_A: gl.constexpr = xa_desc.block_type.shape[0]
         TILE_B: gl.constexpr = xb_desc.block_type.shape[0]
-        pid_t = gl.program_id(0)
-        pid_w = gl.program_id(1)
-        pid_k = gl.program_id(2)
-        off_t = pid_t * (TILE_A + TILE_B)
-        off_w = pid_w * BLOCK_W
-        first = pid_k * groups_per_split
-        count = gl.minimum(groups_per_split, num_groups - first)
-        padded = gl.cdiv(count, UNROLL) * UNROLL  # the last split's groups past K load as zeros
-
-        mma_a: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, TILE_A, 32])
-        mma_b: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, TILE_B, 32])
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_W, K_STEP], w_desc.layout)
-        xa_smem = gl.allocate_shared_memory(xa_desc.dtype, [STAGES, TILE_A, K_STEP], xa_desc.layout)
-        sa_smem = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
-        xb_smem = gl.allocate_shared_memory(xb_desc.dtype, [STAGES, TILE_B, K_STEP], xb_desc.layout)
-        sb_smem = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            _fetch_wide(w_desc, xa_desc, xb_desc, sa_desc, sb_desc, w_smem, xa_smem, xb_smem, sa_smem, sb_smem,
-                        ready, i, padded, first, off_w, off_t, True, STAGES)
+        mma_a: gl.constexpr = _mma_layout(num_warps, TILE_A)
+        mma_b: gl.constexpr = _mma_layout(num_warps, TILE_B)
+        # The last split's groups past K (up to whole unrolled iterations) load as zeros.
+        off_t, off_w, pid_k, first, padded, w_smem, xa_smem, xb_smem, sa_smem, sb_smem, ready = _start_wide(
+            w_desc, xa_desc, xb_desc, sa_desc, sb_desc, num_groups, groups_per_split, UNROLL, True, STAGES)
 
         acc_a = gl.zeros([BLOCK_W, TILE_A], gl.float32, layout=mma_a)
         acc_b = gl.zeros([BLOCK_W, TILE_B], gl.float32, layout=mma_b)
         done_a = gl.zeros([BLOCK_W, TILE_A], gl.float32, layout=mma_a)
         done_b = gl.zeros([BLOCK_W, TILE_B], gl.float32, layout=mma_b)
         for start in range(0, padded, UNROLL):
-            scale_a, a = _issue_pair(w_smem, xa_smem, sa_smem, ready, start, done_a, mma_a, STAGES, True)
-            scale_b, b = _issue_pair(w_smem, xb_smem, sb_smem, ready, start, done_b, mma_b, STAGES, False)
+            scale_a, a = _issue(w_smem, xa_smem, sa_smem, ready, start, done_a, mma_a, STAGES, True)
+            scale_b, b = _issue(w_smem, xb_smem, sb_smem, ready, start, done_b, mma_b, STAGES, False)
             done_a = warpgroup_mma_wait(num_outstanding=1, deps=(a,))
             acc_a += done_a * scale_a
             for j in gl.static_range(1, UNROLL):
-                scale_a, a = _issue_pair(w_smem, xa_smem, sa_smem, ready, start + j, done_a, mma_a, STAGES, True)
+                scale_a, a = _issue(w_smem, xa_smem, sa_smem, ready, start + j, done_a, mma_a, STAGES, True)
                 done_b = warpgroup_mma_wait(num_outstanding=1, deps=(b,))
                 acc_b += done_b * scale_b
                 # Both tiles of the group before are finished: its buffers take the group STAGES after it.
                 _fetch_wide(w_desc, xa_desc, xb_desc, sa_desc, sb_desc, w_smem, xa_smem, xb_smem, sa_smem, sb_smem,
                             ready, start + j - 1 + STAGES, padded, first, off_w, off_t, True, STAGES)
-                scale_b, b = _issue_pair(w_smem, xb_smem, sb_smem, ready, start + j, done_b, mma_b, STAGES, False)
+                scale_b, b = _issue(w_smem, xb_smem, sb_smem, ready, start + j, done_b, mma_b, STAGES, False)
                 done_a = warpgroup_mma_wait(num_outstanding=1, deps=(a,))
                 acc_a += done_a * scale_a
             done_b = warpgroup_mma_wait(num_outstanding=0, deps=(b,))
@@ -434,8 +418,10 @@ def fp8_wgmma(xq: torch.Tensor, x_scales: torch.Tensor, num_rows: int, weight: t
     return out
 
 
-def sweep(shape: str, batches, layers) -> None:
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+def products(shape: str, batches, layers, first_call):
+    """(name, n, k, weight copies, tokens, quantized activations, their scales) for each projection and token
+    count, after ``first_call(xq, xs, m, weight)`` ran once: a fault there stops the sweep (every later call
+    would report it)."""
     for name, (n, k) in SHAPES[shape].items():
         if layers and name not in layers:
             continue
@@ -443,61 +429,79 @@ def sweep(shape: str, batches, layers) -> None:
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = fp8_kernels.quantize_rows(x, fp8.ACTIVATION_GROUP, cublas_layout=True)
-            fp8_wgmma(xq, xs, m, ws[0]["values"], ws[0]["scales"], torch.bfloat16)
-            torch.cuda.synchronize()  # a fault here stops the sweep: every later call would report it
-            want = torch._scaled_mm(xq, ws[0]["values"].t(), scale_a=xs, scale_b=ws[0]["cublas"].groups,
-                                    out_dtype=torch.bfloat16)[:m].float()
-            cublas = graph_time([lambda w=w: torch._scaled_mm(xq, w["values"].t(), scale_a=xs,
-                                                               scale_b=w["cublas"].groups, out_dtype=torch.bfloat16)
-                                 for w in ws])
-            configs = [WgmmaConfig(bw, bt, stages, split, 4) for bw, bt, stages, split in
-                       itertools.product((64, 128), (16, 32, 64), (3, 4), (1, 2, 4))]
-            configs += [WgmmaConfig(bw, bt, stages, split, 4, warps_t)
-                        for bw, bt, warps_t in ((64, 128, 2), (64, 256, 2), (64, 256, 4), (128, 128, 2), (128, 128, 1))
-                        for stages in (2, 3) for split in (1, 2)]
-            configs = [c for c in configs
-                       if c.block_t <= max(16, 2 * triton.next_power_of_2(m)) and k // GROUP // c.split >= c.unroll]
-            wide = itertools.product((64, 128), (16, 32, 64, 128), (0, 16, 32, 64), (3, 4), (1, 2, 4), (0, 2, 4))
-            configs += [WideConfig(bw, ta, tb, stages, split, unroll)
-                        for bw, ta, tb, stages, split, unroll in wide if tb or not unroll
-                        if (tb == 0 or tb < ta) and ta <= max(16, triton.next_power_of_2(m)) and ta + tb >= min(m, 128)
-                        and not (tb and ta + tb - m >= tb) and k // GROUP // split >= max(4, unroll)]
-            results = []
-            for cfg in configs:
-                product = fp8_wide if isinstance(cfg, WideConfig) else fp8_wgmma
-                try:
-                    got = product(xq, xs, m, ws[0]["values"], ws[0]["scales"], torch.bfloat16, cfg).float()
-                    error = float((got - want).norm() / want.norm())
-                    t = graph_time([lambda w=w, cfg=cfg, fn=product: fn(xq, xs, m, w["values"], w["scales"],
-                                                                        torch.bfloat16, cfg) for w in ws], reps=3)
-                except Exception as exc:  # out of shared memory or registers for this tile
-                    print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
-                    continue
-                results.append((t, cfg, error))
-            results.sort(key=lambda r: r[0])
-            pick = default_config(m, n, k, num_sms)
-            picked = next((f"{t:.1f} us" for t, c, _ in results if c == pick), "not run")
-            print(f"{name} m={m}: cuBLAS 1x128 {cublas:.1f} us ({n * k / (cublas * 1e-6) / 1e12:.2f} TB/s); "
-                  f"default {pick} -> {picked}")
-            for t, cfg, error in results[:6]:
-                print(f"    {t:7.1f} us {n * k / (t * 1e-6) / 1e12:5.2f} TB/s {cublas / t:5.2f}x  {cfg}  "
-                      f"error against cuBLAS {error:.1e}", flush=True)
+            first_call(xq, xs, m, ws[0])
+            torch.cuda.synchronize()
+            yield name, n, k, ws, m, xq, xs
         del ws
         torch.cuda.empty_cache()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def sweep(shape: str, batches, layers) -> None:
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    first = lambda xq, xs, m, w: fp8_wgmma(xq, xs, m, w["values"], w["scales"], torch.bfloat16)  # noqa: E731
+    for name, n, k, ws, m, xq, xs in products(shape, batches, layers, first):
+        want = torch._scaled_mm(xq, ws[0]["values"].t(), scale_a=xs, scale_b=ws[0]["cublas"].groups,
+                                out_dtype=torch.bfloat16)[:m].float()
+        cublas = graph_time([lambda w=w: torch._scaled_mm(xq, w["values"].t(), scale_a=xs,
+                                                           scale_b=w["cublas"].groups, out_dtype=torch.bfloat16)
+                             for w in ws])
+        configs = [WgmmaConfig(bw, bt, stages, split, 4) for bw, bt, stages, split in
+                   itertools.product((64, 128), (16, 32, 64), (3, 4), (1, 2, 4))]
+        configs += [WgmmaConfig(bw, bt, stages, split, 4, warps_t)
+                    for bw, bt, warps_t in ((64, 128, 2), (64, 256, 2), (64, 256, 4), (128, 128, 2), (128, 128, 1))
+                    for stages in (2, 3) for split in (1, 2)]
+        configs = [c for c in configs
+                   if c.block_t <= max(16, 2 * triton.next_power_of_2(m)) and k // GROUP // c.split >= c.unroll]
+        wide = itertools.product((64, 128), (16, 32, 64, 128), (0, 16, 32, 64), (3, 4), (1, 2, 4), (0, 2, 4))
+        configs += [WideConfig(bw, ta, tb, stages, split, unroll)
+                    for bw, ta, tb, stages, split, unroll in wide if tb or not unroll
+                    if (tb == 0 or tb < ta) and ta <= max(16, triton.next_power_of_2(m)) and ta + tb >= min(m, 128)
+                    and not (tb and ta + tb - m >= tb) and k // GROUP // split >= max(4, unroll)]
+        results = time_configs(configs, lambda cfg: fp8_wide if isinstance(cfg, WideConfig) else fp8_wgmma,
+                               xq, xs, m, ws, want)
+        pick = default_config(m, n, k, num_sms)
+        picked = next((f"{t:.1f} us" for t, c, _ in results if c == pick), "not run")
+        print(f"{name} m={m}: cuBLAS 1x128 {cublas:.1f} us ({n * k / (cublas * 1e-6) / 1e12:.2f} TB/s); "
+              f"default {pick} -> {picked}")
+        for t, cfg, error in results[:6]:
+            print(f"    {t:7.1f} us {n * k / (t * 1e-6) / 1e12:5.2f} TB/s {cublas / t:5.2f}x  {cfg}  "
+                  f"error against cuBLAS {error:.1e}", flush=True)
+
+
+def time_configs(configs, product_for, xq, xs, m, ws, want) -> list:
+    """[(us, config, relative error against ``want``)] of ``product_for(config)(xq, xs, m, weight, scales, bf16,
+    config)`` for each config that compiles and runs, fastest first."""
+    results = []
+    for cfg in configs:
+        product = product_for(cfg)
+        try:
+            got = product(xq, xs, m, ws[0]["values"], ws[0]["scales"], torch.bfloat16, cfg).float()
+            error = float((got - want).norm() / want.norm())
+            t = graph_time([lambda w=w, cfg=cfg, fn=product: fn(xq, xs, m, w["values"], w["scales"], torch.bfloat16,
+                                                                cfg) for w in ws], reps=3)
+        except Exception as exc:  # out of shared memory or registers for this tile
+            print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        results.append((t, cfg, error))
+    return sorted(results, key=lambda r: r[0])
+
+
+def cli(doc: str, default_batches: str, run) -> None:
+    """The command line of this script and bench/fp8_prefill_wgmma.py: ``run(shape, batches, layers)``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
-    parser.add_argument("--batches", default="1,64,128,151,255", help="comma-separated token counts")
+    parser.add_argument("--batches", default=default_batches, help="comma-separated token counts")
     parser.add_argument("--layers", default="", help="comma-separated projections (default: all)")
     args = parser.parse_args()
     if gluon is None:
         raise SystemExit("this Triton has no Gluon")
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    sweep(args.shape, tuple(int(b) for b in args.batches.split(",")),
-          tuple(filter(None, args.layers.split(","))))
+    run(args.shape, tuple(int(b) for b in args.batches.split(",")), tuple(filter(None, args.layers.split(","))))
+
+
+def main() -> None:
+    cli(__doc__, "1,64,128,151,255", sweep)
 
 
 if __name__ == "__main__":
