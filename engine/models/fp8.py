@@ -258,19 +258,22 @@ class CublasScales:
     groups: torch.Tensor
     tiles: torch.Tensor | None
     rows: torch.Tensor | None = None
-    min_rows: int = BLOCK_SCALES_MIN_ROWS  # tokens from which the tiles serve (``block_scales_min_rows``)
 
     @classmethod
     def of(cls, scale: torch.Tensor, block: tuple[int, int] | None, num_groups: int) -> CublasScales:
         """From per-channel scales [out] (``block`` None) or 128 x 128 block scales [out / 128, groups]."""
         if block is not None:
-            groups = scale.repeat_interleave(block[0], 0).t().contiguous()
-            return cls(groups, scale.t(), None, block_scales_min_rows(groups.shape[1]))
+            return cls(scale.repeat_interleave(block[0], 0).t().contiguous(), scale.t())
         n = scale.shape[0]
         groups = scale[None, :].expand(num_groups, n).contiguous()
         if n % 128:
             return cls(groups, None)
-        return cls(groups, torch.ones(n // 128, num_groups, device=scale.device).t(), scale, block_scales_min_rows(n))
+        return cls(groups, torch.ones(n // 128, num_groups, device=scale.device).t(), scale)
+
+    @property
+    def min_rows(self) -> int:
+        """Tokens from which the tiles serve, by the weight's width (``block_scales_min_rows``)."""
+        return block_scales_min_rows(self.groups.shape[1])
 
     def for_rows(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight scales, the output columns' scales or None) for the faster of cuBLAS's kernels at
