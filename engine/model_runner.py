@@ -245,9 +245,11 @@ class ModelRunner:
         windows = tuple(sorted({a.sliding_window for a in self.model.attention_layers()}))
         # FP8 projections that take quantized inputs get them from the decode kernels too (Attention.forward).
         fp8_inputs = any(m.takes_fp8_input for m in self.model.modules() if isinstance(m, Fp8Weights))
+        # The KV-cache write ropes q and k (the layers' rope); FP8 q|k|v products may leave it their column scales.
         n = self.backend.warm_up(layer.num_heads, layer.k_cache, layer.v_cache, self.buffers.block_tables.device,
                                  max(self.config.max_num_batched_tokens, 1), windows, layer.kv_scales,
-                                 self.dtype, layer.softcap, fp8_out=fp8_inputs)
+                                 self.dtype, layer.softcap, fp8_out=fp8_inputs, rope=layer.rope,
+                                 column_scales=fp8_inputs)
         if n:
             logger.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - start)
         self._warm_up_experts()

@@ -197,11 +197,14 @@ def _assert_same_quantization(values, scales, want_values, want_scales) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 6, 8])  # padded to 4, 8 and 8 rows for cuBLAS
-def test_fp8_outputs_are_what_the_linear_would_quantize(dtype, num_tokens):
+@pytest.mark.parametrize("swiglu_rows_from", [1024, 1])  # 1: SwiGLU takes 4 rows a program, as prefill steps do
+def test_fp8_outputs_are_what_the_linear_would_quantize(dtype, num_tokens, swiglu_rows_from, monkeypatch):
     """The norms and SwiGLU written as an FP8 linear's input: the float8 values and scales of quantizing their
     ordinary output with ``fp8_kernels.quantize_rows`` (SwiGLU's bit for bit), the padding rows zeros, the residual
     sum unchanged."""
     from engine.models import fp8_kernels
+
+    monkeypatch.setattr(fused_ops, "_SWIGLU_ROWS_FROM", swiglu_rows_from)
 
     hidden, inter = 384, 640  # 3 and 5 groups of 128; SwiGLU's columns in blocks of 1024, so one partial block
     x = _strided_rows(num_tokens, hidden, dtype, seed=21, scale=2.0)
@@ -220,10 +223,27 @@ def test_fp8_outputs_are_what_the_linear_would_quantize(dtype, num_tokens):
         assert (new_residual is None) == (res is None)
         if res is not None:
             assert torch.equal(new_residual, want_residual)
+    # The down projection's per-channel weight scales, left on its product for the next add-norm to apply.
+    hidden_scales = _randn(hidden, dtype=torch.float32, seed=26).abs() + 0.1
+    scaled_x = fp8_kernels.scale_columns_(x.clone(), hidden_scales)
+    got = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-5, column_scales=hidden_scales)
+    want = fused_ops.fused_add_rms_norm(scaled_x, residual, weight, 1e-5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    values, scales, new_residual = fused_ops.rms_norm_fp8(x, weight, 1e-5, residual, column_scales=hidden_scales)
+    want_values, want_scales, want_residual = fused_ops.rms_norm_fp8(scaled_x, weight, 1e-5, residual)
+    assert _same_bits(values, want_values) and torch.equal(scales, want_scales)
+    assert torch.equal(new_residual, want_residual)
+    torch_norm = RMSNorm(hidden, 1e-5).to(dtype)
+    torch_norm.weight.data.copy_(weight)
+    torch_norm.use_triton = False
+    got = torch_norm(x, residual, column_scales=hidden_scales)
+    want = torch_norm((x.float() * hidden_scales).to(dtype), residual)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     gate_up = _strided_rows(num_tokens, 2 * inter, dtype, seed=24, scale=3.0)
     values, scales = fused_ops.silu_and_mul_fp8(gate_up)
     want_values, want_scales = fp8_kernels.quantize_rows(fused_ops.silu_and_mul(gate_up), 128, cublas_layout=True)
     assert _same_bits(values, want_values) and torch.equal(scales, want_scales)
+    assert not values[num_tokens:].float().any()
     # gate|up's per-channel weight scales, left on the product for SwiGLU to apply (prefill's 128 x 128 tiles).
     column_scales = _randn(2 * inter, dtype=torch.float32, seed=25).abs() + 0.1
     scaled = fp8_kernels.scale_columns_(gate_up.clone(), column_scales)

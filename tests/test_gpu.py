@@ -145,12 +145,101 @@ def test_fp8_inputs_quantized_by_norms_and_swiglu_agree_with_separate_kernels(nu
         return mlp(h), new_residual, isinstance(h, fp8.Fp8Activation)
 
     got, got_residual, fused = run()
+    # From 256 tokens down's channel scales are left to the next add-norm, which gives what applying them gives.
+    h, new_residual = norm(x, residual, fp8_out=True)
+    out, column_scales = mlp.forward_deferring_scales(h)
+    assert (column_scales is not None) == (num_tokens >= fp8.block_scales_min_rows(512))
+    for fp8_out in (False, True):
+        deferred = norm(out, new_residual, fp8_out=fp8_out, column_scales=column_scales)
+        applied = norm(mlp(h), new_residual, fp8_out=fp8_out)
+        assert torch.equal(deferred[1], applied[1])
+        if fp8_out:
+            assert torch.equal(deferred[0].values.view(torch.uint8), applied[0].values.view(torch.uint8))
+            assert torch.equal(deferred[0].scales, applied[0].scales)
+        else:
+            assert torch.equal(deferred[0], applied[0])
     monkeypatch.setattr(Fp8Weights, "takes_fp8_input", property(lambda self: False))
     want, want_residual, unfused = run()
     assert fused and not unfused
     assert torch.equal(got_residual, want_residual)
     assert got.shape == want.shape == (num_tokens, 512)
     assert _rel_err(got.float(), want.float()) < 1e-2
+
+
+@pytest.mark.parametrize("num_tokens", [151, 2048])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["bf16_cache", "fp8_cache"])
+def test_rope_fused_into_the_kv_write_matches_rope_then_write(fp8_cache, qk_norm, num_tokens):
+    """Compiled, on Llama-3.1-8B's heads in bf16: the KV-cache write given the rope q and k still need (Qwen3's
+    norms, the FP8 product's column scales first) against the rope kernel, the column-scale pass and the plain
+    write. As the engine calls it, bit for bit. The FP8 write kernel roping q and K itself (``fuse_rope``): V and
+    its scales bit for bit, K's rotation summed as two dots may put a rare value one float8 step away and the
+    rotated queries one bf16 rounding away."""
+    from engine.attention.triton_kernels import write_paged_kv
+    from engine.models import fused_ops
+    from engine.models.fp8_kernels import scale_columns_
+    from engine.models.layers import RMSNorm, get_rope
+
+    heads, kv_heads, head_dim, block = 32, 8, 128, 16
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(num_tokens + 5, width, device="cuda", generator=gen).bfloat16() * 3  # 5 padding rows
+    positions = torch.randint(0, 8192, (num_tokens + 5,), device="cuda", generator=gen)
+    column_scales = torch.rand(width, device="cuda", generator=gen) + 0.5
+    with torch.device("cuda"):
+        rope = get_rope(head_dim, 8192, 5e5)
+        norms = [RMSNorm(head_dim, 1e-6).bfloat16() for _ in range(2)] if qk_norm else []
+    for norm in norms:
+        norm.weight.data.uniform_(0.5, 1.5, generator=gen)
+    pending = rope.pending(*norms).at(positions, column_scales)
+    slots = torch.randperm(4 * num_tokens, device="cuda", generator=gen)[:num_tokens] + block
+    slots[::17] = -1
+    num_blocks = 5 * num_tokens // block + 2
+    shape = (num_blocks, block, kv_heads, head_dim)
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+
+    def split(t):
+        q, k, v = t.split(sizes, dim=-1)
+        return q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+
+    results = []
+    for variant in ("reference", "engine", "fused") if fp8_cache else ("reference", "engine"):
+        if fp8_cache:
+            caches = [torch.zeros(shape, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(2)]
+            scales = tuple(torch.ones(shape[:3], device="cuda") for _ in range(2))
+        else:
+            caches, scales = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)], None
+        if variant != "reference":
+            q, k, v = split(qkv)
+            q_out = write_paged_kv(k, v, *caches, slots, scales, q=q, rope=pending,
+                                   fuse_rope=True if variant == "fused" else None)
+        else:
+            q, k, v = split(scale_columns_(qkv.clone(), column_scales))
+            if qk_norm:
+                q, k = fused_ops.qk_norm_rotary(positions, q, k, norms[0].weight, norms[1].weight, 1e-6,
+                                                rope.cos_sin_cache)
+            else:
+                q, k = fused_ops.rotary(positions, q, k, rope.cos_sin_cache)
+            q_out = write_paged_kv(k, v, *caches, slots, scales, q=q)
+        results.append((q_out, caches, scales))
+    (q_ref, caches_ref, scales_ref), (q_engine, caches_engine, scales_engine) = results[:2]
+    assert torch.equal(q_engine, q_ref)
+    for ours, theirs in zip(caches_engine, caches_ref):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    if not fp8_cache:
+        return
+    assert torch.equal(scales_engine[0], scales_ref[0]) and torch.equal(scales_engine[1], scales_ref[1])
+    q_fused, caches_fused, scales_fused = results[2]
+    assert torch.equal(caches_fused[1].view(torch.uint8), caches_ref[1].view(torch.uint8))
+    assert torch.equal(scales_fused[1], scales_ref[1])
+    # Qwen3's norm sums a row's squares over other tiles than the rope kernel: a normed value may round one bf16
+    # step the other way now and then, which moves its row's scale by far less than a step of its own.
+    torch.testing.assert_close(scales_fused[0], scales_ref[0], atol=0, rtol=1e-2 if qk_norm else 1e-6)
+    ours, theirs = caches_fused[0].float(), caches_ref[0].float()
+    step = torch.exp2(torch.floor(torch.log2(theirs.abs().clamp_min(2**-6))) - 3)
+    assert ((ours - theirs).abs() <= step).all() and (ours != theirs).float().mean() < 0.01
+    a, b = q_fused.float(), q_ref.float()
+    assert ((a - b).abs() <= b.abs() * 2**-7 + 1e-6).all() and (a != b).float().mean() < 0.01
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -238,8 +327,11 @@ def test_no_attention_kernel_compiles_after_start_up(tmp_path):
     model_dir = save_tiny_model("qwen3", tmp_path)
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256, num_kvcache_blocks=512,
               max_num_batched_tokens=128)
+    from engine.models import fused_ops
+
+    # The KV-cache write of a bf16 cache is the rope kernel's (the models hand their rope to attention).
     kernels = {"decode": tk._decode_split_kernel, "merge": tk._decode_merge_kernel, "prefill": tk._prefill_kernel,
-               "write_kv": tk._write_kv_kernel}
+               "write_kv": tk._write_kv_kernel, "rope_write_kv": fused_ops._rope_kernel}
     before = {name: _compiled_variants(k) for name, k in kernels.items()}
     # Decode batches of many sizes, prompts chunked at 128 tokens next to decodes, long and short contexts.
     lens = [3, 180, 17, 150, 1, 64, 129, 8, 200, 33, 90, 5]

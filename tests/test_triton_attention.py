@@ -8,6 +8,7 @@ through the wrong slot or past the end of a context changes the result.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -648,3 +649,481 @@ def test_soft_capped_scores_match_reference(window):
     paged_prefill_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.query_start_loc, m.seq_lens,
                             m.max_query_len, case.scale, prefill, window=window, softcap=5.0)
     assert_matches(prefill, ref, [])
+
+
+# ----------------------------------------------------------------------------------------------
+# Rope (and Qwen3's q/k norm, and FP8 products' column scales) fused into the KV-cache write
+
+
+def _qkv_case(seed: int, rows: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+              extra: str):
+    """(q, k, v views of one q|k|v tensor [rows, width], the qkv tensor, a PendingRope at random positions) for the
+    fused write; ``extra`` names what the rope carries besides rope: "norm", "mrope", "scales", joined by "+"."""
+    from engine.models.layers import RMSNorm, get_rope
+
+    gen = torch.Generator().manual_seed(seed)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (torch.randn(rows, width, generator=gen) * 2).to(dtype=dtype, device=DEVICE)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    section = None
+    if "mrope" in extra:
+        quarter = head_dim // 8
+        section = (head_dim // 2 - 2 * quarter, quarter, quarter)
+    rope = get_rope(head_dim, 512, 1e4, mrope_section=section).to(DEVICE)
+    norms = []
+    if "norm" in extra:
+        for _ in range(2):
+            norm = RMSNorm(head_dim, 1e-6).to(device=DEVICE, dtype=dtype)
+            with torch.no_grad():
+                norm.weight.copy_(torch.empty(head_dim).uniform_(0.5, 1.5, generator=gen))
+            norms.append(norm)
+    if section is None:
+        positions = torch.randint(0, 512, (rows,), generator=gen)
+    else:  # text positions in some tokens (all three rows equal), an image's grid in the others
+        positions = torch.randint(0, 512, (3, rows), generator=gen)
+        positions[:, ::3] = positions[0, ::3]
+    column_scales = (torch.rand(width, generator=gen) + 0.5).to(DEVICE) if "scales" in extra else None
+    pending = rope.pending(*norms).at(positions.to(DEVICE), column_scales)
+    return (q.view(rows, num_heads, head_dim), k.view(rows, num_kv_heads, head_dim),
+            v.view(rows, num_kv_heads, head_dim), qkv, pending)
+
+
+def _unfused(qkv: torch.Tensor, pending, num_heads: int, num_kv_heads: int, head_dim: int):
+    """q, k, v as the two-kernel path leaves them: the column-scale pass, then the rope kernel (with the norms)."""
+    from engine.models import fused_ops
+    from engine.models.fp8_kernels import scale_columns_
+
+    rows = qkv.shape[0]
+    if pending.column_scales is not None:
+        qkv = scale_columns_(qkv.clone(), pending.column_scales)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(rows, num_heads, head_dim), k.view(rows, num_kv_heads, head_dim), v.view(rows, num_kv_heads,
+                                                                                              head_dim)
+    if pending.q_weight is not None:
+        q, k = fused_ops.qk_norm_rotary(pending.positions, q, k, pending.q_weight, pending.k_weight, pending.eps,
+                                        pending.cos_sin_cache, pending.mrope_section)
+    else:
+        q, k = fused_ops.rotary(pending.positions, q, k, pending.cos_sin_cache, pending.mrope_section)
+    return q, k, v
+
+
+def _assert_one_fp8_step(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """FP8 values equal, or (a float32 sum of the rotation in another order put a value on the other side of a
+    rounding boundary) one float8 step apart, for a small fraction of them."""
+    a, b = ours.float(), theirs.float()
+    step = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(2**-6))) - 3)
+    near = (a - b).abs() <= step
+    assert near.all() and (a != b).float().mean() < 0.01, (a[~near], b[~near])
+
+
+def _assert_one_rounding(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Equal, or (queries rotated with their sums in another order) a float32 rounding of the sum apart, which a
+    16-bit dtype rounds to the same value or the next one."""
+    if ours.dtype == torch.float32:
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+        return
+    step = 2.0 ** (-7 if ours.dtype == torch.bfloat16 else -10)
+    a, b = ours.float(), theirs.float()
+    assert ((a - b).abs() <= b.abs() * step + 1e-6).all() and (a != b).float().mean() < 0.01
+
+
+ROPE_EXTRAS = ["rope", "norm", "mrope", "norm+scales", "mrope+norm+scales"]
+
+
+@pytest.mark.parametrize("extra", ROPE_EXTRAS)
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache", ["dense", "fp8", "fp8_fused"])
+def test_write_paged_kv_with_rope_matches_rope_then_write(cache, dtype, head_dim, extra):
+    """The write given the rope q and k still need (after Qwen3's norms, M-RoPE, the FP8 product's column scales
+    first) leaves what the rope kernel followed by the plain write leaves: a 16-bit (or float32) cache in one
+    launch, bit for bit, and the returned queries too; an FP8 cache as the engine calls it (the rope kernel apart)
+    bit for bit as well. The FP8 write kernel roping q and K itself (``fuse_rope``): V's bytes and every scale as
+    there, K (rotated for head dims 64 and 128, quantized as it is for 96) to a float8 step on a rare value, the
+    rotated queries to a rounding of their sums. Negative slots write nothing, and q's rows past the slots (a
+    decode graph's padding) are roped all the same."""
+    fp8 = cache != "dense"
+    num_heads, num_kv_heads, n, padding = 4, 2, 21, 3
+    q, k, v, qkv, pending = _qkv_case(head_dim + len(extra), n + padding, num_heads, num_kv_heads, head_dim, dtype,
+                                      extra)
+    gen = torch.Generator().manual_seed(head_dim)
+    num_blocks, block_size = 5, 16
+    slots = torch.randperm(num_blocks * block_size - block_size, generator=gen)[:n] + block_size
+    slots[[2, 9]] = -1
+    slots = slots.to(DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if fp8:
+        caches = [[torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)] for _ in range(2)]
+        scales = [tuple(torch.ones(shape[:3], device=DEVICE) for _ in range(2)) for _ in range(2)]
+    else:
+        cache = [torch.randn(shape, generator=gen).to(dtype=dtype, device=DEVICE) for _ in range(2)]
+        caches = [[c.clone() for c in cache] for _ in range(2)]
+        scales = [None, None]
+    qkv_before = qkv.clone()
+    ours = write_paged_kv(k, v, *caches[0], slots, scales[0], q=q, rope=pending,
+                          fuse_rope=True if cache == "fp8_fused" else None)
+    assert torch.equal(qkv, qkv_before), "q, k and v are read, never written"
+    uq, uk, uv = _unfused(qkv, pending, num_heads, num_kv_heads, head_dim)
+    theirs = write_paged_kv(uk, uv, *caches[1], slots, scales[1], q=uq)
+    assert ours.shape == q.shape and ours.dtype == dtype and ours.is_contiguous()
+    if cache != "fp8_fused":
+        assert torch.equal(ours, theirs)
+        for ours_cache, their_cache in zip(caches[0], caches[1]):
+            assert torch.equal(ours_cache.view(torch.uint8), their_cache.view(torch.uint8))
+        if fp8:
+            assert torch.equal(scales[0][0], scales[1][0]) and torch.equal(scales[0][1], scales[1][1])
+        return
+    assert torch.equal(caches[0][1].view(torch.uint8), caches[1][1].view(torch.uint8))
+    torch.testing.assert_close(scales[0][1], scales[1][1], atol=0, rtol=0)
+    torch.testing.assert_close(scales[0][0], scales[1][0], atol=0, rtol=1e-6)
+    _assert_one_fp8_step(caches[0][0], caches[1][0])
+    if head_dim == 96:  # not rotated: rope, then quantized
+        assert torch.equal(ours, theirs) and torch.equal(caches[0][0].view(torch.uint8),
+                                                         caches[1][0].view(torch.uint8))
+    else:
+        _assert_one_rounding(ours, theirs)
+    written = scales[0][0].view(-1, num_kv_heads)
+    untouched = torch.ones(written.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots[slots >= 0]] = False
+    assert (written[untouched] == 1).all() and (written[~untouched] != 1).all()
+
+
+@pytest.mark.parametrize("tokens_per_program, split_queries", [(None, None), (1, False), (4, True), (16, False),
+                                                               (16, True)])
+@pytest.mark.parametrize("num_kv_heads, head_dim", [(1, 64), (3, 32), (8, 128)])
+def test_write_paged_kv_fp8_matches_reference(num_kv_heads, head_dim, tokens_per_program, split_queries):
+    """The write kernel quantizes each head's row as ``write_kv`` does (K rotated first): the same float8 bytes
+    and scales, in the slots named (negative slots skipped), and nothing else touched; the queries come back
+    rotated as K was. However many tokens one program takes (21 tokens: the last program's are partly past the
+    end), and whether the queries are rotated in programs of their own or beside K."""
+    gen = torch.Generator().manual_seed(num_kv_heads)
+    num_blocks, block_size, n = 6, 16, 21
+    k = (torch.randn(n, num_kv_heads, head_dim, generator=gen) * 3).to(DEVICE)
+    v = (torch.randn(n, num_kv_heads, head_dim, generator=gen) / 50).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size - block_size, generator=gen)[:n] + block_size
+    slots[3] = -1
+    slots = slots.to(DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    ours = [torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)]
+    ours_scales = tuple(torch.ones(shape[:3], device=DEVICE) for _ in range(2))
+    q = torch.randn(n + 3, 2 * num_kv_heads, head_dim, generator=gen).to(DEVICE)  # 3 padding rows past the slots
+    q_rotated = write_paged_kv(k, v, ours[0], ours[1], slots, ours_scales, q=q,
+                               tokens_per_program=tokens_per_program, split_queries=split_queries)
+    torch.testing.assert_close(q_rotated, rotate_heads(q), atol=1e-5, rtol=1e-5)  # every row, padding included
+    theirs = [torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)]
+    theirs_scales = tuple(torch.ones(shape[:3], device=DEVICE) for _ in range(2))
+    keep = slots >= 0
+    write_kv(theirs[0], theirs[1], k[keep], v[keep], slots[keep], theirs_scales)
+    for name, a, b in zip("KV", ours, theirs):
+        a, b = a.float(), b.float()
+        if name == "K":
+            # K is rotated before it is rounded: a different order of the rotation's float32 sums may put a
+            # value that sits on a rounding boundary one float8 step away.
+            step = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(2**-6))) - 3)
+            near = (a - b).abs() <= step
+            assert near.all() and (a != b).float().mean() < 0.01, (a[~near], b[~near])
+            a = torch.where(near, b, a)
+        assert torch.equal(a, b), (a[a != b], b[a != b])
+    for a, b in zip(ours_scales, theirs_scales):
+        torch.testing.assert_close(a, b, atol=0, rtol=1e-6)
+    assert float(ours_scales[0].view(-1, num_kv_heads)[slots[0]].max()) > 0.001  # written, not the initial ones
+    with pytest.raises(ValueError):
+        write_paged_kv(k, v, ours[0], ours[1], slots, (ours_scales[0].double(), ours_scales[1]))
+
+
+@pytest.mark.parametrize("window", [0, 37])
+def test_soft_capped_scores_match_reference(window):
+    """Gemma 2's attention soft-capping (scores become 5 * tanh(scores / 5)) in both kernels, with and without a
+    window, equals the torch backend's capped attention; the cap changes the result."""
+    case = make_case(61 + window, MIXED, 2, 4, 64, 16)
+    case = Case(case.q * 4, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, case.padding_rows)
+    ref = TorchAttentionBackend().forward(case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
+                                          case.meta, case.scale, window, None, 5.0)
+    uncapped = TorchAttentionBackend().forward(case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
+                                               case.meta, case.scale, window)
+    assert (ref - uncapped).abs().max() > 0.05
+    d, m = case.meta.num_decodes, case.meta
+    out = torch.full_like(case.q[:d], float("nan"))
+    paged_decode_attention(case.q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d], case.scale,
+                           out, 3, window=window, softcap=5.0)
+    assert_matches(out, ref[:d], [])
+    prefill = torch.full_like(case.q, float("nan"))
+    paged_prefill_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.query_start_loc, m.seq_lens,
+                            m.max_query_len, case.scale, prefill, window=window, softcap=5.0)
+    assert_matches(prefill, ref, [])
+
+
+# ----------------------------------------------------------------------------------------------
+# Rope (and Qwen3's q/k norm, and FP8 products' column scales) fused into the KV-cache write
+
+
+def _qkv_case(seed: int, rows: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+              extra: str):
+    """(q, k, v views of one q|k|v tensor [rows, width], the qkv tensor, a PendingRope at random positions) for the
+    fused write; ``extra`` names what the rope carries besides rope: "norm", "mrope", "scales", joined by "+"."""
+    from engine.models.layers import RMSNorm, get_rope
+
+    gen = torch.Generator().manual_seed(seed)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (torch.randn(rows, width, generator=gen) * 2).to(dtype=dtype, device=DEVICE)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    section = None
+    if "mrope" in extra:
+        quarter = head_dim // 8
+        section = (head_dim // 2 - 2 * quarter, quarter, quarter)
+    rope = get_rope(head_dim, 512, 1e4, mrope_section=section).to(DEVICE)
+    norms = []
+    if "norm" in extra:
+        for _ in range(2):
+            norm = RMSNorm(head_dim, 1e-6).to(device=DEVICE, dtype=dtype)
+            with torch.no_grad():
+                norm.weight.copy_(torch.empty(head_dim).uniform_(0.5, 1.5, generator=gen))
+            norms.append(norm)
+    if section is None:
+        positions = torch.randint(0, 512, (rows,), generator=gen)
+    else:  # text positions in some tokens (all three rows equal), an image's grid in the others
+        positions = torch.randint(0, 512, (3, rows), generator=gen)
+        positions[:, ::3] = positions[0, ::3]
+    column_scales = (torch.rand(width, generator=gen) + 0.5).to(DEVICE) if "scales" in extra else None
+    pending = rope.pending(*norms).at(positions.to(DEVICE), column_scales)
+    return (q.view(rows, num_heads, head_dim), k.view(rows, num_kv_heads, head_dim),
+            v.view(rows, num_kv_heads, head_dim), qkv, pending)
+
+
+def _unfused(qkv: torch.Tensor, pending, num_heads: int, num_kv_heads: int, head_dim: int):
+    """q, k, v as the two-kernel path leaves them: the column-scale pass, then the rope kernel (with the norms)."""
+    from engine.models import fused_ops
+    from engine.models.fp8_kernels import scale_columns_
+
+    rows = qkv.shape[0]
+    if pending.column_scales is not None:
+        qkv = scale_columns_(qkv.clone(), pending.column_scales)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(rows, num_heads, head_dim), k.view(rows, num_kv_heads, head_dim), v.view(rows, num_kv_heads,
+                                                                                              head_dim)
+    if pending.q_weight is not None:
+        q, k = fused_ops.qk_norm_rotary(pending.positions, q, k, pending.q_weight, pending.k_weight, pending.eps,
+                                        pending.cos_sin_cache, pending.mrope_section)
+    else:
+        q, k = fused_ops.rotary(pending.positions, q, k, pending.cos_sin_cache, pending.mrope_section)
+    return q, k, v
+
+
+def _assert_one_fp8_step(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """FP8 values equal, or (a float32 sum of the rotation in another order put a value on the other side of a
+    rounding boundary) one float8 step apart, for a small fraction of them."""
+    a, b = ours.float(), theirs.float()
+    step = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(2**-6))) - 3)
+    near = (a - b).abs() <= step
+    assert near.all() and (a != b).float().mean() < 0.01, (a[~near], b[~near])
+
+
+def _assert_one_rounding(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Equal, or (queries rotated with their sums in another order) a float32 rounding of the sum apart, which a
+    16-bit dtype rounds to the same value or the next one."""
+    if ours.dtype == torch.float32:
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+        return
+    step = 2.0 ** (-7 if ours.dtype == torch.bfloat16 else -10)
+    a, b = ours.float(), theirs.float()
+    assert ((a - b).abs() <= b.abs() * step + 1e-6).all() and (a != b).float().mean() < 0.01
+
+
+ROPE_EXTRAS = ["rope", "norm", "mrope", "norm+scales", "mrope+norm+scales"]
+
+
+@pytest.mark.parametrize("extra", ROPE_EXTRAS)
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache", ["dense", "fp8", "fp8_fused"])
+def test_write_paged_kv_with_rope_matches_rope_then_write(cache, dtype, head_dim, extra):
+    """The write given the rope q and k still need (after Qwen3's norms, M-RoPE, the FP8 product's column scales
+    first) leaves what the rope kernel followed by the plain write leaves: a 16-bit (or float32) cache in one
+    launch, bit for bit, and the returned queries too; an FP8 cache as the engine calls it (the rope kernel apart)
+    bit for bit as well. The FP8 write kernel roping q and K itself (``fuse_rope``): V's bytes and every scale as
+    there, K (rotated for head dims 64 and 128, quantized as it is for 96) to a float8 step on a rare value, the
+    rotated queries to a rounding of their sums. Negative slots write nothing, and q's rows past the slots (a
+    decode graph's padding) are roped all the same."""
+    fp8 = cache != "dense"
+    num_heads, num_kv_heads, n, padding = 4, 2, 21, 3
+    q, k, v, qkv, pending = _qkv_case(head_dim + len(extra), n + padding, num_heads, num_kv_heads, head_dim, dtype,
+                                      extra)
+    gen = torch.Generator().manual_seed(head_dim)
+    num_blocks, block_size = 5, 16
+    slots = torch.randperm(num_blocks * block_size - block_size, generator=gen)[:n] + block_size
+    slots[[2, 9]] = -1
+    slots = slots.to(DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if fp8:
+        caches = [[torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)] for _ in range(2)]
+        scales = [tuple(torch.ones(shape[:3], device=DEVICE) for _ in range(2)) for _ in range(2)]
+    else:
+        cache = [torch.randn(shape, generator=gen).to(dtype=dtype, device=DEVICE) for _ in range(2)]
+        caches = [[c.clone() for c in cache] for _ in range(2)]
+        scales = [None, None]
+    qkv_before = qkv.clone()
+    ours = write_paged_kv(k, v, *caches[0], slots, scales[0], q=q, rope=pending,
+                          fuse_rope=True if cache == "fp8_fused" else None)
+    assert torch.equal(qkv, qkv_before), "q, k and v are read, never written"
+    uq, uk, uv = _unfused(qkv, pending, num_heads, num_kv_heads, head_dim)
+    theirs = write_paged_kv(uk, uv, *caches[1], slots, scales[1], q=uq)
+    assert ours.shape == q.shape and ours.dtype == dtype and ours.is_contiguous()
+    if cache != "fp8_fused":
+        assert torch.equal(ours, theirs)
+        for ours_cache, their_cache in zip(caches[0], caches[1]):
+            assert torch.equal(ours_cache.view(torch.uint8), their_cache.view(torch.uint8))
+        if fp8:
+            assert torch.equal(scales[0][0], scales[1][0]) and torch.equal(scales[0][1], scales[1][1])
+        return
+    assert torch.equal(caches[0][1].view(torch.uint8), caches[1][1].view(torch.uint8))
+    torch.testing.assert_close(scales[0][1], scales[1][1], atol=0, rtol=0)
+    torch.testing.assert_close(scales[0][0], scales[1][0], atol=0, rtol=1e-6)
+    _assert_one_fp8_step(caches[0][0], caches[1][0])
+    if head_dim == 96:  # not rotated: rope, then quantized
+        assert torch.equal(ours, theirs) and torch.equal(caches[0][0].view(torch.uint8),
+                                                         caches[1][0].view(torch.uint8))
+    else:
+        _assert_one_rounding(ours, theirs)
+    written = scales[0][0].view(-1, num_kv_heads)
+    untouched = torch.ones(written.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots[slots >= 0]] = False
+    assert (written[untouched] == 1).all() and (written[~untouched] != 1).all()
+
+
+@pytest.mark.parametrize("extra", ["norm+scales", "mrope+scales"])
+@pytest.mark.parametrize("head_dim", [128, 96])
+def test_fp8_write_of_a_prefill_step_ropes_apart_bit_for_bit(head_dim, extra, monkeypatch):
+    """Past ``_FP8_FUSED_ROPE_MAX_ROWS`` tokens an FP8 cache's write runs after the rope kernel, which applies q's
+    and k's column scales; the write applies V's. The same cache bytes, scales and queries as the column-scale
+    pass, the rope kernel and the plain write, bit for bit."""
+    import engine.attention.triton_kernels as triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_FP8_FUSED_ROPE_MAX_ROWS", 0)
+    num_heads, num_kv_heads, n = 4, 2, 21
+    q, k, v, qkv, pending = _qkv_case(head_dim + 7, n + 3, num_heads, num_kv_heads, head_dim, torch.bfloat16, extra)
+    slots = (torch.randperm(64, generator=torch.Generator().manual_seed(2))[:n] + 16).to(DEVICE)
+    slots[5] = -1
+    shape = (6, 16, num_kv_heads, head_dim)
+    caches = [[torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)] for _ in range(2)]
+    scales = [tuple(torch.ones(shape[:3], device=DEVICE) for _ in range(2)) for _ in range(2)]
+    ours = write_paged_kv(k, v, *caches[0], slots, scales[0], q=q, rope=pending)
+    uq, uk, uv = _unfused(qkv, pending, num_heads, num_kv_heads, head_dim)
+    theirs = write_paged_kv(uk, uv, *caches[1], slots, scales[1], q=uq)
+    assert torch.equal(ours, theirs)
+    for ours_cache, their_cache in zip(caches[0], caches[1]):
+        assert torch.equal(ours_cache.view(torch.uint8), their_cache.view(torch.uint8))
+    for ours_scales, their_scales in zip(scales[0], scales[1]):
+        assert torch.equal(ours_scales, their_scales)
+    assert (scales[0][0] != 1).sum() == (n - 1) * num_kv_heads  # every slot but the skipped one written
+
+
+@pytest.mark.parametrize("tokens_per_program, split_queries", [(1, True), (4, False), (16, True), (8, False)])
+def test_write_paged_kv_fp8_with_rope_any_tokens_per_program(tokens_per_program, split_queries):
+    """The FP8 write with rope gives the same bytes, scales and queries however many tokens a program takes and
+    whether the queries have programs of their own (21 tokens and 3 padding rows: programs partly past the end)."""
+    num_heads, num_kv_heads, head_dim, n = 8, 2, 64, 21
+    q, k, v, qkv, pending = _qkv_case(5, n + 3, num_heads, num_kv_heads, head_dim, torch.float32, "norm+scales")
+    slots = (torch.randperm(64, generator=torch.Generator().manual_seed(1))[:n] + 16).to(DEVICE)
+    slots[4] = -1
+    shape = (6, 16, num_kv_heads, head_dim)
+    results = []
+    for tokens, split in ((None, None), (tokens_per_program, split_queries)):
+        cache = [torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)]
+        scales = tuple(torch.ones(shape[:3], device=DEVICE) for _ in range(2))
+        q_out = write_paged_kv(k, v, *cache, slots, scales, q=q, tokens_per_program=tokens, split_queries=split,
+                               rope=pending, fuse_rope=True)
+        results.append((q_out, cache[0].view(torch.uint8), cache[1].view(torch.uint8), *scales))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_write_paged_kv_with_rope_rejects_bad_inputs():
+    q, k, v, _, pending = _qkv_case(3, 6, 4, 2, 64, torch.float32, "norm+scales")
+    cache = torch.zeros(4, 16, 2, 64, device=DEVICE)
+    slots = torch.arange(6, device=DEVICE)
+    write_paged_kv(k, v, cache, cache.clone(), slots, q=q, rope=pending)
+    bad = {
+        "no q": dict(q=None),
+        "positions length": dict(rope=dataclasses.replace(pending, positions=pending.positions[:5])),
+        "column scales width": dict(rope=dataclasses.replace(pending, column_scales=pending.column_scales[:-1])),
+        "column scales dtype": dict(rope=dataclasses.replace(pending, column_scales=pending.column_scales.double())),
+        "k_norm without q_norm": dict(rope=dataclasses.replace(pending, q_norm=None)),
+    }
+    for what, change in bad.items():
+        try:
+            write_paged_kv(k, v, cache, cache.clone(), slots, **(dict(q=q, rope=pending) | change))
+        except ValueError:
+            continue
+        pytest.fail(f"accepted bad input: {what}")
+
+
+@pytest.mark.parametrize("fp8_cache", [False, True])
+def test_backends_agree_on_a_pending_rope(fp8_cache):
+    """The Triton backend ropes in its KV-cache write; the torch backend ropes op by op first
+    (``PendingRope.apply``): on a mixed batch with Qwen3's norms and column scales both give the same attention."""
+    case = make_case(17, MIXED, 2, 2, 64, 16)
+    n = case.q.shape[0]
+    q, k, v, qkv, pending = _qkv_case(23, n, 4, 2, 64, torch.float32, "norm+scales")
+    kv_scales = None
+    k_cache, v_cache = case.k_cache, case.v_cache
+    if fp8_cache:
+        k_cache = torch.zeros(k_cache.shape, dtype=torch.float8_e4m3fn, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+        kv_scales = tuple(torch.ones(k_cache.shape[:3], device=DEVICE) for _ in range(2))
+    outs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        caches = (k_cache.clone(), v_cache.clone(), tuple(s.clone() for s in kv_scales) if kv_scales else None)
+        outs.append(backend.forward(q, k, v, caches[0], caches[1], case.meta, case.scale, kv_scales=caches[2],
+                                    rope=pending))
+    torch.testing.assert_close(outs[1], outs[0], **(TOL if not fp8_cache else dict(atol=2e-3, rtol=2e-3)))
+
+
+@pytest.mark.parametrize("fp8_cache", [False, True])
+def test_compile_write_variants_covers_every_launch_choice(fp8_cache):
+    """Start-up compiles the write as steps call it: one variant on a 16-bit cache, the three (tokens per program,
+    queries apart) choices on an FP8 one; each twice where FP8 q|k|v products may leave their column scales."""
+    from engine.attention.triton_kernels import compile_write_variants
+
+    _, _, _, _, pending = _qkv_case(3, 1, 4, 2, 32, torch.float32, "mrope+norm")
+    shape = (3, 16, 2, 32)
+    if fp8_cache:
+        caches = [torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)]
+        kv_scales = tuple(torch.ones(shape[:3], device=DEVICE) for _ in range(2))
+    else:
+        caches, kv_scales = [torch.zeros(shape, device=DEVICE) for _ in range(2)], None
+    before = [c.clone() for c in caches]
+    rope = dataclasses.replace(pending, positions=None, column_scales=None)  # the layer's, as Attention holds it
+    assert compile_write_variants(4, *caches, 600, kv_scales, torch.float32, rope) == (3 if fp8_cache else 1)
+    assert compile_write_variants(4, *caches, 600, kv_scales, torch.float32, rope, column_scales=True) == (
+        6 if fp8_cache else 2)
+    assert compile_write_variants(4, *caches, 64, kv_scales, torch.float32) == 1
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(caches, before))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, torch.float8_e4m3fn], ids=["dense", "fp8"])
+def test_tiny_qwen3_ropes_in_the_kv_write(kv_cache_dtype, tmp_path):
+    """A whole model (Qwen3: q/k norms, then rope) hands its rope to attention: prefill, then a decode and a mixed
+    step on the Triton backend (rope in the KV-cache write) give the torch backend's logits (rope op by op)."""
+    from engine.loader import load_model
+    from engine.model_config import ModelConfig
+    from tests.helpers import VOCAB, PagedRunner, save_tiny_model
+
+    model = load_model(ModelConfig.from_pretrained(save_tiny_model("qwen3", tmp_path)), torch.float32, DEVICE)
+    assert all(layer.rope is not None and layer.rope.q_norm is not None for layer in model.attention_layers())
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (19, 33)]
+    steps = [[(0, prompts[0][:-1]), (1, prompts[1][:-1])],
+             [(0, prompts[0][-1:]), (1, prompts[1][-1:]), (2, prompts[0][:5])]]
+    outputs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        runner = PagedRunner(model)
+        for attn in model.attention_layers():
+            attn.set_backend(backend)
+            if kv_cache_dtype is not None:
+                cache = torch.zeros(attn.k_cache.shape, dtype=kv_cache_dtype, device=DEVICE)
+                attn.bind_kv_cache(cache, cache.clone(),
+                                   tuple(torch.ones(cache.shape[:3], device=DEVICE) for _ in range(2)))
+        outputs.append([runner.step(chunks) for chunks in steps])
+    for ref_step, got_step in zip(*outputs):
+        for ref, got in zip(ref_step, got_step):
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

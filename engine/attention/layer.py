@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.models.layers import PendingRope
 
 
 class Attention(nn.Module):
@@ -14,11 +19,16 @@ class Attention(nn.Module):
     The KV cache is bound after the pool is sized (``bind_kv_cache``), by layer index;
     the backend is chosen by the model runner (``set_backend``). Both are plain
     attributes set once, never looked up by duck typing.
+
+    ``rope``: the rotary embedding (with Qwen3's q/k norms) that the q and k handed to ``forward`` still need,
+    from ``RotaryEmbedding.pending``. The backend applies it with the KV-cache write (on the Triton path in the
+    same kernel launch); the model runner compiles that write's variants from it before the first step.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int,
-                 sliding_window: int = 0, softcap: float = 0.0):
+                 sliding_window: int = 0, softcap: float = 0.0, rope: PendingRope | None = None):
         super().__init__()
+        self.rope = rope
         self.sliding_window = sliding_window  # a query sees only the last this-many positions; 0: all
         self.softcap = softcap  # scores become softcap * tanh(scores / softcap) (Gemma 2); 0: off
         if num_heads % num_kv_heads != 0:
@@ -47,13 +57,28 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,
         meta: AttentionMetadata,
+        positions: torch.Tensor | None = None,  # [num_tokens] int64, [3, num_tokens] with M-RoPE: ``rope``'s
+        column_scales: torch.Tensor | None = None,  # float32 [q_size + 2 * kv_size]: see below
         fp8_out: bool = False,
     ):  # [num_tokens, num_heads * head_dim], a tensor or an Fp8Activation
-        """``fp8_out``: the caller's output projection takes an ``Fp8Activation`` (``Fp8Weights.takes_fp8_input``);
+        """Attention of q over the cached context and the new K/V, which are written to the cache first.
+
+        With a ``rope``, q and k (views of the q|k|v projection's output, rows of any stride) are not roped yet:
+        the backend ropes them at ``positions``. ``column_scales``: the per-column FP8 weight scales the q|k|v
+        product left to be applied (``Fp8Weights.matmul_deferring_scales``), applied to q, k and v first.
+
+        ``fp8_out``: the caller's output projection takes an ``Fp8Activation`` (``Fp8Weights.takes_fp8_input``);
         the backend then returns one where its decode kernels can quantize the output (decode-only steps with split
         contexts, heads 128 wide), and the plain output elsewhere."""
         if self.k_cache is None or self.backend is None:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache or backend bound")
+        rope = None
+        if self.rope is not None:
+            if positions is None:
+                raise ValueError(f"attention layer {self.layer_idx} ropes q and k: it needs the tokens' positions")
+            rope = self.rope.at(positions, column_scales)
+        elif column_scales is not None:
+            raise ValueError(f"attention layer {self.layer_idx}: column_scales are applied with a rope only")
         n = q.shape[0]
         out = self.backend.forward(
             q.view(n, self.num_heads, self.head_dim),
@@ -67,6 +92,7 @@ class Attention(nn.Module):
             self.kv_scales,
             self.softcap,
             fp8_out=fp8_out,
+            rope=rope,
         )
         if isinstance(out, tuple):
             from engine.models.fp8 import Fp8Activation

@@ -64,7 +64,7 @@ class TorchAttentionBackend:
     def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, max_query_len: int, windows: tuple[int, ...] = (0,),
                 kv_scales: KVScales | None = None, dtype: torch.dtype | None = None, softcap: float = 0.0,
-                fp8_out: bool = False) -> int:
+                fp8_out: bool = False, rope=None, column_scales: bool = False) -> int:
         """Nothing to compile: plain torch ops."""
         return 0
 
@@ -81,7 +81,12 @@ class TorchAttentionBackend:
         kv_scales: KVScales | None = None,  # an FP8 cache's scales
         softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
         fp8_out: bool = False,  # the Triton backend may return the output quantized; this one never does
+        rope=None,  # the rope q and k still need (``engine.models.layers.PendingRope``), or None
     ) -> torch.Tensor:
+        """The attention output; a ``rope`` is applied op by op first (``PendingRope.apply``), as the Triton
+        backend's KV-cache write applies it in its kernel."""
+        if rope is not None:
+            q, k, v = rope.apply(q, k, v)
         num_tokens = meta.slot_mapping.shape[0]
         write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)

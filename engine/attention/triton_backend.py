@@ -8,6 +8,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.triton_kernels import (
     choose_num_splits,
     compile_variants,
+    compile_write_variants,
     num_sms,
     paged_decode_attention,
     paged_prefill_attention,
@@ -39,8 +40,11 @@ class TritonAttentionBackend:
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's scales
         softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
         fp8_out: bool = False,  # the next projection takes its input quantized (see below)
+        rope=None,  # the rope q and k still need (``engine.models.layers.PendingRope``), or None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, num_heads, head_dim]
-        """The attention output; with ``fp8_out``, on a decode-only step whose contexts are split (a few dozen
+        """The attention output. With a ``rope``, q and k are roped (and q|k|v's column scales applied) in the launch
+        that writes K and V to the cache (``write_paged_kv``), one per layer; the attention kernels read the q it
+        returns. With ``fp8_out``, on a decode-only step whose contexts are split (a few dozen
         rows or fewer) and whose heads are as wide as an FP8 projection's activation group (128), the output
         quantized by the decode kernels' merge as that projection takes it: (float8 values [rows padded to 4,
         num_heads * head_dim], float32 scales, one per token and head, token-major; ``fp8_kernels.empty_quantized``'s
@@ -48,8 +52,9 @@ class TritonAttentionBackend:
         than the projection's own pass (bench/RESULTS.md)."""
         num_tokens = meta.slot_mapping.shape[0]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        # An FP8 cache holds K rotated: the same launch turns the queries alike (kvcache.paged_cache).
-        q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q)
+        # One launch: K (roped) and V into the cache, and the queries to attend with: roped and, as an FP8 cache
+        # holds K rotated, rotated alike (kvcache.paged_cache).
+        q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q, rope=rope)
         d = meta.num_decodes
         quantized = None
         if d > 0:
@@ -78,13 +83,17 @@ class TritonAttentionBackend:
     def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, max_query_len: int, windows: tuple[int, ...] = (0,),
                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
-                softcap: float = 0.0, fp8_out: bool = False) -> int:
+                softcap: float = 0.0, fp8_out: bool = False, rope=None, column_scales: bool = False) -> int:
         """Compile the kernels' variants before the first step (see ``compile_variants``), for each of the
         model's attention windows (0: none); ``dtype`` is the compute dtype (an FP8 cache's is not);
-        ``fp8_out``: the decode kernels' quantized outputs too (``forward``'s ``fp8_out``)."""
+        ``fp8_out``: the decode kernels' quantized outputs too (``forward``'s ``fp8_out``). The KV-cache write's
+        too (``compile_write_variants``): with the layers' ``rope`` (``Attention.rope``), and with ``column_scales``
+        (FP8 q|k|v products that may leave their column scales to it) also with those."""
         fp8_out = fp8_out and k_cache.shape[3] == ACTIVATION_GROUP
-        return sum(compile_variants(num_heads, k_cache, v_cache, block_tables, max_query_len, w, kv_scales, dtype,
-                                    softcap, fp8_out) for w in windows)
+        variants = sum(compile_variants(num_heads, k_cache, v_cache, block_tables, max_query_len, w, kv_scales,
+                                        dtype, softcap, fp8_out) for w in windows)
+        return variants + compile_write_variants(num_heads, k_cache, v_cache, max_query_len, kv_scales, dtype, rope,
+                                                 column_scales)
 
 
 def _quantizes_output(q: torch.Tensor, meta: AttentionMetadata, num_tokens: int) -> bool:

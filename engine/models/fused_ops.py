@@ -10,6 +10,11 @@ group is one kernel:
   Qwen3's per-head RMSNorm; grid ``(num_tokens, 2)``, one program per token for q, one for k.
   With an ``mrope_section`` (Qwen2.5-VL's M-RoPE) a token has three positions, and each rotary
   frequency takes its cos/sin from the position of the section it falls in.
+  ``rotary_into_cache``: the same kernel as the KV-cache write of a 16-bit cache (the models hand
+  their rope to attention, ``engine.attention.triton_kernels.write_paged_kv``): the k program
+  stores the roped K heads straight into the token's cache slot and copies V beside them, so one
+  launch per layer ropes and writes. An FP8 cache's write kernel ropes with the helpers here
+  (``_norm_halves``, ``_rope_halves``), the same roundings.
 * ``silu_and_mul``: SwiGLU on a fused ``[gate | up]`` projection.
 * ``rms_norm_fp8`` / ``silu_and_mul_fp8``: the same, written as the FP8 input of the linear that follows
   (``engine.models.fp8``): float8 values with one scale per token and 128 columns, so that no separate
@@ -36,6 +41,7 @@ import triton.language as tl
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HIDDEN_SIZE = 16384  # one row per program, held in registers
 _ROPE_TILE = 2048  # elements per half-head tile of the rope kernel: heads are processed in groups this big
+_SWIGLU_ROWS_FROM = 1024  # tokens from which the FP8 SwiGLU takes several rows a program
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,20 +68,23 @@ def _store_fp8_groups(v, cols, mask, q_row_ptr, s_row_ptr, stride_sg, first_grou
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr,
+    x_ptr, residual_ptr, col_scale_ptr, weight_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr,
     eps, num_rows, hidden_size, stride_x, stride_r, stride_o, stride_ro, stride_q, stride_s, stride_sg,
-    HAS_RESIDUAL: tl.constexpr, FP8_GROUP: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One row, as a [BLOCK / 128, 128] tile (or [1, BLOCK]). ``FP8_GROUP`` (0 or 128) > 0: the normed row goes out
     as float8 values and a scale per 128 columns (one row of the tile each; ``q_ptr``, ``s_ptr``), not to
     ``out_ptr`` (which then only gives the model dtype); rows from ``num_rows`` on are padding, zeros. The tile is
-    the same either way, so that both sum the squares in the same order and round alike."""
+    the same either way, so that both sum the squares in the same order and round alike. ``COL_SCALES``: ``x``
+    times its columns' scales first, rounded to the model dtype (``fp8_kernels.scale_columns_``'s result)."""
     COLS: tl.constexpr = 128 if BLOCK >= 128 else BLOCK
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     in_row = offs < hidden_size
     mask = in_row & (row < num_rows) if FP8_GROUP > 0 else in_row
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if COL_SCALES:
+        x = _round(x * tl.load(col_scale_ptr + offs, mask=in_row, other=0.0), out_ptr)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         x = _round(x + r, out_ptr)  # the residual stream is kept in the model dtype
@@ -91,14 +100,34 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def _norm_halves(x1, x2, w1, w2, eps, out_ptr, HEAD_DIM: tl.constexpr):
+    """Qwen3's per-head RMSNorm of rows given as their two halves (float32, padding zeros): the norm in float32,
+    cast to the model dtype (``out_ptr``'s), then times the weight's halves ``w1``/``w2`` and rounded again."""
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+    return _round(w1 * _round(x1 * rstd, out_ptr), out_ptr), _round(w2 * _round(x2 * rstd, out_ptr), out_ptr)
+
+
+@triton.jit
+def _rope_halves(x1, x2, cos, sin, out_ptr):
+    """Rotate-half of rows given as their two halves: ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``, float32, each
+    product rounded to the model dtype (``out_ptr``'s) as torch rounds it; the caller rounds the sums."""
+    o1 = _round(x1 * cos, out_ptr) - _round(x2 * sin, out_ptr)
+    o2 = _round(x2 * cos, out_ptr) + _round(x1 * sin, out_ptr)
+    return o1, o2
+
+
+@triton.jit
 def _norm_rope_heads(
-    x_ptr, out_ptr, weight_ptr, cos, sin, eps, num_heads, stride_h, stride_oh,
+    x_ptr, out_ptr, weight_ptr, col_scale_ptr, cos, sin, eps, num_heads, stride_h, stride_oh,
     HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
+    COL_SCALES: tl.constexpr,
 ):
     """One token's heads of q (or k), ``BLOCK_H`` at a time: optional per-head RMSNorm, then rotate-half.
 
     Each head is read as two halves ``x1 = x[:D/2]``, ``x2 = x[D/2:]``; ``cos``/``sin`` are
-    ``[1, HALF_PAD]`` float32, already rounded to the model dtype.
+    ``[1, HALF_PAD]`` float32, already rounded to the model dtype. ``COL_SCALES``: each value is first
+    multiplied by its column's scale (``col_scale_ptr``, head h's at ``h * HEAD_DIM``) and rounded to the
+    model dtype, as ``fp8_kernels.scale_columns_`` would have left it.
     """
     half = HEAD_DIM // 2
     offs_d = tl.arange(0, HALF_PAD)
@@ -112,26 +141,36 @@ def _norm_rope_heads(
         in_ptrs = x_ptr + heads[:, None] * stride_h + offs_d[None, :]
         x1 = tl.load(in_ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HALF_PAD]
         x2 = tl.load(in_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+        if COL_SCALES:
+            scale_ptrs = col_scale_ptr + heads[:, None] * HEAD_DIM + offs_d[None, :]
+            x1 = _round(x1 * tl.load(scale_ptrs, mask=mask, other=0.0), out_ptr)
+            x2 = _round(x2 * tl.load(scale_ptrs + half, mask=mask, other=0.0), out_ptr)
         if HAS_NORM:
-            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
-            x1 = _round(w1 * _round(x1 * rstd, out_ptr), out_ptr)
-            x2 = _round(w2 * _round(x2 * rstd, out_ptr), out_ptr)
+            x1, x2 = _norm_halves(x1, x2, w1, w2, eps, out_ptr, HEAD_DIM)
         # torch rounds every product and every sum: x1 * cos - x2 * sin, x2 * cos + x1 * sin.
-        o1 = _round(x1 * cos, out_ptr) - _round(x2 * sin, out_ptr)
-        o2 = _round(x2 * cos, out_ptr) + _round(x1 * sin, out_ptr)
+        o1, o2 = _rope_halves(x1, x2, cos, sin, out_ptr)
         out_ptrs = out_ptr + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptrs, o1.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_ptrs + half, o2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "stride_p", "stride_pr"])
 def _rope_kernel(
-    positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr,
-    eps, num_q_heads, num_k_heads, stride_p, stride_pr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_c,
+    positions_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_cache_ptr, slot_mapping_ptr, q_weight_ptr,
+    k_weight_ptr, col_scale_ptr, cos_sin_ptr,
+    eps, num_q_heads, num_k_heads, num_slots, stride_p, stride_pr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_qot, stride_qoh, stride_kot, stride_koh, stride_c,
     HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HAS_NORM: tl.constexpr, MROPE: tl.constexpr, SECTION_1: tl.constexpr, SECTION_2: tl.constexpr,
+    CACHE: tl.constexpr, COL_SCALES: tl.constexpr, ROW_PAD: tl.constexpr,
 ):
+    """Program (t, 0) ropes token t's query heads into ``q_out``, program (t, 1) its key heads into ``k_out``.
+
+    ``CACHE`` (the KV-cache write of a 16-bit cache, ``engine.attention.triton_kernels.write_paged_kv``):
+    ``k_out``/``v_cache`` are the caches, and program (t, 1) stores the roped K heads straight into token t's
+    slot (``slot_mapping``; a negative slot, or t past ``num_slots``, writes nothing) and copies its V row
+    (``num_k_heads * HEAD_DIM`` values, ``ROW_PAD`` a power of two that holds them) beside it. ``COL_SCALES``:
+    q|k|v's columns still need their scales (``col_scale_ptr``), applied to each value as it is read."""
     tok = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
     d_mask = offs_d < HEAD_DIM // 2
@@ -148,39 +187,61 @@ def _rope_kernel(
     row_ptr = cos_sin_ptr + pos * stride_c
     cos = _round(tl.load(row_ptr + offs_d, mask=d_mask, other=0.0), q_out_ptr)[None, :]
     sin = _round(tl.load(row_ptr + HEAD_DIM // 2 + offs_d, mask=d_mask, other=0.0), q_out_ptr)[None, :]
+    q_size = num_q_heads * HEAD_DIM
     if tl.program_id(1) == 0:
-        _norm_rope_heads(q_ptr + tok * stride_qt, q_out_ptr + tok * stride_qot, q_weight_ptr, cos, sin, eps,
-                         num_q_heads, stride_qh, stride_qoh, HEAD_DIM, HALF_PAD, BLOCK_HQ, HAS_NORM)
+        _norm_rope_heads(q_ptr + tok * stride_qt, q_out_ptr + tok * stride_qot, q_weight_ptr, col_scale_ptr, cos,
+                         sin, eps, num_q_heads, stride_qh, stride_qoh, HEAD_DIM, HALF_PAD, BLOCK_HQ, HAS_NORM,
+                         COL_SCALES)
+    elif not CACHE:
+        _norm_rope_heads(k_ptr + tok * stride_kt, k_out_ptr + tok * stride_kot, k_weight_ptr, col_scale_ptr + q_size,
+                         cos, sin, eps, num_k_heads, stride_kh, stride_koh, HEAD_DIM, HALF_PAD, BLOCK_HK, HAS_NORM,
+                         COL_SCALES)
     else:
-        _norm_rope_heads(k_ptr + tok * stride_kt, k_out_ptr + tok * stride_kot, k_weight_ptr, cos, sin, eps,
-                         num_k_heads, stride_kh, stride_koh, HEAD_DIM, HALF_PAD, BLOCK_HK, HAS_NORM)
+        slot = tl.load(slot_mapping_ptr + tok, mask=tok < num_slots, other=-1).to(tl.int64)
+        if slot >= 0:
+            row = num_k_heads * HEAD_DIM
+            _norm_rope_heads(k_ptr + tok * stride_kt, k_out_ptr + slot * row, k_weight_ptr, col_scale_ptr + q_size,
+                             cos, sin, eps, num_k_heads, stride_kh, HEAD_DIM, HEAD_DIM, HALF_PAD, BLOCK_HK, HAS_NORM,
+                             COL_SCALES)
+            offs = tl.arange(0, ROW_PAD)
+            v = tl.load(v_ptr + tok * stride_vt + offs, mask=offs < row)
+            if COL_SCALES:
+                scales = tl.load(col_scale_ptr + q_size + row + offs, mask=offs < row, other=0.0)
+                v = (v.to(tl.float32) * scales).to(v_cache_ptr.dtype.element_ty)
+            tl.store(v_cache_ptr + slot * row + offs, v, mask=offs < row)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _silu_and_mul_kernel(x_ptr, col_scale_ptr, out_ptr, q_ptr, s_ptr, num_rows, inter_size, stride_x, stride_o,
-                         stride_q, stride_s, stride_sg, COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """``BLOCK`` columns of one row, as ``_rms_norm_kernel`` tiles them; ``FP8_GROUP`` > 0 as there.
-    ``COL_SCALES``: gate and up times their columns' scales first, each rounded to the model dtype, as
-    ``fp8_kernels.scale_columns_`` would leave them."""
+@triton.jit(do_not_specialize=["num_rows", "num_padded"])
+def _silu_and_mul_kernel(x_ptr, col_scale_ptr, out_ptr, q_ptr, s_ptr, num_rows, num_padded, inter_size, stride_x,
+                         stride_o, stride_q, stride_s, stride_sg, COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr,
+                         BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """``BLOCK`` columns of ``ROWS`` rows, each as ``_rms_norm_kernel`` tiles a row; ``FP8_GROUP`` > 0 as there
+    (rows from ``num_rows`` to ``num_padded`` are padding, zeros). ``COL_SCALES``: gate and up times their
+    columns' scales first, each rounded to the model dtype, as ``fp8_kernels.scale_columns_`` would leave them;
+    the scales are loaded once for all the program's rows."""
     COLS: tl.constexpr = FP8_GROUP if FP8_GROUP > 0 else BLOCK
-    row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     in_row = offs < inter_size
-    mask = in_row & (row < num_rows) if FP8_GROUP > 0 else in_row
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + inter_size + offs, mask=mask, other=0.0).to(tl.float32)
     if COL_SCALES:
-        gate = _round(gate * tl.load(col_scale_ptr + offs, mask=in_row, other=0.0), out_ptr)
-        up = _round(up * tl.load(col_scale_ptr + inter_size + offs, mask=in_row, other=0.0), out_ptr)
-    act = _round(gate / (1.0 + tl.exp(-gate)), out_ptr)  # F.silu, rounded to the model dtype
-    if FP8_GROUP > 0:
-        _store_fp8_groups(_round(act * up, out_ptr), offs, in_row, q_row_ptr=q_ptr + row * stride_q,
-                          s_row_ptr=s_ptr + row * stride_s, stride_sg=stride_sg,
-                          first_group=tl.program_id(1) * (BLOCK // FP8_GROUP),
-                          num_groups=tl.cdiv(inter_size, FP8_GROUP))
-    else:
-        tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+        gate_scales = tl.load(col_scale_ptr + offs, mask=in_row, other=0.0)
+        up_scales = tl.load(col_scale_ptr + inter_size + offs, mask=in_row, other=0.0)
+    for r in tl.static_range(ROWS):
+        row = tl.program_id(0).to(tl.int64) * ROWS + r
+        mask = in_row & (row < num_rows)
+        gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + inter_size + offs, mask=mask, other=0.0).to(tl.float32)
+        if COL_SCALES:
+            gate = _round(gate * gate_scales, out_ptr)
+            up = _round(up * up_scales, out_ptr)
+        act = _round(gate / (1.0 + tl.exp(-gate)), out_ptr)  # F.silu, rounded to the model dtype
+        if FP8_GROUP > 0:
+            stored = row < num_padded
+            _store_fp8_groups(_round(act * up, out_ptr), offs, in_row & stored, q_row_ptr=q_ptr + row * stride_q,
+                              s_row_ptr=s_ptr + row * stride_s, stride_sg=stride_sg,
+                              first_group=tl.program_id(1) * (BLOCK // FP8_GROUP),
+                              num_groups=tl.where(stored, tl.cdiv(inter_size, FP8_GROUP), 0))
+        else:
+            tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,6 +271,13 @@ def _check_weight(name: str, what: str, w: torch.Tensor, size: int, like: torch.
                          f"got {tuple(w.shape)} {w.dtype} on {w.device} with strides {w.stride()}")
 
 
+def _check_column_scales(name: str, scales: torch.Tensor, width: int, like: torch.Tensor) -> None:
+    if (scales.shape != (width,) or scales.dtype != torch.float32 or scales.device != like.device
+            or scales.stride(0) != 1):
+        raise ValueError(f"{name}: column_scales must be a contiguous ({width},) float32 tensor on {like.device}, "
+                         f"got {tuple(scales.shape)} {scales.dtype} on {scales.device}")
+
+
 def _norm_launch(hidden_size: int) -> tuple[int, int]:
     """(BLOCK, num_warps): the whole row in one tile, about 8 to 32 elements per thread."""
     block = triton.next_power_of_2(hidden_size)
@@ -232,7 +300,7 @@ def _fp8_output(name: str, x: torch.Tensor, width: int) -> tuple[torch.Tensor, t
 
 
 def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-              fp8: bool = False):
+              fp8: bool = False, column_scales: torch.Tensor | None = None):
     _check_activation(name, "x", x, 2)
     num_tokens, hidden_size = x.shape
     if not 0 < hidden_size <= MAX_HIDDEN_SIZE:
@@ -243,6 +311,8 @@ def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight:
         if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
             raise ValueError(f"{name}: residual must match x ({tuple(x.shape)} {x.dtype} on {x.device}), "
                              f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    if column_scales is not None:
+        _check_column_scales(name, column_scales, hidden_size, x)
     if fp8:
         values, scales, group = _fp8_output(name, x, hidden_size)
         assert group == 128, "the kernel's tile rows are its FP8 groups"
@@ -257,9 +327,10 @@ def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight:
         res_in = residual if residual is not None else x  # unused without HAS_RESIDUAL
         res_out = new_residual if new_residual is not None else out
         _rms_norm_kernel[(rows,)](
-            x, res_in, weight, out, res_out, values, scales, float(eps), num_tokens, hidden_size,
-            x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0), values.stride(0), scales.stride(0),
-            scales.stride(1), HAS_RESIDUAL=residual is not None, FP8_GROUP=group, BLOCK=block, num_warps=num_warps,
+            x, res_in, column_scales if column_scales is not None else weight, weight, out, res_out, values, scales,
+            float(eps), num_tokens, hidden_size, x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
+            values.stride(0), scales.stride(0), scales.stride(1), HAS_RESIDUAL=residual is not None,
+            COL_SCALES=column_scales is not None, FP8_GROUP=group, BLOCK=block, num_warps=num_warps,
             enable_fp_fusion=False,
         )
     return ((values, scales) if fp8 else out), new_residual
@@ -272,22 +343,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    column_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual), x + residual)``, the sum rounded to the model dtype; inputs are not written."""
-    return _rms_norm("fused_add_rms_norm", x, residual, weight, eps)
+    """``(rms_norm(x + residual), x + residual)``, the sum rounded to the model dtype; inputs are not written.
+    ``column_scales`` (float32 [hidden]): scales ``x``'s columns still need (``Fp8Weights.matmul_deferring_scales``),
+    each product rounded to the model dtype before the add, as if ``x`` had been multiplied by them first."""
+    return _rms_norm("fused_add_rms_norm", x, residual, weight, eps, column_scales=column_scales)
 
 
 def rms_norm_fp8(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    column_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``rms_norm`` (``fused_add_rms_norm`` with a ``residual``) written straight as the input of an FP8 linear:
+    """``rms_norm`` (``fused_add_rms_norm`` with a ``residual`` and maybe ``column_scales``) written straight as the
+    input of an FP8 linear:
     ``(values, scales, x + residual or None)``, the normed rows rounded to the model dtype and then quantized as
     ``fp8_kernels.quantize_rows(normed, 128, cublas_layout=True)`` quantizes them (rows padded to a multiple of 4
     with zeros, scales a token-major transposed view). The compiler may order the sum of squares differently from
     ``rms_norm``'s, so a normed value can round the other way now and then. The hidden size must be a multiple of
     128."""
-    (values, scales), new_residual = _rms_norm("rms_norm_fp8", x, residual, weight, eps, fp8=True)
+    (values, scales), new_residual = _rms_norm("rms_norm_fp8", x, residual, weight, eps, fp8=True,
+                                               column_scales=column_scales)
     return values, scales, new_residual
 
 
@@ -340,6 +417,49 @@ def _check_positions(name: str, positions: torch.Tensor, num_tokens: int, head_d
     return positions.stride(1), positions.stride(0), mrope_section[0], mrope_section[0] + mrope_section[1]
 
 
+def check_rope_inputs(
+    name: str,
+    positions: torch.Tensor,
+    q: torch.Tensor,  # [num_tokens, heads, head_dim]: positions name q's rows
+    k: torch.Tensor,  # [any rows, kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    mrope_section: tuple[int, int, int] | None,
+    column_scales: torch.Tensor | None = None,
+) -> tuple[int, int, int, int]:
+    """Raise ValueError unless the arguments suit the rope kernels (``rotary``'s, ``qk_norm_rotary``'s, and the
+    KV-cache writes that rope on the way, ``engine.attention.triton_kernels.write_paged_kv``); return
+    ``_check_positions``' strides and section ends. ``column_scales``: float32, one per column of q|k|v."""
+    _check_activation(name, "q", q, 3)
+    _check_activation(name, "k", k, 3)
+    num_tokens, num_q_heads, head_dim = q.shape
+    if k.shape[2] != head_dim or k.dtype != q.dtype or k.device != q.device:
+        raise ValueError(f"{name}: k must be [tokens, kv_heads, {head_dim}] {q.dtype} on {q.device}, "
+                         f"got {tuple(k.shape)} {k.dtype} on {k.device}")
+    if head_dim % 2 != 0:
+        raise ValueError(f"{name}: head_dim must be even, got {head_dim}")
+    strides = _check_positions(name, positions, num_tokens, head_dim, mrope_section)
+    if (cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.dtype != torch.float32
+            or cos_sin_cache.stride(1) != 1):
+        raise ValueError(f"{name}: cos_sin_cache must be [max_position, {head_dim}] float32 with a contiguous "
+                         f"last dim, got {tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}")
+    for what, t in (("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: {what} is on {t.device}, q on {q.device}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError(f"{name}: q_weight and k_weight go together")
+    if q_weight is not None:
+        _check_weight(name, "q_weight", q_weight, head_dim, q)
+        _check_weight(name, "k_weight", k_weight, head_dim, q)
+    width = (num_q_heads + 2 * k.shape[1]) * head_dim
+    if column_scales is not None and (column_scales.shape != (width,) or column_scales.dtype != torch.float32
+                                      or column_scales.device != q.device or column_scales.stride(0) != 1):
+        raise ValueError(f"{name}: column_scales must be a contiguous ({width},) float32 tensor on {q.device} "
+                         f"(q|k|v's columns), got {tuple(column_scales.shape)} {column_scales.dtype}")
+    return strides
+
+
 def _rope(
     name: str,
     positions: torch.Tensor,
@@ -351,44 +471,94 @@ def _rope(
     eps: float,
     mrope_section: tuple[int, int, int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_activation(name, "q", q, 3)
-    _check_activation(name, "k", k, 3)
+    stride_p, stride_pr, section_1, section_2 = check_rope_inputs(name, positions, q, k, cos_sin_cache, q_weight,
+                                                                  k_weight, mrope_section)
     num_tokens, num_q_heads, head_dim = q.shape
-    if k.shape[0] != num_tokens or k.shape[2] != head_dim or k.dtype != q.dtype or k.device != q.device:
-        raise ValueError(f"{name}: k must be [{num_tokens}, kv_heads, {head_dim}] {q.dtype} on {q.device}, "
-                         f"got {tuple(k.shape)} {k.dtype} on {k.device}")
-    if head_dim % 2 != 0:
-        raise ValueError(f"{name}: head_dim must be even, got {head_dim}")
-    stride_p, stride_pr, section_1, section_2 = _check_positions(name, positions, num_tokens, head_dim, mrope_section)
-    if (cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.dtype != torch.float32
-            or cos_sin_cache.stride(1) != 1):
-        raise ValueError(f"{name}: cos_sin_cache must be [max_position, {head_dim}] float32 with a contiguous "
-                         f"last dim, got {tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}")
-    for what, t in (("positions", positions), ("cos_sin_cache", cos_sin_cache)):
-        if t.device != q.device:
-            raise ValueError(f"{name}: {what} is on {t.device}, q on {q.device}")
-    has_norm = q_weight is not None
-    if has_norm:
-        _check_weight(name, "q_weight", q_weight, head_dim, q)
-        _check_weight(name, "k_weight", k_weight, head_dim, q)
+    if k.shape[0] != num_tokens:
+        raise ValueError(f"{name}: k must have q's {num_tokens} rows, got {tuple(k.shape)}")
     q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
         return q_out, k_out
+    _launch_rope(positions, q, k, q_out, k_out, q_weight, k_weight, eps, cos_sin_cache, mrope_section, stride_p,
+                 stride_pr, section_1, section_2)
+    return q_out, k_out
+
+
+def rotary_with_column_scales(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
+    mrope_section: tuple[int, int, int] | None = None, column_scales: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary`` (``qk_norm_rotary`` with the weights), q's and k's values first times their columns' scales
+    (``column_scales``, float32 over q|k|v's columns, v's unused here; each product rounded to the model dtype)."""
+    name = "rotary_with_column_scales"
+    stride_p, stride_pr, section_1, section_2 = check_rope_inputs(name, positions, q, k, cos_sin_cache, q_weight,
+                                                                  k_weight, mrope_section, column_scales)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"{name}: k must have q's {q.shape[0]} rows, got {tuple(k.shape)}")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if q.shape[0] > 0:
+        _launch_rope(positions, q, k, q_out, k_out, q_weight, k_weight, eps, cos_sin_cache, mrope_section, stride_p,
+                     stride_pr, section_1, section_2, column_scales=column_scales)
+    return q_out, k_out
+
+
+def rotary_into_cache(
+    positions: torch.Tensor,  # [num_tokens]; [3, num_tokens] with mrope_section
+    q: torch.Tensor,  # [num_tokens, heads, head_dim]
+    k: torch.Tensor,  # [>= num_slots, kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], contiguous, k's dtype
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_slots] int64; a negative slot is skipped
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    mrope_section: tuple[int, int, int] | None = None,
+    column_scales: torch.Tensor | None = None,  # float32 [(heads + 2 * kv_heads) * head_dim]
+) -> torch.Tensor:
+    """``rotary`` (``qk_norm_rotary`` with the weights) in one launch with a 16-bit (or float32) KV cache's write:
+    every row of q roped into a new tensor, which is returned; the first ``num_slots`` rows of k roped straight
+    into their cache slots and those of v copied beside them, no k_out in between (the same values ``rotary`` and
+    a plain write would store). ``column_scales``: q|k|v's columns times these first, each product rounded to the
+    model dtype (``fp8_kernels.scale_columns_``'s arithmetic). The cache arguments are
+    ``engine.attention.triton_kernels.write_paged_kv``'s, which checks them and calls this."""
+    name = "write_paged_kv"
+    stride_p, stride_pr, section_1, section_2 = check_rope_inputs(name, positions, q, k, cos_sin_cache, q_weight,
+                                                                  k_weight, mrope_section, column_scales)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] > 0:
+        _launch_rope(positions, q, k, q_out, k_cache, q_weight, k_weight, eps, cos_sin_cache, mrope_section, stride_p,
+                     stride_pr, section_1, section_2, cache=(v, v_cache, slot_mapping), column_scales=column_scales)
+    return q_out
+
+
+def _launch_rope(positions, q, k, q_out, k_out, q_weight, k_weight, eps, cos_sin_cache, mrope_section, stride_p,
+                 stride_pr, section_1, section_2, cache=None, column_scales=None) -> None:
+    """``_rope_kernel`` on checked arguments; ``cache`` = (v, v_cache, slot_mapping): ``k_out`` is the K cache."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
     half_pad = triton.next_power_of_2(head_dim // 2)
     heads_per_tile = max(_ROPE_TILE // half_pad, 1)
+    has_norm = q_weight is not None
+    v, v_cache, slot_mapping = cache if cache is not None else (k, k_out, positions)  # unused without a cache
     _rope_kernel[(num_tokens, 2)](
-        positions, q, k, q_out, k_out, q_weight if has_norm else q, k_weight if has_norm else k, cos_sin_cache,
-        float(eps), num_q_heads, k.shape[1], stride_p, stride_pr,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        positions, q, k, v, q_out, k_out, v_cache, slot_mapping, q_weight if has_norm else q,
+        k_weight if has_norm else k, column_scales if column_scales is not None else q, cos_sin_cache,
+        float(eps), num_q_heads, num_k_heads, slot_mapping.shape[0], stride_p, stride_pr,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
         HEAD_DIM=head_dim, HALF_PAD=half_pad,
         BLOCK_HQ=min(triton.next_power_of_2(num_q_heads), heads_per_tile),
-        BLOCK_HK=min(triton.next_power_of_2(max(k.shape[1], 1)), heads_per_tile),
+        BLOCK_HK=min(triton.next_power_of_2(max(num_k_heads, 1)), heads_per_tile),
         HAS_NORM=has_norm, MROPE=mrope_section is not None, SECTION_1=section_1, SECTION_2=section_2,
+        CACHE=cache is not None, COL_SCALES=column_scales is not None,
+        ROW_PAD=triton.next_power_of_2(num_k_heads * head_dim) if cache is not None else 1,
         num_warps=4, enable_fp_fusion=False,
     )
-    return q_out, k_out
 
 
 def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor | None = None):
@@ -399,10 +569,8 @@ def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor
     num_tokens, width = x.shape
     if width % 2 != 0:
         raise ValueError(f"silu_and_mul: the last dim must be even ([gate | up]), got {width}")
-    if column_scales is not None and (column_scales.shape != (width,) or column_scales.dtype != torch.float32
-                                      or column_scales.device != x.device or column_scales.stride(0) != 1):
-        raise ValueError(f"silu_and_mul: column_scales must be a contiguous ({width},) float32 tensor on "
-                         f"{x.device}, got {tuple(column_scales.shape)} {column_scales.dtype}")
+    if column_scales is not None:
+        _check_column_scales("silu_and_mul", column_scales, width, x)
     inter_size = width // 2
     if fp8:
         values, scales, group = _fp8_output("silu_and_mul_fp8", x, inter_size)
@@ -413,10 +581,14 @@ def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor
         rows, group = num_tokens, 0
     if num_tokens > 0 and inter_size > 0:
         block = min(triton.next_power_of_2(inter_size), 1024)
-        _silu_and_mul_kernel[(rows, triton.cdiv(inter_size, block))](
-            x, column_scales if column_scales is not None else x, out, values, scales, num_tokens, inter_size,
+        # Prefill-sized FP8 outputs: 4 rows a program, 5-10% faster on Llama-3.1-8B's width (bench/swiglu_fp8.py);
+        # decode batches keep one, for more programs.
+        per_program = 4 if fp8 and num_tokens >= _SWIGLU_ROWS_FROM else 1
+        _silu_and_mul_kernel[(triton.cdiv(rows, per_program), triton.cdiv(inter_size, block))](
+            x, column_scales if column_scales is not None else x, out, values, scales, num_tokens, rows, inter_size,
             x.stride(0), out.stride(0), values.stride(0), scales.stride(0), scales.stride(1),
-            COL_SCALES=column_scales is not None, FP8_GROUP=group, BLOCK=block, num_warps=4, enable_fp_fusion=False,
+            COL_SCALES=column_scales is not None, FP8_GROUP=group, BLOCK=block, ROWS=per_program, num_warps=4,
+            enable_fp_fusion=False,
         )
     return (values, scales) if fp8 else out
 

@@ -76,8 +76,11 @@ class GemmaAttention(nn.Module):
             self.k_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         window = config.layer_windows[layer_idx] if config.layer_windows else 0
+        # Rope is applied by the attention layer with its KV-cache write (one kernel on the GPU); Gemma 3's norms,
+        # which scale by (1 + weight), run before it.
         self.attn = Attention(self.num_heads, hd, self.num_kv_heads, gemma.query_pre_attn_scalar**-0.5, layer_idx,
-                              sliding_window=window, softcap=gemma.attn_logit_softcapping or 0.0)
+                              sliding_window=window, softcap=gemma.attn_logit_softcapping or 0.0,
+                              rope=rotary_emb.pending())
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = hidden.shape[0]
@@ -86,8 +89,7 @@ class GemmaAttention(nn.Module):
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v, meta))
+        return self.o_proj(self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v, meta, positions))
 
 
 class GemmaMLP(nn.Module):

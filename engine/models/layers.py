@@ -14,6 +14,7 @@ torch otherwise; ``set_use_triton`` forces one path on a whole model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -60,19 +61,25 @@ class RMSNorm(nn.Module):
         self.use_triton: bool | None = None  # see the module docstring
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8_out: bool = False
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8_out: bool = False,
+        column_scales: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``fp8_out``: the caller's next layer takes an ``Fp8Activation`` (``Fp8Weights.takes_fp8_input``); the
         Triton path then returns one, quantized as the layer would quantize the normed rows, in the same kernel.
-        The torch path returns the normed rows either way."""
+        The torch path returns the normed rows either way. ``column_scales`` (float32 [hidden]): the scales that
+        ``x``'s columns still need (an FP8 product that left its per-channel weight scales to this norm,
+        ``RowParallelLinear.forward_deferring_scales``), each product rounded to ``x``'s dtype before the add."""
         if _use_triton(self.use_triton, x):
             if fp8_out and x.dim() == 2:
                 from engine.models.fp8 import Fp8Activation
 
-                values, scales, residual = _fused_ops().rms_norm_fp8(x, self.weight, self.eps, residual)
+                values, scales, residual = _fused_ops().rms_norm_fp8(x, self.weight, self.eps, residual,
+                                                                     column_scales)
                 out = Fp8Activation(values, scales, x.shape[0], x.dtype)
                 return out if residual is None else (out, residual)
-            return self._forward_triton(x, residual)
+            return self._forward_triton(x, residual, column_scales)
+        if column_scales is not None:
+            x = (x.float() * column_scales).to(x.dtype)
         if residual is not None:
             # Add in the model dtype, as Hugging Face does, so the stored residual is exactly theirs.
             x = x + residual
@@ -84,11 +91,14 @@ class RMSNorm(nn.Module):
         out = self.weight * x32.to(dtype)
         return out if residual is None else (out, residual)
 
-    def _forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None):
+    def _forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None, column_scales: torch.Tensor | None):
         rows = x.reshape(-1, x.shape[-1])  # the kernels take [num_tokens, hidden]; a view for 2-D input
         if residual is None:
+            if column_scales is not None:
+                raise ValueError("RMSNorm: column_scales come with a residual (the add they are fused into)")
             return _fused_ops().rms_norm(rows, self.weight, self.eps).view(x.shape)
-        out, residual = _fused_ops().fused_add_rms_norm(rows, residual.reshape(rows.shape), self.weight, self.eps)
+        out, residual = _fused_ops().fused_add_rms_norm(rows, residual.reshape(rows.shape), self.weight, self.eps,
+                                                        column_scales)
         return out.view(x.shape), residual.view(x.shape)
 
 
@@ -153,6 +163,11 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("mrope_rows", rows.to(target_device), persistent=False)
         self.use_triton: bool | None = None  # see the module docstring
 
+    def pending(self, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> PendingRope:
+        """This rope (after Qwen3's per-head norms, both or neither) as one attention layer's q and k will need it:
+        handed to the layer (``Attention``'s ``rope``), which applies it with the KV-cache write."""
+        return PendingRope(self, q_norm, k_norm)
+
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens] int64; [3, num_tokens] with mrope_section
@@ -161,6 +176,8 @@ class RotaryEmbedding(nn.Module):
         q_norm: RMSNorm | None = None,  # per-head norms applied before rope, both or neither
         k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rope on its own: the models hand it to attention instead (``pending``), whose Triton path applies it in
+        the KV-cache write; this is the path of ``PendingRope.apply`` (the torch attention backend)."""
         if _use_triton(self.use_triton, q):
             if q_norm is None:
                 return _fused_ops().rotary(positions, q, k, self.cos_sin_cache, self.mrope_section)
@@ -178,6 +195,60 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin.to(q.dtype).chunk(2, dim=-1)  # [num_tokens, head_dim // 2] each
         cos, sin = cos[:, None, :], sin[:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+@dataclass(frozen=True)
+class PendingRope:
+    """What one attention layer's q and k still need after the q|k|v projection: rope (``rotary``), after Qwen3's
+    per-head RMSNorms where ``q_norm``/``k_norm`` are given; and, for one step, the tokens' ``positions`` and the
+    ``column_scales`` (float32 [q_size + 2 * kv_size]) the FP8 product has not applied to q|k|v's columns yet
+    (``Fp8Weights.matmul_deferring_scales``), which come first.
+
+    ``RotaryEmbedding.pending`` makes one per layer (``Attention``'s ``rope``); ``at`` gives a step's. The Triton
+    attention backend applies it in the launch that writes the KV cache (``write_paged_kv``'s ``rope``, which reads
+    the properties below); ``apply`` is the same arithmetic op by op, for the torch backend."""
+
+    rotary: RotaryEmbedding
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
+    positions: torch.Tensor | None = None  # [num_tokens] int64; [3, num_tokens] with M-RoPE
+    column_scales: torch.Tensor | None = None
+
+    def at(self, positions: torch.Tensor, column_scales: torch.Tensor | None = None) -> PendingRope:
+        """This layer's rope for one step's tokens."""
+        return dataclasses.replace(self, positions=positions, column_scales=column_scales)
+
+    @property
+    def cos_sin_cache(self) -> torch.Tensor:
+        return self.rotary.cos_sin_cache
+
+    @property
+    def mrope_section(self) -> tuple[int, int, int] | None:
+        return self.rotary.mrope_section
+
+    @property
+    def q_weight(self) -> torch.Tensor | None:
+        return self.q_norm.weight if self.q_norm is not None else None
+
+    @property
+    def k_weight(self) -> torch.Tensor | None:
+        return self.k_norm.weight if self.k_norm is not None else None
+
+    @property
+    def eps(self) -> float:
+        # Both norms are built from the same config eps (LlamaAttention), so one eps serves both.
+        return self.q_norm.eps if self.q_norm is not None else 0.0
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v) [num_tokens, heads, head_dim] with the column scales applied (each product rounded to the model
+        dtype, as ``fp8_kernels.scale_columns_`` rounds it), then q and k normed and roped (``RotaryEmbedding``)."""
+        if self.column_scales is not None:
+            widths = [x.shape[1] * x.shape[2] for x in (q, k, v)]
+            q, k, v = ((x.float() * s.view(x.shape[1:])).to(x.dtype)
+                       for x, s in zip((q, k, v), self.column_scales.split(widths)))
+        q, k = self.rotary(self.positions, q, k, self.q_norm, self.k_norm)
+        return q, k, v
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -349,6 +420,14 @@ class RowParallelLinear(Fp8Weights, nn.Linear):
             return self.matmul(x, self.bias)
         out = all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
+
+    def forward_deferring_scales(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``, with the per-channel weight scales left to the caller where the FP8 product leaves them
+        (``matmul_deferring_scales``: prefill-sized batches): (out, float32 column scales or None). Only one rank
+        can leave them: with tensor parallelism each rank's slice has its own scales and the sum is taken first."""
+        if tp_size() == 1 and self.bias is None and self.takes_fp8_input:
+            return self.matmul_deferring_scales(x)
+        return self.forward(x), None
 
 
 class VocabParallelEmbedding(nn.Embedding):

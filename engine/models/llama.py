@@ -67,27 +67,31 @@ class LlamaAttention(nn.Module):
         self.qk_norm = spec.qk_norm
         self.rotary_emb = rotary_emb  # shared by every layer; its table is a non-persistent buffer
         window = config.layer_windows[layer_idx] if config.layer_windows else 0
+        # Qwen3 norms each head of q and k before rope. The attention layer applies both with its KV-cache write:
+        # on the GPU norms, rope and the write are one kernel.
+        rope = rotary_emb.pending(self.q_norm, self.k_norm) if spec.qk_norm else rotary_emb.pending()
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_idx,
-                              sliding_window=window)
+                              sliding_window=window, rope=rope)
 
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]; [3, num_tokens] for M-RoPE (ModelConfig.mrope_section)
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        n = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(out [num_tokens, hidden_size], the column scales out still needs or None): with FP8 weights, products
+        of prefill-sized steps may leave their per-channel weight scales to the kernel that reads them next. q|k|v's
+        are applied by the attention layer's KV-cache write; o's are returned for the residual add-norm."""
+        if self.qkv_proj.takes_fp8_input and self.qkv_proj.bias is None:
+            qkv, column_scales = self.qkv_proj.matmul_deferring_scales(hidden)
+        else:
+            qkv, column_scales = self.qkv_proj(hidden), None  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        # Qwen3 norms each head of q and k before rope; on the GPU norms and rope are one kernel.
-        q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        q, k = self.rotary_emb(positions, q, k, q_norm, k_norm)
+        # q and k go to attention unroped (and, for Qwen3, unnormed): it applies both as it writes the KV cache.
         # With FP8 weights a decode step's attention output comes quantized as o_proj takes it (``Fp8Activation``).
-        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v, meta,
+        out = self.attn(q, k, v, meta, positions, column_scales,
                         fp8_out=self.o_proj.takes_fp8_input)  # [num_tokens, q_size]
-        return self.o_proj(out)
+        return self.o_proj.forward_deferring_scales(out)
 
 
 class LlamaMLP(nn.Module):
@@ -104,14 +108,21 @@ class LlamaMLP(nn.Module):
         return self.gate_up_proj.takes_fp8_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size], or an Fp8Activation
+        return self.down_proj(self._activation(x))  # [num_tokens, hidden_size]
+
+    def forward_deferring_scales(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``, with down's per-channel FP8 weight scales left to the residual add-norm that reads the
+        output next, where the product leaves them (``RowParallelLinear.forward_deferring_scales``)."""
+        return self.down_proj.forward_deferring_scales(self._activation(x))
+
+    def _activation(self, x):
         # With FP8 weights, SwiGLU applies gate|up's per-channel scales where the product leaves them (prefill) and
         # writes the down projection's input already quantized: two passes over the activations fewer.
         if self.gate_up_proj.takes_fp8_input:
             gate_up, column_scales = self.gate_up_proj.matmul_deferring_scales(x)
         else:
             gate_up, column_scales = self.gate_up_proj(x), None
-        act = self.act_fn(gate_up, fp8_out=self.down_proj.takes_fp8_input, column_scales=column_scales)
-        return self.down_proj(act)  # [num_tokens, hidden_size]
+        return self.act_fn(gate_up, fp8_out=self.down_proj.takes_fp8_input, column_scales=column_scales)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -129,19 +140,26 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None for the first layer
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of the previous block is fused into this block's first norm. With FP8 weights the
-        # norms write the projections' inputs already quantized (``Fp8Activation``).
+        column_scales: torch.Tensor | None = None,  # [hidden_size] float32: scales hidden's columns still need
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(hidden, residual, the column scales hidden still needs or None). The residual add of the previous block
+        is fused into this block's first norm. With FP8 weights the norms write the projections' inputs already
+        quantized (``Fp8Activation``), and in prefill steps the o and down projections' per-channel weight scales
+        are applied by the next add-norm as it reads the product (``RowParallelLinear.forward_deferring_scales``)."""
         fp8_qkv = self.self_attn.qkv_proj.takes_fp8_input
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden, fp8_out=fp8_qkv)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, fp8_out=fp8_qkv)
-        hidden = self.self_attn(positions, hidden, meta)
-        fp8_mlp = isinstance(self.mlp, LlamaMLP) and self.mlp.takes_fp8_input
-        hidden, residual = self.post_attention_layernorm(hidden, residual, fp8_out=fp8_mlp)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm(hidden, residual, fp8_out=fp8_qkv, column_scales=column_scales)
+        hidden, column_scales = self.self_attn(positions, hidden, meta)
+        if not isinstance(self.mlp, LlamaMLP):  # a mixture of experts
+            hidden, residual = self.post_attention_layernorm(hidden, residual, column_scales=column_scales)
+            return self.mlp(hidden), residual, None
+        hidden, residual = self.post_attention_layernorm(hidden, residual, fp8_out=self.mlp.takes_fp8_input,
+                                                         column_scales=column_scales)
+        hidden, column_scales = self.mlp.forward_deferring_scales(hidden)
+        return hidden, residual, column_scales
 
 
 class LlamaModel(nn.Module):
@@ -162,10 +180,10 @@ class LlamaModel(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         # [num_tokens, hidden_size]: the token embeddings, or the caller's (a vision model's prompt images in them)
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
+        residual = column_scales = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
-        hidden, _ = self.norm(hidden, residual)
+            hidden, residual, column_scales = layer(positions, hidden, residual, meta, column_scales)
+        hidden, _ = self.norm(hidden, residual, column_scales=column_scales)
         return hidden  # [num_tokens, hidden_size]
 
 
