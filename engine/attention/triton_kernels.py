@@ -598,28 +598,35 @@ def _store_queries(q_ptr, q_out_ptr, first, num_rows, stride_qt, stride_qh, stri
                    NUM_Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HALF_PAD: tl.constexpr, TOKENS: tl.constexpr, ROTATE: tl.constexpr, ROPE: tl.constexpr,
                    HAS_NORM: tl.constexpr, MROPE: tl.constexpr, SECTION_1: tl.constexpr, SECTION_2: tl.constexpr,
-                   COL_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   COL_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CHUNK: tl.constexpr):
     """The queries of tokens ``first ..first + TOKENS`` (those below ``num_rows``) into ``q_out``: roped with ``ROPE``
-    (``_roped_rows``), then rotated with ``ROTATE``."""
-    offs_r = tl.arange(0, TOKENS * Q_HEADS_PAD)
-    tok = (first + offs_r // Q_HEADS_PAD).to(tl.int64)
-    head = offs_r % Q_HEADS_PAD
-    mask = (head < NUM_Q_HEADS) & (tok < num_rows)
-    out_rows = q_out_ptr + (tok * stride_qot + head * stride_qoh)[:, None]
+    (``_roped_rows``), then rotated with ``ROTATE``. Roped, ``Q_CHUNK`` heads of the tokens at a time: all of them
+    in one tile (32 heads, 4 tokens) held 255 registers and spilled (ptxas for sm_90a, Triton 3.6)."""
     dtype = q_out_ptr.dtype.element_ty
     if ROPE:
-        q1, q2 = _roped_rows(q_ptr, stride_qt, stride_qh, tok, head, mask, positions_ptr, cos_sin_ptr, weight_ptr,
-                             col_scale_ptr, eps, stride_p, stride_pr, stride_c, HEAD_DIM, HALF_PAD, HAS_NORM, MROPE,
-                             SECTION_1, SECTION_2, COL_SCALES)
-        if ROTATE:
-            q = _rotate_halves(q1.to(dtype), q2.to(dtype), HEAD_DIM, DOT_PRECISION)
-            tl.store(out_rows + tl.arange(0, HEAD_DIM)[None, :], q.to(dtype), mask=mask[:, None])
-        else:
-            offs_d = tl.arange(0, HALF_PAD)
-            m = mask[:, None] & (offs_d < HEAD_DIM // 2)[None, :]
-            tl.store(out_rows + offs_d[None, :], q1.to(dtype), mask=m)
-            tl.store(out_rows + HEAD_DIM // 2 + offs_d[None, :], q2.to(dtype), mask=m)
+        for h0 in range(0, Q_HEADS_PAD, Q_CHUNK):
+            offs_r = tl.arange(0, TOKENS * Q_CHUNK)
+            tok = (first + offs_r // Q_CHUNK).to(tl.int64)
+            head = h0 + offs_r % Q_CHUNK
+            mask = (head < NUM_Q_HEADS) & (tok < num_rows)
+            out_rows = q_out_ptr + (tok * stride_qot + head * stride_qoh)[:, None]
+            q1, q2 = _roped_rows(q_ptr, stride_qt, stride_qh, tok, head, mask, positions_ptr, cos_sin_ptr,
+                                 weight_ptr, col_scale_ptr, eps, stride_p, stride_pr, stride_c, HEAD_DIM, HALF_PAD,
+                                 HAS_NORM, MROPE, SECTION_1, SECTION_2, COL_SCALES)
+            if ROTATE:
+                q = _rotate_halves(q1.to(dtype), q2.to(dtype), HEAD_DIM, DOT_PRECISION)
+                tl.store(out_rows + tl.arange(0, HEAD_DIM)[None, :], q.to(dtype), mask=mask[:, None])
+            else:
+                offs_d = tl.arange(0, HALF_PAD)
+                m = mask[:, None] & (offs_d < HEAD_DIM // 2)[None, :]
+                tl.store(out_rows + offs_d[None, :], q1.to(dtype), mask=m)
+                tl.store(out_rows + HEAD_DIM // 2 + offs_d[None, :], q2.to(dtype), mask=m)
     else:
+        offs_r = tl.arange(0, TOKENS * Q_HEADS_PAD)
+        tok = (first + offs_r // Q_HEADS_PAD).to(tl.int64)
+        head = offs_r % Q_HEADS_PAD
+        mask = (head < NUM_Q_HEADS) & (tok < num_rows)
+        out_rows = q_out_ptr + (tok * stride_qot + head * stride_qoh)[:, None]
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :], mask=mask[:, None],
                     other=0.0)
@@ -636,7 +643,7 @@ def _write_kv_fp8_kernel(
     HALF_PAD: tl.constexpr, NUM_Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, TOKENS: tl.constexpr,
     ROTATE: tl.constexpr, QUERIES: tl.constexpr, SPLIT_Q: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
     MROPE: tl.constexpr, SECTION_1: tl.constexpr, SECTION_2: tl.constexpr, COL_SCALES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, Q_CHUNK: tl.constexpr,
 ):
     """``TOKENS`` tokens' K and V into their FP8 cache slots: each head's row scaled to an absolute maximum of 448
     (float8_e4m3's largest value), its scale stored beside it; with ``ROTATE`` K rotated first. With ``QUERIES`` the
@@ -671,7 +678,7 @@ def _write_kv_fp8_kernel(
             _store_queries(q_ptr, q_out_ptr, first, num_rows, stride_qt, stride_qh, stride_qot, stride_qoh,
                            positions_ptr, cos_sin_ptr, q_weight_ptr, col_scale_ptr, eps, stride_p, stride_pr, stride_c,
                            NUM_Q_HEADS, Q_HEADS_PAD, HEAD_DIM, HALF_PAD, TOKENS, ROTATE, ROPE, HAS_NORM, MROPE,
-                           SECTION_1, SECTION_2, COL_SCALES, DOT_PRECISION)
+                           SECTION_1, SECTION_2, COL_SCALES, DOT_PRECISION, Q_CHUNK)
 
 
 @triton.jit
@@ -1386,6 +1393,7 @@ def write_paged_kv(
             rope_args = (slot_mapping, placeholder, placeholder, placeholder,
                          column_scales if column_scales is not None else placeholder, 0.0)
             rope_strides_args = (0, 0, 0)
+        q_heads_pad = max(triton.next_power_of_2(q_heads), 16 // tokens)
         _write_kv_fp8_kernel[(triton.cdiv(rows, tokens), 2 if split_q else 1)](
             k, v, k_cache, v_cache, kv_scales[0], kv_scales[1], slot_mapping, placeholder,
             q_out if queries else k, *rope_args, num_tokens, rows, k.stride(0), k.stride(1), v.stride(0),
@@ -1394,10 +1402,11 @@ def write_paged_kv(
             NUM_KV_HEADS=row_shape[0], HEADS_PAD=max(triton.next_power_of_2(row_shape[0]), min_rows),
             HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
             HALF_PAD=triton.next_power_of_2(max(head_dim // 2, 1)), NUM_Q_HEADS=q_heads,
-            Q_HEADS_PAD=max(triton.next_power_of_2(q_heads), 16 // tokens), TOKENS=tokens, ROTATE=rotate,
+            Q_HEADS_PAD=q_heads_pad, TOKENS=tokens, ROTATE=rotate,
             QUERIES=queries, SPLIT_Q=split_q, ROPE=rope is not None, HAS_NORM=has_norm,
             MROPE=rope is not None and rope.mrope_section is not None, SECTION_1=section_1, SECTION_2=section_2,
             COL_SCALES=column_scales is not None, DOT_PRECISION=_dot_precision(k.dtype), INTERPRET=_interpreted(),
+            Q_CHUNK=min(q_heads_pad, max(32 // tokens, 1)) if rope is not None else q_heads_pad,
             num_warps=4, enable_fp_fusion=False,
         )
         return q_out
