@@ -21,8 +21,8 @@ class Attention(nn.Module):
     attributes set once, never looked up by duck typing.
 
     ``rope``: the rotary embedding (with Qwen3's q/k norms) that the q and k handed to ``forward`` still need,
-    from ``RotaryEmbedding.pending``. The backend applies it with the KV-cache write (on the Triton path in the
-    same kernel launch); the model runner compiles that write's variants from it before the first step.
+    from ``RotaryEmbedding.pending``. The backend applies it with the KV-cache write (on the Triton path with a
+    16-bit cache in the same kernel launch); the model runner compiles that write's variants before the first step.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int,

@@ -42,18 +42,18 @@ class TritonAttentionBackend:
         fp8_out: bool = False,  # the next projection takes its input quantized (see below)
         rope=None,  # the rope q and k still need (``engine.models.layers.PendingRope``), or None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, num_heads, head_dim]
-        """The attention output. With a ``rope``, q and k are roped (and q|k|v's column scales applied) in the launch
-        that writes K and V to the cache (``write_paged_kv``), one per layer; the attention kernels read the q it
-        returns. With ``fp8_out``, on a decode-only step whose contexts are split (a few dozen
-        rows or fewer) and whose heads are as wide as an FP8 projection's activation group (128), the output
-        quantized by the decode kernels' merge as that projection takes it: (float8 values [rows padded to 4,
-        num_heads * head_dim], float32 scales, one per token and head, token-major; ``fp8_kernels.empty_quantized``'s
-        cuBLAS layout). Other steps return the plain output: unsplit, quantizing in the decode kernel was slower
-        than the projection's own pass (bench/RESULTS.md)."""
+        """The attention output. With a ``rope``, q and k are roped (and q|k|v's column scales applied) as K and V are
+        written to the cache (``write_paged_kv``: one launch on a 16-bit cache, the rope kernel and the write on an
+        FP8 one); the attention kernels read the q it returns. With ``fp8_out``, on a decode-only step whose
+        contexts are split (a few dozen rows or fewer) and whose heads are as wide as an FP8 projection's activation
+        group (128), the output quantized by the decode kernels' merge as that projection takes it: (float8 values
+        [rows padded to 4, num_heads * head_dim], float32 scales, one per token and head, token-major;
+        ``fp8_kernels.empty_quantized``'s cuBLAS layout). Other steps return the plain output: unsplit, quantizing
+        in the decode kernel was slower than the projection's own pass (bench/RESULTS.md)."""
         num_tokens = meta.slot_mapping.shape[0]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        # One launch: K (roped) and V into the cache, and the queries to attend with: roped and, as an FP8 cache
-        # holds K rotated, rotated alike (kvcache.paged_cache).
+        # K (roped) and V into the cache, and the queries to attend with: roped and, as an FP8 cache holds K
+        # rotated, rotated alike (kvcache.paged_cache).
         q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q, rope=rope)
         d = meta.num_decodes
         quantized = None

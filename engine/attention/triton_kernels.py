@@ -35,7 +35,7 @@ multiplies its column of ``q @ k^T``. The decode kernel has its own FP8 variant,
 tiles as byte pairs (``_decode_split_fp8_kernel`` says why); the prefill kernel converts whole tiles
 and scales V's rows by their scales. The write kernel quantizes each head's row.
 
-The KV-cache write (``write_paged_kv``) is one launch per layer that also prepares the queries: given the
+The KV-cache write (``write_paged_kv``) also prepares the queries: given the
 layer's pending rope (``engine.models.layers.PendingRope``), q and k arrive as the q|k|v projection left them
 and the launch applies their rope (after Qwen3's per-head norm; M-RoPE too; an FP8 product's column scales
 first), stores K roped in its slot and returns q roped. On a 16-bit cache that launch is the rope kernel's
@@ -1305,23 +1305,25 @@ def write_paged_kv(
     rope=None,  # the rope q and k still need (``engine.models.layers.PendingRope``, see below)
     fuse_rope: bool | None = None,  # FP8: rope in the write kernel itself; None: chosen here (for tuning sweeps)
 ) -> torch.Tensor | None:
-    """Store the new tokens' K and V in their cache slots with one kernel launch (quantized for FP8), and return the
+    """Store the new tokens' K and V in their cache slots (quantized for FP8), and return the
     queries the attention kernels must read the cache with.
 
     An FP8 cache holds K rotated (``kvcache.paged_cache``); given ``q``, the same launch returns the queries rotated
     alike (as a new tensor). Returns ``q`` itself where nothing is done to it (no rope, and a 16-bit cache or a head
     dim that is not a power of two).
 
-    ``rope`` (needs ``q``): q and k arrive as the q|k|v projection left them, and the launch applies what they still
+    ``rope`` (needs ``q``): q and k arrive as the q|k|v projection left them, and the write applies what they still
     need, as ``engine.models.fused_ops.rotary`` / ``qk_norm_rotary`` would have, bit for bit: rope at
     ``rope.positions`` ([q rows], or [3, q rows] with ``rope.mrope_section``) from ``rope.cos_sin_cache``, after
     Qwen3's per-head RMSNorm where ``rope.q_weight``/``rope.k_weight`` are given (``rope.eps``); and first, where
     ``rope.column_scales`` is given (float32, one per column of q|k|v), each of q's, k's and v's values times its
     column's scale, rounded to the model dtype (``fp8_kernels.scale_columns_``'s arithmetic). Every row of q comes
-    back roped (and rotated for an FP8 cache that rotates K), as a new tensor; K goes into its slot roped, with no
-    k_out in between: on a 16-bit cache through ``fused_ops.rotary_into_cache`` (the rope kernel, its K programs
-    storing K and V in the cache), on an FP8 cache through the FP8 write kernel, which ropes K's rows after loading
-    them and before rotating and quantizing them.
+    back roped (and rotated for an FP8 cache that rotates K), as a new tensor. On a 16-bit cache K goes into its
+    slot roped with no k_out in between, in one launch (``fused_ops.rotary_into_cache``: the rope kernel, its K
+    programs storing K and V in the cache). On an FP8 cache the rope kernel runs first
+    (``fused_ops.rotary_with_column_scales``) and the write follows, applying V's column scales; with
+    ``fuse_rope`` (up to ``_FP8_FUSED_ROPE_MAX_ROWS`` rows when None) the FP8 write kernel ropes K's rows after
+    loading them and before rotating and quantizing them, and the queries alike, in one launch.
     """
     def fail(msg: str) -> None:
         raise ValueError(f"write_paged_kv: {msg}")

@@ -76,7 +76,7 @@ class GemmaAttention(nn.Module):
             self.k_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         window = config.layer_windows[layer_idx] if config.layer_windows else 0
-        # Rope is applied by the attention layer with its KV-cache write (one kernel on the GPU); Gemma 3's norms,
+        # Rope is applied by the attention layer with its KV-cache write (Attention's rope); Gemma 3's norms,
         # which scale by (1 + weight), run before it.
         self.attn = Attention(self.num_heads, hd, self.num_kv_heads, gemma.query_pre_attn_scalar**-0.5, layer_idx,
                               sliding_window=window, softcap=gemma.attn_logit_softcapping or 0.0,

@@ -68,7 +68,7 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by every layer; its table is a non-persistent buffer
         window = config.layer_windows[layer_idx] if config.layer_windows else 0
         # Qwen3 norms each head of q and k before rope. The attention layer applies both with its KV-cache write:
-        # on the GPU norms, rope and the write are one kernel.
+        # with a 16-bit cache on the GPU norms, rope and the write are one kernel.
         rope = rotary_emb.pending(self.q_norm, self.k_norm) if spec.qk_norm else rotary_emb.pending()
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_idx,
                               sliding_window=window, rope=rope)
