@@ -397,18 +397,37 @@ NEEDS_INTERPRETER = pytest.mark.skipif(
 
 
 @NEEDS_INTERPRETER
-def test_projections_taking_inputs_quantized_by_norms_and_swiglu_compute_the_same(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+def test_projections_taking_inputs_quantized_by_norms_and_swiglu_compute_the_same(arch, tmp_path, monkeypatch):
     """The decoder's wiring of FP8 inputs: norms and SwiGLU writing ``Fp8Activation``s (padded rows, residual sums,
-    the first layer without one), and SwiGLU applying gate|up's deferred channel scales in a prefill of 263 tokens,
-    give bit for bit the tokens and logprobs of quantizing before each product. cuBLAS's block-scaled product is
-    stood in for by float32 arithmetic on the same operands, the norm, SwiGLU and quantization kernels run in
-    Triton's interpreter."""
+    the first layer without one), and in a prefill of 263 tokens the deferred channel scales (gate|up's applied by
+    SwiGLU, q|k|v's by the rope kernel and the KV write, o's and down's by the next add-norm; a mixture-of-experts
+    layer's norm too), give bit for bit the tokens and logprobs of quantizing before each product. cuBLAS's
+    block-scaled product is stood in for by float32 arithmetic on the same operands, the norm, SwiGLU and
+    quantization kernels run in Triton's interpreter."""
     products = stand_in_for_cublas(monkeypatch)
-    config = transformers.LlamaConfig(**{**BLOCK_CONFIG, "intermediate_size": 384})
+    if arch == "llama":
+        config = transformers.LlamaConfig(**{**BLOCK_CONFIG, "intermediate_size": 384})
+    else:  # layer 0 routes to experts (which stay unquantized), layer 1 is dense
+        config = transformers.Qwen3MoeConfig(**{**BLOCK_CONFIG, "intermediate_size": 384}, moe_intermediate_size=128,
+                                             num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                                             mlp_only_layers=[1])
+    from engine.models.layers import RMSNorm
+
+    norms_given_scales = []  # per norm call in the fused run: whether it applied a product's column scales
+    norm_forward = RMSNorm.forward
+
+    def spy(self, x, residual=None, fp8_out=False, column_scales=None):
+        norms_given_scales.append(column_scales is not None)
+        return norm_forward(self, x, residual, fp8_out, column_scales)
+
+    monkeypatch.setattr(RMSNorm, "forward", spy)
     model_dir = save_checkpoint(config, tmp_path)
     prompts = make_prompts(config.vocab_size, lens=[200, 40, 23])
     got = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=True)
     fused_products = list(products)
+    # In the 263-token prefill: o's scales to both layers' post-attention norms, down's (layer 1) to the final norm.
+    assert sum(norms_given_scales) == (4 if arch == "llama" else 3)
     products.clear()
     want = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=False)
     assert fused_products == products and (263, True) in products and (3, False) in products
