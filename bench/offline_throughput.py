@@ -70,14 +70,18 @@ def run_hf_sequential(model_path: str, prompts, output_lens, dtype, device) -> d
 
 
 def git_commit() -> str:
-    """The checkout's short commit, or $MINIVLLM_COMMIT where the tree is a copy without .git."""
+    """The checkout's short commit, with "-dirty" where tracked files differ from it (the tree measured is then not
+    that commit's), or $MINIVLLM_COMMIT where the tree is a copy without .git."""
     if os.environ.get("MINIVLLM_COMMIT"):
         return os.environ["MINIVLLM_COMMIT"]
+    here = Path(__file__).parent
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       cwd=Path(__file__).parent).strip()
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=here).strip()
+        changed = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], text=True,
+                                          cwd=here).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{commit}-dirty" if changed else commit
 
 
 def main() -> None:
