@@ -38,12 +38,12 @@ and scales V's rows by their scales. The write kernel quantizes each head's row.
 The KV-cache write (``write_paged_kv``) also prepares the queries: given the
 layer's pending rope (``engine.models.layers.PendingRope``), q and k arrive as the q|k|v projection left them
 and the launch applies their rope (after Qwen3's per-head norm; M-RoPE too; an FP8 product's column scales
-first), stores K roped in its slot and returns q roped. On a 16-bit cache that launch is the rope kernel's
-(``fused_ops.rotary_into_cache``): one program per token for q, one for K and V. On an FP8 cache it is
-``_write_kv_fp8_kernel``: several tokens per program, rows = token x head; K's rows are roped after loading
-and before their Hadamard rotation and quantization, the queries' before their rotation. The roundings are
-those of the separate rope kernel followed by the plain write. Past ``_FP8_FUSED_ROPE_MAX_ROWS`` tokens an FP8
-cache's write runs after the rope kernel instead (which applies q's and k's column scales), which measured faster.
+first), stores K roped in its slot and returns q roped. On a 16-bit cache that is one launch of the rope
+kernel (``fused_ops.rotary_into_cache``): one program per token for q, one for K and V. On an FP8 cache the rope
+kernel runs first (with q's and k's column scales) and ``_write_kv_fp8_kernel`` follows (V's scales), which
+measured faster than that kernel roping K's and the queries' rows itself (``fuse_rope``; engaged up to
+``_FP8_FUSED_ROPE_MAX_ROWS`` rows, none for now). The roundings are those of the separate rope kernel followed by
+the plain write.
 """
 
 from __future__ import annotations
@@ -654,8 +654,9 @@ def _write_kv_fp8_kernel(
 
     ``ROPE``: q and k still need their rope (Qwen3's q/k norm first with ``HAS_NORM``; M-RoPE with ``MROPE``), which
     is applied to each row after it is loaded and before it is rotated and quantized, with the rope kernel's
-    roundings (``_roped_rows``). ``COL_SCALES`` (with ``ROPE``): q|k|v's columns still need their FP8 weights'
-    scales (``col_scale_ptr``), applied to each value first."""
+    roundings (``_roped_rows``). ``COL_SCALES``: q|k|v's columns still need their FP8 weights' scales
+    (``col_scale_ptr``), applied to each value first: to q, k and v with ``ROPE``, else to V only (q and k were
+    scaled with their rope, apart)."""
     first = tl.program_id(0) * TOKENS
     part = tl.program_id(1)  # with SPLIT_Q: 0 writes K and V, 1 the queries
     q_size: tl.constexpr = NUM_Q_HEADS * HEAD_DIM

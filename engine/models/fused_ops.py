@@ -452,11 +452,8 @@ def check_rope_inputs(
     if q_weight is not None:
         _check_weight(name, "q_weight", q_weight, head_dim, q)
         _check_weight(name, "k_weight", k_weight, head_dim, q)
-    width = (num_q_heads + 2 * k.shape[1]) * head_dim
-    if column_scales is not None and (column_scales.shape != (width,) or column_scales.dtype != torch.float32
-                                      or column_scales.device != q.device or column_scales.stride(0) != 1):
-        raise ValueError(f"{name}: column_scales must be a contiguous ({width},) float32 tensor on {q.device} "
-                         f"(q|k|v's columns), got {tuple(column_scales.shape)} {column_scales.dtype}")
+    if column_scales is not None:  # one per column of q|k|v
+        _check_column_scales(name, column_scales, (num_q_heads + 2 * k.shape[1]) * head_dim, q)
     return strides
 
 
@@ -470,9 +467,10 @@ def _rope(
     k_weight: torch.Tensor | None,
     eps: float,
     mrope_section: tuple[int, int, int] | None,
+    column_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     stride_p, stride_pr, section_1, section_2 = check_rope_inputs(name, positions, q, k, cos_sin_cache, q_weight,
-                                                                  k_weight, mrope_section)
+                                                                  k_weight, mrope_section, column_scales)
     num_tokens, num_q_heads, head_dim = q.shape
     if k.shape[0] != num_tokens:
         raise ValueError(f"{name}: k must have q's {num_tokens} rows, got {tuple(k.shape)}")
@@ -481,7 +479,7 @@ def _rope(
     if num_tokens == 0:
         return q_out, k_out
     _launch_rope(positions, q, k, q_out, k_out, q_weight, k_weight, eps, cos_sin_cache, mrope_section, stride_p,
-                 stride_pr, section_1, section_2)
+                 stride_pr, section_1, section_2, column_scales=column_scales)
     return q_out, k_out
 
 
@@ -492,17 +490,8 @@ def rotary_with_column_scales(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rotary`` (``qk_norm_rotary`` with the weights), q's and k's values first times their columns' scales
     (``column_scales``, float32 over q|k|v's columns, v's unused here; each product rounded to the model dtype)."""
-    name = "rotary_with_column_scales"
-    stride_p, stride_pr, section_1, section_2 = check_rope_inputs(name, positions, q, k, cos_sin_cache, q_weight,
-                                                                  k_weight, mrope_section, column_scales)
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"{name}: k must have q's {q.shape[0]} rows, got {tuple(k.shape)}")
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if q.shape[0] > 0:
-        _launch_rope(positions, q, k, q_out, k_out, q_weight, k_weight, eps, cos_sin_cache, mrope_section, stride_p,
-                     stride_pr, section_1, section_2, column_scales=column_scales)
-    return q_out, k_out
+    return _rope("rotary_with_column_scales", positions, q, k, cos_sin_cache, q_weight, k_weight, eps, mrope_section,
+                 column_scales)
 
 
 def rotary_into_cache(
@@ -581,7 +570,7 @@ def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor
         rows, group = num_tokens, 0
     if num_tokens > 0 and inter_size > 0:
         block = min(triton.next_power_of_2(inter_size), 1024)
-        # Prefill-sized FP8 outputs: 4 rows a program, 5-10% faster on Llama-3.1-8B's width (bench/swiglu_fp8.py);
+        # Prefill-sized FP8 outputs: 4 rows a program, 5-8% faster on Llama-3.1-8B's width (bench/swiglu_fp8.py);
         # decode batches keep one, for more programs.
         per_program = 4 if fp8 and num_tokens >= _SWIGLU_ROWS_FROM else 1
         _silu_and_mul_kernel[(triton.cdiv(rows, per_program), triton.cdiv(inter_size, block))](
