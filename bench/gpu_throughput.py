@@ -178,6 +178,9 @@ def step_summary(llm: LLM) -> dict:
                      "wall_ms_max": float(wall.max()), "wall_s_total": float(wall.sum() / 1e3),
                      "gpu_busy_fraction": float(dev.sum() / wall.sum()),
                      "mean_batch": float(np.mean([t.num_reqs for t in steps]))}
+        if kind == "eager":  # few, and each one's tokens and times show which step stalled
+            out[kind]["each"] = [{"tokens": t.num_tokens, "device_ms": round(t.device_s * 1e3, 2),
+                                  "wall_ms": round(t.wall_s * 1e3, 2)} for t in steps]
     return out
 
 
@@ -298,6 +301,8 @@ def main() -> None:
                   f"{s['device_ms_median']:.2f} ms, wall {s['wall_ms_median']:.2f} ms (max {s['wall_ms_max']:.1f}, "
                   f"total {s['wall_s_total']:.2f} s), GPU busy "
                   f"{s['gpu_busy_fraction']:.0%}, mean batch {s['mean_batch']:.0f}")
+            if "each" in s:
+                print("      tokens: wall ms  " + ", ".join(f"{e['tokens']}: {e['wall_ms']:.0f}" for e in s["each"]))
     if tp > 1:
         print(f"  {tp} GPUs: roofline per GPU with {roof['all_reduce_s']:.2f} s of all-reduces measured in this run; "
               f"{result['all_reduce_ms_per_decode_step']:.2f} ms of all-reduce per decode step at the mean batch")

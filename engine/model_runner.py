@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -253,6 +254,29 @@ class ModelRunner:
         if n:
             logger.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - start)
         self._warm_up_experts()
+        self._warm_up_step_sizes()
+
+    def _warm_up_step_sizes(self) -> None:
+        """Run the model once at every kind of token count a step can bring, so that the layers' Triton kernels
+        compile now rather than stall a step.
+
+        Triton compiles an integer argument apart when it is 1 or a multiple of 16, and layers pick variants by
+        the step's token count (the FP8 SwiGLU's rows a program from ``_SWIGLU_ROWS_FROM``, the FP8 products'
+        deferred column scales from ``BLOCK_SCALES_MIN_ROWS``): each power of two and the count just past it, up
+        to the largest step, meets every one of them.
+        """
+        if self.device.type != "cuda":
+            return
+        limit = self._max_step_tokens()
+        counts = sorted({n for k in range(limit.bit_length()) for n in (1 << k, (1 << k) + 1) if n <= limit}
+                        | {limit, max(limit - 1, 1)})
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for n in tqdm(counts, desc="warming up step sizes", unit="step", leave=False):
+                self._dummy_forward(n)
+        torch.cuda.synchronize(self.device)
+        logger.info("model kernels: %d step sizes (1 to %d tokens) run in %.1f s", len(counts), limit,
+                    time.perf_counter() - start)
 
     def _warm_up_experts(self) -> None:
         """The fused-MoE kernels' variants for every step size (one layer's experts stand for all: same shapes)."""
@@ -313,14 +337,8 @@ class ModelRunner:
 
         Every token's slot is in the null block, so it writes nothing that matters.
         """
-        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
-        lens = [_PROFILE_REQUEST_LEN] * (num_tokens // _PROFILE_REQUEST_LEN)
-        if num_tokens % _PROFILE_REQUEST_LEN:
-            lens.append(num_tokens % _PROFILE_REQUEST_LEN)
-        meta = self._dummy_metadata(lens)
-        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        hidden = self.model(input_ids, positions, meta)
+        num_tokens = self._max_step_tokens()
+        hidden = self._dummy_forward(num_tokens)
         num_rows = min(self.config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:num_rows])
         st = SamplingTensors(
@@ -333,6 +351,20 @@ class ModelRunner:
         if getattr(self.model, "accepts_images", False):  # the largest encoder batch a step may run
             self.model.encode_images(*self.model.dummy_images(self.config.max_num_batched_tokens, self.dtype,
                                                               self.device))
+
+    def _max_step_tokens(self) -> int:
+        return min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
+
+    def _dummy_forward(self, num_tokens: int) -> torch.Tensor:
+        """The model over ``num_tokens`` prompt tokens in requests of up to ``_PROFILE_REQUEST_LEN``, every slot in
+        the null block; returns the hidden states."""
+        lens = [_PROFILE_REQUEST_LEN] * (num_tokens // _PROFILE_REQUEST_LEN)
+        if num_tokens % _PROFILE_REQUEST_LEN:
+            lens.append(num_tokens % _PROFILE_REQUEST_LEN)
+        meta = self._dummy_metadata(lens)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        return self.model(input_ids, positions, meta)
 
     def _dummy_metadata(self, lens: list[int]) -> AttentionMetadata:
         max_len = max(lens)

@@ -12,7 +12,7 @@ import transformers
 from engine import LLM, SamplingParams
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from tests.helpers import VOCAB, PagedRunner, random_image, save_tiny_model
+from tests.helpers import VOCAB, PagedRunner, random_image, save_checkpoint, save_tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -320,24 +320,51 @@ def test_sliding_window_gemma_and_experts_on_cuda_match_transformers(tmp_path):
         llm.engine.close()
 
 
-def test_no_attention_kernel_compiles_after_start_up(tmp_path):
-    """Start-up compiles every variant a step can pick: a mixed workload compiles nothing new."""
-    from engine.attention import triton_kernels as tk
+def _engine_kernels() -> dict:
+    """Every Triton kernel of the engine's modules, by name."""
+    import sys
 
-    model_dir = save_tiny_model("qwen3", tmp_path)
-    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256, num_kvcache_blocks=512,
-              max_num_batched_tokens=128)
+    from triton.runtime.jit import JITFunction
+
+    from engine.attention import triton_kernels  # noqa: F401  (imported so that they are listed)
+    from engine.models import fp8_kernels, fused_ops, moe_kernels  # noqa: F401
+
+    return {f"{name}.{attr}": obj for name, module in list(sys.modules.items()) if name.startswith("engine.")
+            for attr, obj in vars(module).items() if isinstance(obj, JITFunction)}
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_no_kernel_compiles_after_start_up(tmp_path, fp8):
+    """Start-up compiles every variant of every Triton kernel a step can pick: a mixed workload of decode
+    batches and prompt chunks of many sizes (1, multiples of 16 and others, across the FP8 layers' switches at
+    256 and 1,024 tokens) compiles nothing new. With FP8 weights and KV cache on a shape whose products take
+    FP8 inputs (cuBLAS's block scaling) and defer their column scales."""
+    from engine.models import fp8 as fp8_module
     from engine.models import fused_ops
 
-    # The KV-cache write of a bf16 cache is the rope kernel's (the models hand their rope to attention).
-    kernels = {"decode": tk._decode_split_kernel, "merge": tk._decode_merge_kernel, "prefill": tk._prefill_kernel,
-               "write_kv": tk._write_kv_kernel, "rope_write_kv": fused_ops._rope_kernel}
+    # cuBLAS's block scaling takes inner sizes of 4 x 128 columns and more.
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    model_dir = save_checkpoint(config, tmp_path / "llama")
+    options = dict(quantization="fp8", kv_cache_dtype="fp8") if fp8 else {}
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=2048, num_kvcache_blocks=1024,
+              max_num_batched_tokens=2048, **options)
+    if fp8:
+        assert llm.engine.runner.model.model.layers[0].mlp.gate_up_proj.takes_fp8_input
+    assert fused_ops._SWIGLU_ROWS_FROM < 2048 and fp8_module.BLOCK_SCALES_MIN_ROWS < 1000
+    kernels = _engine_kernels()
+    assert {"fused_ops._rope_kernel", "fused_ops._silu_and_mul_kernel", "fused_ops._rms_norm_kernel"} <= {
+        name.removeprefix("engine.models.") for name in kernels}
     before = {name: _compiled_variants(k) for name, k in kernels.items()}
-    # Decode batches of many sizes, prompts chunked at 128 tokens next to decodes, long and short contexts.
-    lens = [3, 180, 17, 150, 1, 64, 129, 8, 200, 33, 90, 5]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (40, 9, 50, 20, 3, 33) * 2]
-    llm.generate([{"prompt_token_ids": p} for p in _prompts(VOCAB, lens)], params, use_tqdm=False)
-    assert {name: _compiled_variants(k) for name, k in kernels.items()} == before
+    # Alone and chunked at 2,048 next to decodes: 1,0xx-token steps (not multiples of 16), 300-900, under 256.
+    for lens, max_tokens in (([1037], 3), ([700, 333], 5), ([1500, 1200, 900, 17, 1, 64], 30),
+                             ([3, 180, 17, 150, 1, 64, 129, 8, 200, 33, 90, 5], 40)):
+        params = [SamplingParams(temperature=0.0, max_tokens=max_tokens - i, ignore_eos=True)
+                  for i in range(len(lens))]
+        llm.generate([{"prompt_token_ids": p} for p in _prompts(VOCAB, lens)], params, use_tqdm=False)
+    after = {name: _compiled_variants(k) for name, k in kernels.items()}
+    assert {name: after[name] - before[name] for name in kernels if after[name] != before[name]} == {}
+    llm.engine.close()
 
 
 def test_steps_never_synchronize_the_stream(tmp_path):
