@@ -132,6 +132,15 @@ def make_attention_backend(name: str):
     raise ConfigError(f"unknown attention backend {name!r}")
 
 
+def warm_up_token_counts(limit: int) -> list[int]:
+    """Step sizes (tokens) that together compile every variant a step of up to ``limit`` tokens can pick: each
+    power of two and the count just past it, and the largest counts of both kinds: for every step size and any one
+    switch by token count (``n >= threshold``), a count on the same side of it that Triton specializes alike
+    (1, a multiple of 16, or neither)."""
+    counts = {n for k in range(limit.bit_length()) for n in (1 << k, (1 << k) + 1) if n <= limit}
+    return sorted(counts | {n for n in (limit, limit - 1, limit - limit % 16) if n >= 1})
+
+
 def kv_outside_windows(layer_windows: tuple[int, ...], num_tokens: int) -> float:
     """The share of a ``num_tokens``-token request's KV that no attention reads: in each windowed layer, the
     tokens before its window (0 for a window of 0, i.e. full attention). What one block table for all layers
@@ -262,14 +271,12 @@ class ModelRunner:
 
         Triton compiles an integer argument apart when it is 1 or a multiple of 16, and layers pick variants by
         the step's token count (the FP8 SwiGLU's rows a program from ``_SWIGLU_ROWS_FROM``, the FP8 products'
-        deferred column scales from ``BLOCK_SCALES_MIN_ROWS``): each power of two and the count just past it, up
-        to the largest step, meets every one of them.
+        deferred column scales from ``BLOCK_SCALES_MIN_ROWS``): ``warm_up_token_counts`` meets every one of them.
         """
         if self.device.type != "cuda":
             return
         limit = self._max_step_tokens()
-        counts = sorted({n for k in range(limit.bit_length()) for n in (1 << k, (1 << k) + 1) if n <= limit}
-                        | {limit, max(limit - 1, 1)})
+        counts = warm_up_token_counts(limit)
         start = time.perf_counter()
         with torch.inference_mode():
             for n in tqdm(counts, desc="warming up step sizes", unit="step", leave=False):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import RequestError
@@ -266,3 +268,36 @@ def test_garbage_collections_skip_the_kv_blocks_until_close(llama_dir):
         llm.engine.close()
     assert gc.get_freeze_count() == 0
     assert sum(type(o) is KVCacheBlock for o in gc.get_objects()) >= 300
+
+
+def _step_kind(n: int) -> str:
+    """How Triton specializes an integer argument."""
+    return "one" if n == 1 else "multiple of 16" if n % 16 == 0 else "other"
+
+
+def _warmed_alike(counts: list[int], n: int, threshold: int) -> bool:
+    return any(_step_kind(c) == _step_kind(n) and (c >= threshold) == (n >= threshold) for c in counts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(limit=st.integers(1, 70_000), data=st.data())
+def test_warm_up_token_counts_meet_every_kind_of_step(limit, data):
+    """Start-up's step sizes include, for any step size and any switch by token count, one on the same side of
+    the switch that Triton compiles alike: no step can bring a kernel variant start-up did not compile."""
+    from engine.model_runner import warm_up_token_counts
+
+    counts = warm_up_token_counts(limit)
+    assert counts == sorted(set(counts)) and 1 <= counts[0] and counts[-1] == limit
+    assert len(counts) <= 2 * limit.bit_length() + 3  # start-up runs the model once per count
+    n = data.draw(st.integers(1, limit), label="step tokens")
+    threshold = data.draw(st.integers(1, limit + 1), label="switch")
+    assert _warmed_alike(counts, n, threshold)
+
+
+@pytest.mark.parametrize("limit", [200, 300])  # budgets past a power of two: switches between it and them
+def test_warm_up_token_counts_every_step_and_switch(limit):
+    from engine.model_runner import warm_up_token_counts
+
+    counts = warm_up_token_counts(limit)
+    missed = [(n, t) for n in range(1, limit + 1) for t in range(1, limit + 2) if not _warmed_alike(counts, n, t)]
+    assert missed == []
