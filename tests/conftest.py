@@ -37,3 +37,14 @@ def default_model_path() -> Path:
     from engine.default_model import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    """The default model's tokenizer: ``$MINIVLLM_TEST_TOKENIZER`` (a folder with its tokenizer files, for
+    GPU hosts without PyPI), else the converted default model."""
+    if os.environ.get("MINIVLLM_TEST_TOKENIZER"):
+        return Path(os.environ["MINIVLLM_TEST_TOKENIZER"])
+    from engine.default_model import ensure_default_model
+
+    return ensure_default_model()

@@ -123,6 +123,13 @@ def engine_core_pid(server: ServerProcess) -> int:
     return int(match.group(1))
 
 
+def rank_pids(server: ServerProcess) -> list[int]:
+    """The processes of the tensor-parallel ranks after rank 0, as the server's start-up log names them."""
+    match = re.search(r"tensor parallel: started ranks [\d-]+ \(pids ([\d, ]+)\)", server.log_path.read_text())
+    assert match, server.log_tail()
+    return [int(p) for p in match.group(1).split(", ")]
+
+
 def process_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
     try:

@@ -425,20 +425,6 @@ def test_bf16_logits_on_a_real_shaped_model_stay_within_tolerance(tmp_path):
 # ------------------------------------------------------------------ the server on CUDA
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    """The default model's tokenizer: ``$MINIVLLM_TEST_TOKENIZER`` (a folder with its tokenizer files, for
-    GPU hosts without PyPI), else the converted default model."""
-    import os
-    from pathlib import Path
-
-    if os.environ.get("MINIVLLM_TEST_TOKENIZER"):
-        return Path(os.environ["MINIVLLM_TEST_TOKENIZER"])
-    from engine.default_model import ensure_default_model
-
-    return ensure_default_model()
-
-
 def test_server_on_cuda_with_steps_planned_ahead(tmp_path, tokenizer_dir):
     """A real server on the GPU (bf16, Triton, CUDA graphs, overlapped steps and async scheduling, the
     CUDA defaults) answers the ``openai`` SDK with the offline engine's greedy text, streamed or not,

@@ -3,7 +3,6 @@ on one machine, and a rank killed mid-generation ending the engine cleanly."""
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from tests.server_helpers import (  # noqa: E402
     engine_core_pid,
     free_port,
     process_alive,
+    rank_pids,
     start_server,
     tiny_server_args,
 )
@@ -37,12 +37,6 @@ def answers(url: str) -> tuple[str, str]:
     chat = client.chat.completions.create(model=TINY_MODEL_NAME, messages=CHAT, max_tokens=12, temperature=0,
                                           extra_body={"ignore_eos": True}).choices[0].message.content
     return text, chat
-
-
-def rank_pids(server) -> list[int]:
-    match = re.search(r"tensor parallel: started ranks [\d-]+ \(pids ([\d, ]+)\)", server.log_path.read_text())
-    assert match, server.log_tail()
-    return [int(p) for p in match.group(1).split(", ")]
 
 
 def test_two_nodes_on_one_machine(tmp_path, tiny_server, tiny_model_path):
