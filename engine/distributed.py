@@ -97,6 +97,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def max_over_ranks_(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of every rank's ``x``, in place; ``x`` with one rank."""
+    if _state.world_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_state.group)
+    return x
+
+
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's ``x`` along the last dimension, in rank order; ``x`` with one rank."""
     if _state.world_size == 1:

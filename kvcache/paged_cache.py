@@ -44,12 +44,16 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype == FP8_DTYPE
 
 
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x -> (float8_e4m3 values, float32 scales of shape ``x.shape[:-1]``): each row of the last dim scaled so that
     its absolute maximum maps to 448, so ``values * scales[..., None]`` gives it back. The one rounding the FP8 KV
-    cache (a row per token and head) and the FP8 linears (a row per weight channel or activation token) share."""
+    cache (a row per token and head) and the FP8 linears (a row per weight channel or activation token) share.
+    ``amax`` (float32, ``x.shape[:-1]``, at least each row's own): the maxima to scale by instead, for rows whose
+    other columns are elsewhere (a tensor-parallel rank's share of a weight's input columns)."""
     x32 = x.float()
-    scales = (x32.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    if amax is None:
+        amax = x32.abs().amax(dim=-1)
+    scales = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     return (x32 / scales[..., None]).to(FP8_DTYPE), scales
 
 

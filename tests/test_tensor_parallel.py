@@ -129,3 +129,23 @@ def test_the_engine_at_tp2_generates_what_it_does_at_tp1(checkpoints, name):
 def test_a_tp_size_the_model_cannot_split_by_is_refused(checkpoints):
     with pytest.raises(ConfigError, match="does not divide the model's attention heads"):
         LLM(str(checkpoints["llama-untied"]), tensor_parallel_size=3, max_model_len=256, num_kvcache_blocks=24)
+
+
+def test_fp8_weights_and_kv_cache_at_tp2_generate_what_tp1_does(tmp_path):
+    """``--quantization fp8 --kv-cache-dtype fp8`` at TP=2: a row-parallel rank holds some of each output channel's
+    input columns and scales them by the whole channel's maximum (over the ranks), so the weights round as on one
+    rank and the greedy tokens are TP=1's. The ranks' shares are whole 128-column groups, as the activations'
+    scales are on one rank. (Each rank scaling by its own share's maximum gave 2 of these 8 prompts' tokens.)"""
+    config = transformers.LlamaConfig(**{**SMALL_CONFIG, "hidden_size": 256, "intermediate_size": 512})
+    model_dir = save_checkpoint(config, tmp_path / "llama")
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (40, 70, 25, 90, 55, 33, 61, 48)]
+    common = dict(max_model_len=256, num_kvcache_blocks=64, max_num_batched_tokens=64, quantization="fp8",
+                  kv_cache_dtype="fp8")
+    tp2 = LLM(str(model_dir), tensor_parallel_size=2, **common)
+    try:
+        assert tp2.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+        got = greedy(tp2, prompts, max_tokens=16)
+    finally:
+        tp2.engine.close()
+    assert got == greedy(LLM(str(model_dir), **common), prompts, max_tokens=16)

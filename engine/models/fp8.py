@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.distributed import tp_size
+from engine.distributed import max_over_ranks_, tp_size
 from kvcache.paged_cache import FP8_DTYPE, fp8_to_float32, quantize_fp8
 
 
@@ -344,9 +344,19 @@ def quantizable_linears(model: torch.nn.Module, skip: tuple[str, ...] = ()):
 def quantize_model_weights(model: torch.nn.Module) -> int:
     """``--quantization fp8``: replace each quantizable linear's weight by FP8 and per-channel scales (in place,
     one layer at a time, so the peak stays at the unquantized model). Returns how many layers changed."""
+    from engine.models.layers import RowParallelLinear
+
     count = 0
     for _, module in quantizable_linears(model):
-        weight, scales = quantize_per_channel(module.weight.data)
+        weight = module.weight.data
+        if isinstance(module, RowParallelLinear) and tp_size() > 1:
+            # Each rank holds some of every output channel's input columns: the channel's scale comes from all of
+            # them (a maximum over the ranks), so the weights round as on one GPU and every rank's partial product
+            # has the same channel scales.
+            amax = max_over_ranks_(weight.float().abs().amax(dim=1))
+            weight, scales = quantize_fp8(weight, amax)
+        else:
+            weight, scales = quantize_per_channel(weight)
         module.set_fp8_weight(weight, scales, None)
         count += 1
     return count

@@ -423,8 +423,10 @@ class RowParallelLinear(Fp8Weights, nn.Linear):
 
     def forward_deferring_scales(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward``, with the per-channel weight scales left to the caller where the FP8 product leaves them
-        (``matmul_deferring_scales``: prefill-sized batches): (out, float32 column scales or None). Only one rank
-        can leave them: with tensor parallelism each rank's slice has its own scales and the sum is taken first."""
+        (``matmul_deferring_scales``: prefill-sized batches): (out, float32 column scales or None). One rank only:
+        with tensor parallelism the ranks' partial products are summed first. (Quantized at load time, the ranks
+        share their channel scales, ``fp8.quantize_model_weights``, so the sum could take them after; that path is
+        not measured on several GPUs yet. A checkpoint's 128 x 128 tiles differ by rank and cannot.)"""
         if tp_size() == 1 and self.bias is None and self.takes_fp8_input:
             return self.matmul_deferring_scales(x)
         return self.forward(x), None
