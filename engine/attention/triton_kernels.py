@@ -1362,8 +1362,6 @@ def write_paged_kv(
             fail("rope needs q")
         if v.dtype != k.dtype:
             fail(f"with rope, v must be k's dtype {k.dtype}, got {v.dtype}")
-        rope_strides = check_rope_inputs("write_paged_kv", rope.positions, q, k, rope.cos_sin_cache, rope.q_weight,
-                                         rope.k_weight, rope.mrope_section, rope.column_scales)
         if kv_scales is None:
             return rotary_into_cache(rope.positions, q, k, v, k_cache, v_cache, slot_mapping, rope.cos_sin_cache,
                                      rope.q_weight, rope.k_weight, rope.eps, rope.mrope_section, rope.column_scales)
@@ -1373,6 +1371,9 @@ def write_paged_kv(
             q, k = rotary_with_column_scales(rope.positions, q, k, rope.cos_sin_cache, rope.q_weight, rope.k_weight,
                                              rope.eps, rope.mrope_section, rope.column_scales)
             v_column_scales, rope = rope.column_scales, None
+        else:  # the two calls above check their rope inputs themselves
+            rope_strides = check_rope_inputs("write_paged_kv", rope.positions, q, k, rope.cos_sin_cache,
+                                             rope.q_weight, rope.k_weight, rope.mrope_section, rope.column_scales)
     queries = q is not None and (rotate or rope is not None)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if queries else q
     rows = q.shape[0] if queries else num_tokens

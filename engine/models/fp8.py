@@ -79,9 +79,10 @@ class Fp8Scheme:
 # ------------------------------------------------------------------------------------------ quantizers
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [out, in] -> (float8 W, float32 scales [out]) with ``W ~= W8 * scales[:, None]``."""
-    return quantize_fp8(weight)
+def quantize_per_channel(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (float8 W, float32 scales [out]) with ``W ~= W8 * scales[:, None]``; ``amax``: each channel's
+    absolute maximum where W holds only some of its columns (``quantize_fp8``)."""
+    return quantize_fp8(weight, amax)
 
 
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,16 +349,13 @@ def quantize_model_weights(model: torch.nn.Module) -> int:
 
     count = 0
     for _, module in quantizable_linears(model):
-        weight = module.weight.data
+        weight, amax = module.weight.data, None
         if isinstance(module, RowParallelLinear) and tp_size() > 1:
             # Each rank holds some of every output channel's input columns: the channel's scale comes from all of
             # them (a maximum over the ranks), so the weights round as on one GPU and every rank's partial product
             # has the same channel scales.
             amax = max_over_ranks_(weight.float().abs().amax(dim=1))
-            weight, scales = quantize_fp8(weight, amax)
-        else:
-            weight, scales = quantize_per_channel(weight)
-        module.set_fp8_weight(weight, scales, None)
+        module.set_fp8_weight(*quantize_per_channel(weight, amax), None)
         count += 1
     return count
 
