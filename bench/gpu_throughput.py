@@ -5,10 +5,13 @@
     python bench/gpu_throughput.py --shape llama-3.1-8b --tensor-parallel-size 2 --peer-requests 0
     python bench/gpu_throughput.py --shape qwen3-0.6b --kv-cache-dtype fp8 --peer-requests 0
     python bench/gpu_throughput.py --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 --peer-requests 0
+    python bench/gpu_throughput.py --shape qwen3-0.6b --peer-requests 0 --pdl off on early
 
 With ``--kv-cache-dtype fp8`` or ``--quantization fp8`` the bf16 engine runs first on the same requests
 in the same invocation, and each run is given the roofline of its own bytes (FP8 weights and K/V are
 half of bf16's; their scales count too) and, for FP8 weights, the FP8 matmul rate measured here.
+With ``--pdl`` each of those runs once per programmatic-dependent-launch mode given (``engine.pdl``), in that
+order, on the same requests.
 
 Measures copy bandwidth and matmul rate in the same run, computes the workload's
 roofline from them, runs minivllm (bf16, Triton attention, CUDA graphs), reports the
@@ -91,7 +94,12 @@ def all_reduce_time(table: dict[int, float]):
 
 
 def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: str = "auto",
-                 quantization: str | None = None) -> tuple[dict, LLM]:
+                 quantization: str | None = None, pdl_mode: str | None = None) -> tuple[dict, LLM]:
+    from engine import pdl
+
+    if pdl_mode is not None:  # the engine's kernels read it when they first launch on a device
+        os.environ["MINIVLLM_PDL"] = pdl_mode
+        pdl._mode.cache_clear()
     llm = LLM(str(model_dir), load_format="dummy", max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
@@ -109,9 +117,10 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == sum(output_lens)
     name = "minivllm" + (f" {quantization} weights" if quantization else "") + \
-        (f" {kv_cache_dtype} KV" if kv_cache_dtype != "auto" else "")
+        (f" {kv_cache_dtype} KV" if kv_cache_dtype != "auto" else "") + (f" PDL {pdl_mode}" if pdl_mode else "")
     runner = llm.engine.runner
     return {"name": name, "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
+            "pdl": os.environ.get("MINIVLLM_PDL", "off"),
             "kv_bytes_per_token": runner.bytes_per_block() // runner.block_size,
             "kv_cache_tokens": runner.kv_cache.num_slots, "elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed,
             "preemptions": llm.engine.stats().num_preemptions, "async_scheduling": llm.engine.async_scheduling,
@@ -221,6 +230,8 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="GPUs the model is split over; the roofline is then per GPU, plus the all-reduces "
                              "measured in the same run")
+    parser.add_argument("--pdl", nargs="+", choices=["off", "on", "early"], default=None,
+                        help="run each configuration once per programmatic-dependent-launch mode (MINIVLLM_PDL)")
     args = parser.parse_args()
     if args.tensor_parallel_size > 1:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, as the device notes ask
@@ -244,8 +255,8 @@ def main() -> None:
         if args.quantization:
             ceil.fp8_matmul_flops_per_s = measure_fp8_matmul(torch.device("cuda"))
     runs = []
-    for kv_cache_dtype, quantization in variants:
-        result, llm = run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype, quantization)
+    for kv_cache_dtype, quantization, pdl_mode in [(*v, m) for v in variants for m in args.pdl or [None]]:
+        result, llm = run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype, quantization, pdl_mode)
         if tp > 1:  # rank 0 holds a share of the model: count the whole from the config
             from engine.distributed import kv_head_range
 
@@ -283,7 +294,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = ("_sync" if args.async_scheduling is False else "") + (f"_tp{tp}" if tp > 1 else "") + \
         (f"_kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "") + \
-        (f"_w{args.quantization}" if args.quantization else "")
+        (f"_w{args.quantization}" if args.quantization else "") + ("_pdl" if args.pdl else "")
     (out_dir / f"gpu_{args.shape}_{workload.name}{suffix}.json").write_text(json.dumps(record, indent=2))
     print(f"\n{args.shape} {workload.name} ({len(prompts)} requests, {sum(output_lens)} output tokens) on "
           f"{record['gpu']}, commit {record['commit']}")

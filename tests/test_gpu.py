@@ -367,6 +367,40 @@ def test_no_kernel_compiles_after_start_up(tmp_path, fp8):
     llm.engine.close()
 
 
+@pytest.mark.parametrize("mode", ["on", "early"])
+def test_programmatic_dependent_launch_gives_plain_launches_tokens(tmp_path, monkeypatch, mode):
+    """``MINIVLLM_PDL``: the engine's Triton kernels launched with programmatic dependent launch, in eager steps
+    and CUDA-graph replays, give the greedy tokens of plain launches: a 16-bit cache, and FP8 weights and KV."""
+    from engine import pdl
+    from engine.models import fused_ops
+
+    model_dir = save_tiny_model("qwen3", tmp_path)
+    prompts = _prompts(VOCAB, [5, 150, 40, 90, 12, 200, 700, 1])
+
+    def greedy(setting: str, **options) -> list[list[int]]:
+        monkeypatch.setenv("MINIVLLM_PDL", setting)
+        pdl._mode.cache_clear()
+        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=1024, num_kvcache_blocks=512,
+                  max_num_batched_tokens=256, **options)
+        try:
+            assert llm.engine.runner.graphs is not None
+            return _greedy(llm, prompts, 40)
+        finally:
+            llm.engine.close()
+
+    try:
+        for options in ({}, dict(kv_cache_dtype="fp8", quantization="fp8")):
+            plain = greedy("off", **options)
+            assert greedy(mode, **options) == plain, options
+        assert pdl.mode(torch.empty(1, device="cuda")) == pdl.MODES[mode]
+    finally:
+        monkeypatch.undo()
+        pdl._mode.cache_clear()  # later tests launch as the environment says
+    launched = [k.metadata.launch_pdl for entry in fused_ops._rms_norm_kernel.device_caches.values()
+                for k in entry[0].values()]
+    assert True in launched and False in launched  # both kinds of launch ran
+
+
 def test_steps_never_synchronize_the_stream(tmp_path):
     """The only wait per step is on the step's own event: no op in scheduling, input building,
     feeding tokens of a step in flight, sampling, logprobs or graph replay synchronizes the CUDA

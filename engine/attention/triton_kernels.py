@@ -57,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import pdl
 from engine.models.fused_ops import (
     _norm_halves, _rope_halves, _round, check_rope_inputs, rotary_into_cache, rotary_with_column_scales)
 from kvcache.paged_cache import FP8_DTYPE, rotates_keys
@@ -166,9 +167,10 @@ def _decode_split_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Decode attention on a cache in the query's dtype (the scale pointers and strides are unused)."""
+    pdl.wait(PDL)
     seq = tl.program_id(0)
     if HAS_ORDER:
         seq = tl.load(order_ptr + seq)  # longest contexts first, so that short ones fill the tail
@@ -265,6 +267,7 @@ def _decode_split_fp8_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PTX: tl.constexpr, K_PAIRS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Decode attention on an FP8 cache, read as 16-bit words: each tile is two half-width tiles.
 
@@ -300,6 +303,7 @@ def _decode_split_fp8_kernel(
     SASS per 128-key tile (sm_90, Triton 3.6): 1,009 instructions with V's rows rescaled and K permuted
     byte-wise, 814 this way; on the H200 95 us -> 87 us on that batch.
     """
+    pdl.wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     V_LIFT: tl.constexpr = 256.0
     seq = tl.program_id(1 if HEADS_FIRST else 0)
@@ -387,11 +391,12 @@ def _decode_split_fp8_kernel(
 def _decode_merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, fp8_values_ptr, fp8_scales_ptr, stride_ob, stride_oh, stride_fv, stride_fs,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    FP8_OUT: tl.constexpr,
+    FP8_OUT: tl.constexpr, PDL: tl.constexpr,
 ):
     """One head of one row: the splits' partial outputs weighted by their log-sum-exps. ``FP8_OUT``: the row
     quantized as an FP8 projection's input instead (``paged_decode_attention``'s ``fp8_out``): rounded to the
     model dtype, then its absolute maximum mapped to 448, ``fp8_kernels.quantize_rows``'s arithmetic."""
+    pdl.wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -418,9 +423,10 @@ def _decode_merge_kernel(
 @triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_kt, stride_vt,
-    ROW: tl.constexpr, ROW_PAD: tl.constexpr,
+    ROW: tl.constexpr, ROW_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token's K and V rows (num_kv_heads * head_dim each) into its cache slot; slot < 0 skips."""
+    pdl.wait(PDL)
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     offs = tl.arange(0, ROW_PAD)
@@ -643,7 +649,7 @@ def _write_kv_fp8_kernel(
     HALF_PAD: tl.constexpr, NUM_Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, TOKENS: tl.constexpr,
     ROTATE: tl.constexpr, QUERIES: tl.constexpr, SPLIT_Q: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
     MROPE: tl.constexpr, SECTION_1: tl.constexpr, SECTION_2: tl.constexpr, COL_SCALES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, Q_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, Q_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
     """``TOKENS`` tokens' K and V into their FP8 cache slots: each head's row scaled to an absolute maximum of 448
     (float8_e4m3's largest value), its scale stored beside it; with ``ROTATE`` K rotated first. With ``QUERIES`` the
@@ -657,6 +663,7 @@ def _write_kv_fp8_kernel(
     roundings (``_roped_rows``). ``COL_SCALES``: q|k|v's columns still need their FP8 weights' scales
     (``col_scale_ptr``), applied to each value first: to q, k and v with ``ROPE``, else to V only (q and k were
     scaled with their rope, apart)."""
+    pdl.wait(PDL)
     first = tl.program_id(0) * TOKENS
     part = tl.program_id(1)  # with SPLIT_Q: 0 writes K and V, 1 the queries
     q_size: tl.constexpr = NUM_Q_HEADS * HEAD_DIM
@@ -767,7 +774,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Prefill attention; the dots run in ``DOT_DTYPE``: q's dtype, or float16 for 16-bit queries on an FP8
     cache (float8_e4m3 converts to float16 in one instruction, to bfloat16 in three: 12.9 ms against 14.2 ms in
@@ -775,6 +782,7 @@ def _prefill_kernel(
     its rows as in the decode kernel. ``HEADS_FIRST``: the grid's first axis runs over the KV heads, so the heads
     of one tile of tokens are scheduled side by side and read the same cache pages (a W1-like 16k-token step on
     the H200, 8 KV heads: 3.8-7% faster on a bf16 cache, 2-4% on an FP8 one)."""
+    pdl.wait(PDL)
     tile = tl.program_id(1 if HEADS_FIRST else 0)
     kv_head = tl.program_id(0 if HEADS_FIRST else 1)
     q_base = tl.load(query_start_loc_ptr)  # offsets are relative to the first entry
@@ -1206,6 +1214,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
         PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), HAS_ORDER=order is not None, SLIDING=window > 0,
         SOFTCAP=bool(softcap), **dtype_arg, num_warps=num_warps, num_stages=num_stages, **launch_options,
+        **pdl.launch_args(q),
     )
     if num_splits > 1:
         fp8_values, fp8_scales = fp8_out if fp8_out is not None else (out, out)  # the latter unused
@@ -1214,6 +1223,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
             part_out, part_lse, out, fp8_values, fp8_scales, out.stride(0), out.stride(1), *fp8_strides,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), FP8_OUT=fp8_out is not None, num_warps=4,
+            **pdl.launch_args(q),
         )
     return out
 
@@ -1288,7 +1298,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), SLIDING=window > 0, FP8=kv_scales is not None,
         SOFTCAP=bool(softcap), DOT_DTYPE=_dot_dtype(q.dtype, kv_scales is not None), HEADS_FIRST=heads_first,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(q),
     )
     return out
 
@@ -1411,7 +1421,7 @@ def write_paged_kv(
             MROPE=rope is not None and rope.mrope_section is not None, SECTION_1=section_1, SECTION_2=section_2,
             COL_SCALES=column_scales is not None, DOT_PRECISION=_dot_precision(k.dtype), INTERPRET=_interpreted(),
             Q_CHUNK=min(q_heads_pad, max(32 // tokens, 1)) if rope is not None else q_heads_pad,
-            num_warps=4, enable_fp_fusion=False,
+            num_warps=4, enable_fp_fusion=False, **pdl.launch_args(k),
         )
         return q_out
     if kv_scales is not None or num_tokens == 0:
@@ -1419,7 +1429,7 @@ def write_paged_kv(
     row = row_shape[0] * row_shape[1]
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-        ROW=row, ROW_PAD=triton.next_power_of_2(row), num_warps=4,
+        ROW=row, ROW_PAD=triton.next_power_of_2(row), num_warps=4, **pdl.launch_args(k),
     )
     return q_out
 

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import pdl
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HIDDEN_SIZE = 16384  # one row per program, held in registers
 _ROPE_TILE = 2048  # elements per half-head tile of the rope kernel: heads are processed in groups this big
@@ -71,12 +73,14 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, col_scale_ptr, weight_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr,
     eps, num_rows, hidden_size, stride_x, stride_r, stride_o, stride_ro, stride_q, stride_s, stride_sg,
     HAS_RESIDUAL: tl.constexpr, COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row, as a [BLOCK / 128, 128] tile (or [1, BLOCK]). ``FP8_GROUP`` (0 or 128) > 0: the normed row goes out
     as float8 values and a scale per 128 columns (one row of the tile each; ``q_ptr``, ``s_ptr``), not to
     ``out_ptr`` (which then only gives the model dtype); rows from ``num_rows`` on are padding, zeros. The tile is
     the same either way, so that both sum the squares in the same order and round alike. ``COL_SCALES``: ``x``
     times its columns' scales first, rounded to the model dtype (``fp8_kernels.scale_columns_``'s result)."""
+    pdl.wait(PDL)
     COLS: tl.constexpr = 128 if BLOCK >= 128 else BLOCK
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
@@ -162,7 +166,7 @@ def _rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_qot, stride_qoh, stride_kot, stride_koh, stride_c,
     HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HAS_NORM: tl.constexpr, MROPE: tl.constexpr, SECTION_1: tl.constexpr, SECTION_2: tl.constexpr,
-    CACHE: tl.constexpr, COL_SCALES: tl.constexpr, ROW_PAD: tl.constexpr,
+    CACHE: tl.constexpr, COL_SCALES: tl.constexpr, ROW_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t, 0) ropes token t's query heads into ``q_out``, program (t, 1) its key heads into ``k_out``.
 
@@ -171,6 +175,7 @@ def _rope_kernel(
     slot (``slot_mapping``; a negative slot, or t past ``num_slots``, writes nothing) and copies its V row
     (``num_k_heads * HEAD_DIM`` values, ``ROW_PAD`` a power of two that holds them) beside it. ``COL_SCALES``:
     q|k|v's columns still need their scales (``col_scale_ptr``), applied to each value as it is read."""
+    pdl.wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
     d_mask = offs_d < HEAD_DIM // 2
@@ -214,11 +219,12 @@ def _rope_kernel(
 @triton.jit(do_not_specialize=["num_rows", "num_padded"])
 def _silu_and_mul_kernel(x_ptr, col_scale_ptr, out_ptr, q_ptr, s_ptr, num_rows, num_padded, inter_size, stride_x,
                          stride_o, stride_q, stride_s, stride_sg, COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr,
-                         BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                         BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     """``BLOCK`` columns of ``ROWS`` rows, each as ``_rms_norm_kernel`` tiles a row; ``FP8_GROUP`` > 0 as there
     (rows from ``num_rows`` to ``num_padded`` are padding, zeros). ``COL_SCALES``: gate and up times their
     columns' scales first, each rounded to the model dtype, as ``fp8_kernels.scale_columns_`` would leave them;
     the scales are loaded once for all the program's rows."""
+    pdl.wait(PDL)
     COLS: tl.constexpr = FP8_GROUP if FP8_GROUP > 0 else BLOCK
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     in_row = offs < inter_size
@@ -331,7 +337,7 @@ def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight:
             float(eps), num_tokens, hidden_size, x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
             values.stride(0), scales.stride(0), scales.stride(1), HAS_RESIDUAL=residual is not None,
             COL_SCALES=column_scales is not None, FP8_GROUP=group, BLOCK=block, num_warps=num_warps,
-            enable_fp_fusion=False,
+            enable_fp_fusion=False, **pdl.launch_args(x),
         )
     return ((values, scales) if fp8 else out), new_residual
 
@@ -546,7 +552,7 @@ def _launch_rope(positions, q, k, q_out, k_out, q_weight, k_weight, eps, cos_sin
         HAS_NORM=has_norm, MROPE=mrope_section is not None, SECTION_1=section_1, SECTION_2=section_2,
         CACHE=cache is not None, COL_SCALES=column_scales is not None,
         ROW_PAD=triton.next_power_of_2(num_k_heads * head_dim) if cache is not None else 1,
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=4, enable_fp_fusion=False, **pdl.launch_args(q),
     )
 
 
@@ -577,7 +583,7 @@ def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor
             x, column_scales if column_scales is not None else x, out, values, scales, num_tokens, rows, inter_size,
             x.stride(0), out.stride(0), values.stride(0), scales.stride(0), scales.stride(1),
             COL_SCALES=column_scales is not None, FP8_GROUP=group, BLOCK=block, ROWS=per_program, num_warps=4,
-            enable_fp_fusion=False,
+            enable_fp_fusion=False, **pdl.launch_args(x),
         )
     return (values, scales) if fp8 else out
 
