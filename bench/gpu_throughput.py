@@ -5,13 +5,14 @@
     python bench/gpu_throughput.py --shape llama-3.1-8b --tensor-parallel-size 2 --peer-requests 0
     python bench/gpu_throughput.py --shape qwen3-0.6b --kv-cache-dtype fp8 --peer-requests 0
     python bench/gpu_throughput.py --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 --peer-requests 0
-    python bench/gpu_throughput.py --shape qwen3-0.6b --peer-requests 0 --pdl off on early
+    python bench/gpu_throughput.py --shape qwen3-0.6b --peer-requests 0 --env MINIVLLM_PDL=off --env MINIVLLM_PDL=on
 
 With ``--kv-cache-dtype fp8`` or ``--quantization fp8`` the bf16 engine runs first on the same requests
 in the same invocation, and each run is given the roofline of its own bytes (FP8 weights and K/V are
 half of bf16's; their scales count too) and, for FP8 weights, the FP8 matmul rate measured here.
-With ``--pdl`` each of those runs once per programmatic-dependent-launch mode given (``engine.pdl``), in that
-order, on the same requests.
+With ``--env`` each of those runs once per setting given, in that order, on the same requests: a setting is
+environment variables the engine reads when its kernels first launch (``MINIVLLM_PDL``, ``engine.pdl``;
+``MINIVLLM_L2_PREFETCH``, ``engine.l2_prefetch``), comma-separated.
 
 Measures copy bandwidth and matmul rate in the same run, computes the workload's
 roofline from them, runs minivllm (bf16, Triton attention, CUDA graphs), reports the
@@ -46,6 +47,8 @@ from engine import LLM, SamplingParams  # noqa: E402
 
 
 ALL_REDUCE_BATCHES = (1, 8, 32, 64, 128, 192, 256)
+LAUNCH_SETTINGS = ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH")  # what --env sets; a run's record shows them
+_ENV_AT_START = {name: os.environ.get(name) for name in LAUNCH_SETTINGS}
 
 
 def _all_reduce_rank(rank: int, world: int, port: int, hidden: int, out: str) -> None:
@@ -94,12 +97,19 @@ def all_reduce_time(table: dict[int, float]):
 
 
 def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: str = "auto",
-                 quantization: str | None = None, pdl_mode: str | None = None) -> tuple[dict, LLM]:
-    from engine import pdl
+                 quantization: str | None = None, env: str | None = None) -> tuple[dict, LLM]:
+    from engine import l2_prefetch, pdl
 
-    if pdl_mode is not None:  # the engine's kernels read it when they first launch on a device
-        os.environ["MINIVLLM_PDL"] = pdl_mode
+    if env is not None:  # read when the engine's kernels first launch on a device; each run sets only its own
+        for name, value in _ENV_AT_START.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        for name, value in (item.split("=", 1) for item in env.split(",")):
+            os.environ[name] = value
         pdl._mode.cache_clear()
+        l2_prefetch._enabled.cache_clear()
     llm = LLM(str(model_dir), load_format="dummy", max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
@@ -117,12 +127,13 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == sum(output_lens)
     name = "minivllm" + (f" {quantization} weights" if quantization else "") + \
-        (f" {kv_cache_dtype} KV" if kv_cache_dtype != "auto" else "") + (f" PDL {pdl_mode}" if pdl_mode else "")
+        (f" {kv_cache_dtype} KV" if kv_cache_dtype != "auto" else "") + (f" [{env}]" if env else "")
     runner = llm.engine.runner
     return {"name": name, "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
-            "pdl": os.environ.get("MINIVLLM_PDL", "off"),
+            "env": {name: os.environ.get(name) for name in LAUNCH_SETTINGS},
             "kv_bytes_per_token": runner.bytes_per_block() // runner.block_size,
-            "kv_cache_tokens": runner.kv_cache.num_slots, "elapsed_s": elapsed, "output_tokens": num_out, "tok_s": num_out / elapsed,
+            "kv_cache_tokens": runner.kv_cache.num_slots, "elapsed_s": elapsed, "output_tokens": num_out,
+            "tok_s": num_out / elapsed,
             "preemptions": llm.engine.stats().num_preemptions, "async_scheduling": llm.engine.async_scheduling,
             "steps_planned_ahead": llm.engine.num_steps_planned_ahead,
             "steps": step_summary(llm), "compiled_mid_run": compiled, "gc_full_collections_ms": collections}, llm
@@ -230,9 +241,13 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="GPUs the model is split over; the roofline is then per GPU, plus the all-reduces "
                              "measured in the same run")
-    parser.add_argument("--pdl", nargs="+", choices=["off", "on", "early"], default=None,
-                        help="run each configuration once per programmatic-dependent-launch mode (MINIVLLM_PDL)")
+    parser.add_argument("--env", action="append", default=None, metavar="NAME=VALUE[,NAME=VALUE]",
+                        help="run each configuration once per --env setting (e.g. MINIVLLM_PDL=on)")
     args = parser.parse_args()
+    for setting in args.env or []:
+        for item in setting.split(","):
+            if "=" not in item or item.split("=", 1)[0] not in LAUNCH_SETTINGS:
+                parser.error(f"--env takes NAME=VALUE items, NAME one of {', '.join(LAUNCH_SETTINGS)}: {item!r}")
     if args.tensor_parallel_size > 1:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, as the device notes ask
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -255,8 +270,8 @@ def main() -> None:
         if args.quantization:
             ceil.fp8_matmul_flops_per_s = measure_fp8_matmul(torch.device("cuda"))
     runs = []
-    for kv_cache_dtype, quantization, pdl_mode in [(*v, m) for v in variants for m in args.pdl or [None]]:
-        result, llm = run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype, quantization, pdl_mode)
+    for kv_cache_dtype, quantization, env in [(*v, e) for v in variants for e in args.env or [None]]:
+        result, llm = run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype, quantization, env)
         if tp > 1:  # rank 0 holds a share of the model: count the whole from the config
             from engine.distributed import kv_head_range
 
@@ -294,7 +309,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = ("_sync" if args.async_scheduling is False else "") + (f"_tp{tp}" if tp > 1 else "") + \
         (f"_kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "") + \
-        (f"_w{args.quantization}" if args.quantization else "") + ("_pdl" if args.pdl else "")
+        (f"_w{args.quantization}" if args.quantization else "") + ("_env" if args.env else "")
     (out_dir / f"gpu_{args.shape}_{workload.name}{suffix}.json").write_text(json.dumps(record, indent=2))
     print(f"\n{args.shape} {workload.name} ({len(prompts)} requests, {sum(output_lens)} output tokens) on "
           f"{record['gpu']}, commit {record['commit']}")

@@ -6,6 +6,8 @@ Fills the engine with ``--batch`` requests whose prompts follow the W1 length ra
 every prefill finish, then records ``--steps`` decode steps under ``torch.profiler`` and
 prints the device time per step of each kernel (grouped by name) next to the step's
 roofline: the weights plus the active KV read once at the measured copy bandwidth.
+The same number of steps runs first without the profiler, whose tracing can change how kernels
+overlap (``MINIVLLM_PDL``): their median device time is printed beside the profiled steps'.
 The Chrome trace goes to ``$OUT/decode_trace.json`` (or ``bench/out``).
 """
 
@@ -102,6 +104,10 @@ def main() -> None:
               f"{t.device_s * 1e3:.1f} ms")
         pstats.Stats(profile).sort_stats("tottime").print_stats(30)
         return
+    for _ in range(0 if args.prefill else args.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    plain = engine.step_timings[-args.steps:]
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.steps):
@@ -119,9 +125,13 @@ def main() -> None:
     roof_ms = (costs.weight_bytes + costs.kv_bytes_per_token * contexts.sum()) / ceil.copy_bytes_per_s * 1e3
     rows = kernel_table(prof, args.steps)
     total_us = sum(r[2] for r in rows)
+    settings = {name: os.environ[name] for name in ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH") if name in os.environ}
     print(f"\n{args.shape}: {len(contexts)} requests decoding, context mean {contexts.mean():.0f} "
           f"(max {contexts.max()}), {'eager' if args.enforce_eager else 'CUDA graphs'}"
-          f"{', async scheduling' if engine.async_scheduling else ''}")
+          f"{', async scheduling' if engine.async_scheduling else ''}{f', {settings}' if settings else ''}")
+    if not args.prefill:
+        print(f"unprofiled steps: device {np.median([t.device_s for t in plain]) * 1e3:.3f} ms, wall "
+              f"{np.median([t.wall_s for t in plain]) * 1e3:.3f} ms (median of {len(plain)})")
     print(f"step roofline {roof_ms:.2f} ms (copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s); kernels "
           f"{total_us / 1e3:.2f} ms of device time per step; timed steps: host "
           f"{np.median([t.host_s for t in timings]) * 1e3:.2f} / device "
@@ -134,10 +144,13 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = ("prefill" if args.prefill else "eager" if args.enforce_eager else "graphs") + \
         (f"_kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "") + \
-        (f"_w{args.quantization}" if args.quantization else "")
+        (f"_w{args.quantization}" if args.quantization else "") + \
+        "".join(f"_{name.removeprefix('MINIVLLM_').lower()}{value}" for name, value in settings.items())
     (out_dir / f"decode_kernels_{args.shape}_{suffix}.json").write_text(json.dumps(
         {"shape": args.shape, "batch": len(contexts), "context_mean": float(contexts.mean()),
-         "roofline_ms": roof_ms, "kernels": rows}, indent=1))
+         "roofline_ms": roof_ms, "settings": settings, "kernels": rows,
+         "unprofiled_device_ms": None if args.prefill else float(np.median([t.device_s for t in plain]) * 1e3)},
+        indent=1))
 
 
 if __name__ == "__main__":

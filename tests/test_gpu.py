@@ -367,19 +367,24 @@ def test_no_kernel_compiles_after_start_up(tmp_path, fp8):
     llm.engine.close()
 
 
-@pytest.mark.parametrize("mode", ["on", "early"])
-def test_programmatic_dependent_launch_gives_plain_launches_tokens(tmp_path, monkeypatch, mode):
-    """``MINIVLLM_PDL``: the engine's Triton kernels launched with programmatic dependent launch, in eager steps
-    and CUDA-graph replays, give the greedy tokens of plain launches: a 16-bit cache, and FP8 weights and KV."""
-    from engine import pdl
+@pytest.mark.parametrize("settings", [{"MINIVLLM_PDL": "on"}, {"MINIVLLM_PDL": "early"}, {"MINIVLLM_L2_PREFETCH": "1"},
+                                      {"MINIVLLM_PDL": "early", "MINIVLLM_L2_PREFETCH": "1"}],
+                         ids=["pdl", "pdl-early", "l2-prefetch", "both"])
+def test_launch_options_give_plain_launches_tokens(tmp_path, monkeypatch, settings):
+    """Programmatic dependent launch (``MINIVLLM_PDL``) and weights asked of the L2 (``MINIVLLM_L2_PREFETCH``), in
+    eager steps and CUDA-graph replays, give the greedy tokens of plain launches: a 16-bit cache, and FP8 weights
+    and KV. The kernels that ran carry the launch attribute and the prefetches."""
+    from engine import l2_prefetch, pdl
     from engine.models import fused_ops
 
     model_dir = save_tiny_model("qwen3", tmp_path)
     prompts = _prompts(VOCAB, [5, 150, 40, 90, 12, 200, 700, 1])
 
-    def greedy(setting: str, **options) -> list[list[int]]:
-        monkeypatch.setenv("MINIVLLM_PDL", setting)
+    def greedy(env: dict, **options) -> list[list[int]]:
+        for name in ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH"):
+            monkeypatch.setenv(name, env.get(name, "off"))
         pdl._mode.cache_clear()
+        l2_prefetch._enabled.cache_clear()
         llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=1024, num_kvcache_blocks=512,
                   max_num_batched_tokens=256, **options)
         try:
@@ -388,17 +393,24 @@ def test_programmatic_dependent_launch_gives_plain_launches_tokens(tmp_path, mon
         finally:
             llm.engine.close()
 
+    kernels = (fused_ops._rms_norm_kernel, fused_ops._silu_and_mul_kernel)
+
+    def compiled() -> dict:
+        return {(name, key): k for name, kernel in enumerate(kernels) for entry in kernel.device_caches.values()
+                for key, k in entry[0].items()}
+
+    before = compiled()
     try:
         for options in ({}, dict(kv_cache_dtype="fp8", quantization="fp8")):
-            plain = greedy("off", **options)
-            assert greedy(mode, **options) == plain, options
-        assert pdl.mode(torch.empty(1, device="cuda")) == pdl.MODES[mode]
+            plain = greedy({}, **options)
+            assert greedy(settings, **options) == plain, options
     finally:
         monkeypatch.undo()
         pdl._mode.cache_clear()  # later tests launch as the environment says
-    launched = [k.metadata.launch_pdl for entry in fused_ops._rms_norm_kernel.device_caches.values()
-                for k in entry[0].values()]
-    assert True in launched and False in launched  # both kinds of launch ran
+        l2_prefetch._enabled.cache_clear()
+    new = [k for key, k in compiled().items() if key not in before]  # this test's variants: the settings' own
+    assert any(k.metadata.launch_pdl for k in new) == ("MINIVLLM_PDL" in settings)
+    assert any("cp.async.bulk.prefetch.L2" in k.asm["ptx"] for k in new) == ("MINIVLLM_L2_PREFETCH" in settings)
 
 
 def test_steps_never_synchronize_the_stream(tmp_path):

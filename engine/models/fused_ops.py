@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import pdl
+from engine import l2_prefetch, pdl
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HIDDEN_SIZE = 16384  # one row per program, held in registers
@@ -70,16 +70,20 @@ def _store_fp8_groups(v, cols, mask, q_row_ptr, s_row_ptr, stride_sg, first_grou
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, col_scale_ptr, weight_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr,
-    eps, num_rows, hidden_size, stride_x, stride_r, stride_o, stride_ro, stride_q, stride_s, stride_sg,
+    x_ptr, residual_ptr, col_scale_ptr, weight_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr, prefetch_ptr,
+    eps, num_rows, hidden_size, stride_x, stride_r, stride_o, stride_ro, stride_q, stride_s, stride_sg, prefetch_bytes,
     HAS_RESIDUAL: tl.constexpr, COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One row, as a [BLOCK / 128, 128] tile (or [1, BLOCK]). ``FP8_GROUP`` (0 or 128) > 0: the normed row goes out
     as float8 values and a scale per 128 columns (one row of the tile each; ``q_ptr``, ``s_ptr``), not to
     ``out_ptr`` (which then only gives the model dtype); rows from ``num_rows`` on are padding, zeros. The tile is
     the same either way, so that both sum the squares in the same order and round alike. ``COL_SCALES``: ``x``
-    times its columns' scales first, rounded to the model dtype (``fp8_kernels.scale_columns_``'s result)."""
+    times its columns' scales first, rounded to the model dtype (``fp8_kernels.scale_columns_``'s result).
+    ``PREFETCH``: first, the programs ask the L2 for ``prefetch_bytes`` of the next product's weight
+    (``engine.l2_prefetch``)."""
+    if PREFETCH:
+        l2_prefetch.prefetch_share(prefetch_ptr, prefetch_bytes, tl.program_id(0), tl.num_programs(0))
     pdl.wait(PDL)
     COLS: tl.constexpr = 128 if BLOCK >= 128 else BLOCK
     row = tl.program_id(0).to(tl.int64)
@@ -217,13 +221,17 @@ def _rope_kernel(
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_padded"])
-def _silu_and_mul_kernel(x_ptr, col_scale_ptr, out_ptr, q_ptr, s_ptr, num_rows, num_padded, inter_size, stride_x,
-                         stride_o, stride_q, stride_s, stride_sg, COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr,
-                         BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, col_scale_ptr, out_ptr, q_ptr, s_ptr, prefetch_ptr, num_rows, num_padded, inter_size,
+                         stride_x, stride_o, stride_q, stride_s, stride_sg, prefetch_bytes, COL_SCALES: tl.constexpr,
+                         FP8_GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
+                         PREFETCH: tl.constexpr):
     """``BLOCK`` columns of ``ROWS`` rows, each as ``_rms_norm_kernel`` tiles a row; ``FP8_GROUP`` > 0 as there
     (rows from ``num_rows`` to ``num_padded`` are padding, zeros). ``COL_SCALES``: gate and up times their
     columns' scales first, each rounded to the model dtype, as ``fp8_kernels.scale_columns_`` would leave them;
-    the scales are loaded once for all the program's rows."""
+    the scales are loaded once for all the program's rows. ``PREFETCH`` as in ``_rms_norm_kernel``."""
+    if PREFETCH:
+        program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        l2_prefetch.prefetch_share(prefetch_ptr, prefetch_bytes, program, tl.num_programs(0) * tl.num_programs(1))
     pdl.wait(PDL)
     COLS: tl.constexpr = FP8_GROUP if FP8_GROUP > 0 else BLOCK
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
@@ -306,7 +314,7 @@ def _fp8_output(name: str, x: torch.Tensor, width: int) -> tuple[torch.Tensor, t
 
 
 def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-              fp8: bool = False, column_scales: torch.Tensor | None = None):
+              fp8: bool = False, column_scales: torch.Tensor | None = None, prefetch: torch.Tensor | None = None):
     _check_activation(name, "x", x, 2)
     num_tokens, hidden_size = x.shape
     if not 0 < hidden_size <= MAX_HIDDEN_SIZE:
@@ -332,35 +340,39 @@ def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight:
         block, num_warps = _norm_launch(hidden_size)
         res_in = residual if residual is not None else x  # unused without HAS_RESIDUAL
         res_out = new_residual if new_residual is not None else out
+        fetch = l2_prefetch.target(prefetch, x, rows)
         _rms_norm_kernel[(rows,)](
             x, res_in, column_scales if column_scales is not None else weight, weight, out, res_out, values, scales,
-            float(eps), num_tokens, hidden_size, x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
-            values.stride(0), scales.stride(0), scales.stride(1), HAS_RESIDUAL=residual is not None,
-            COL_SCALES=column_scales is not None, FP8_GROUP=group, BLOCK=block, num_warps=num_warps,
-            enable_fp_fusion=False, **pdl.launch_args(x),
+            fetch[0] if fetch else x, float(eps), num_tokens, hidden_size, x.stride(0), res_in.stride(0),
+            out.stride(0), res_out.stride(0), values.stride(0), scales.stride(0), scales.stride(1),
+            fetch[1] if fetch else 0, HAS_RESIDUAL=residual is not None, COL_SCALES=column_scales is not None,
+            FP8_GROUP=group, BLOCK=block, num_warps=num_warps, enable_fp_fusion=False, PREFETCH=fetch is not None,
+            **pdl.launch_args(x),
         )
     return ((values, scales) if fp8 else out), new_residual
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of each row of ``x`` [num_tokens, hidden] (any row stride): a new [num_tokens, hidden] tensor."""
-    out, _ = _rms_norm("rms_norm", x, None, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of each row of ``x`` [num_tokens, hidden] (any row stride): a new [num_tokens, hidden] tensor.
+    ``prefetch``: the weight of the product that reads the result, asked of the L2 (``engine.l2_prefetch``)."""
+    out, _ = _rms_norm("rms_norm", x, None, weight, eps, prefetch=prefetch)
     return out
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    column_scales: torch.Tensor | None = None,
+    column_scales: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)``, the sum rounded to the model dtype; inputs are not written.
     ``column_scales`` (float32 [hidden]): scales ``x``'s columns still need (``Fp8Weights.matmul_deferring_scales``),
-    each product rounded to the model dtype before the add, as if ``x`` had been multiplied by them first."""
-    return _rms_norm("fused_add_rms_norm", x, residual, weight, eps, column_scales=column_scales)
+    each product rounded to the model dtype before the add, as if ``x`` had been multiplied by them first.
+    ``prefetch`` as in ``rms_norm``."""
+    return _rms_norm("fused_add_rms_norm", x, residual, weight, eps, column_scales=column_scales, prefetch=prefetch)
 
 
 def rms_norm_fp8(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-    column_scales: torch.Tensor | None = None,
+    column_scales: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``rms_norm`` (``fused_add_rms_norm`` with a ``residual`` and maybe ``column_scales``) written straight as the
     input of an FP8 linear:
@@ -368,9 +380,9 @@ def rms_norm_fp8(
     ``fp8_kernels.quantize_rows(normed, 128, cublas_layout=True)`` quantizes them (rows padded to a multiple of 4
     with zeros, scales a token-major transposed view). The compiler may order the sum of squares differently from
     ``rms_norm``'s, so a normed value can round the other way now and then. The hidden size must be a multiple of
-    128."""
+    128. ``prefetch`` as in ``rms_norm``."""
     (values, scales), new_residual = _rms_norm("rms_norm_fp8", x, residual, weight, eps, fp8=True,
-                                               column_scales=column_scales)
+                                               column_scales=column_scales, prefetch=prefetch)
     return values, scales, new_residual
 
 
@@ -556,10 +568,12 @@ def _launch_rope(positions, q, k, q_out, k_out, q_weight, k_weight, eps, cos_sin
     )
 
 
-def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor | None = None):
+def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor | None = None,
+                 prefetch: torch.Tensor | None = None):
     """SwiGLU of ``x`` [num_tokens, 2 * inter] (any row stride): ``silu(gate) * up``, [num_tokens, inter]
     (with ``fp8``, ``silu_and_mul_fp8``'s result). ``column_scales`` (float32 [2 * inter]): the SwiGLU of
-    ``x`` times them, each product rounded to ``x``'s dtype, as ``fp8_kernels.scale_columns_`` would leave it."""
+    ``x`` times them, each product rounded to ``x``'s dtype, as ``fp8_kernels.scale_columns_`` would leave it.
+    ``prefetch``: the weight of the product that reads the result, asked of the L2 (``engine.l2_prefetch``)."""
     _check_activation("silu_and_mul", "x", x, 2)
     num_tokens, width = x.shape
     if width % 2 != 0:
@@ -579,16 +593,19 @@ def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor
         # Prefill-sized FP8 outputs: 4 rows a program, 5-8% faster on Llama-3.1-8B's width (bench/swiglu_fp8.py);
         # decode batches keep one, for more programs.
         per_program = 4 if fp8 and num_tokens >= _SWIGLU_ROWS_FROM else 1
+        fetch = l2_prefetch.target(prefetch, x, rows)
         _silu_and_mul_kernel[(triton.cdiv(rows, per_program), triton.cdiv(inter_size, block))](
-            x, column_scales if column_scales is not None else x, out, values, scales, num_tokens, rows, inter_size,
-            x.stride(0), out.stride(0), values.stride(0), scales.stride(0), scales.stride(1),
-            COL_SCALES=column_scales is not None, FP8_GROUP=group, BLOCK=block, ROWS=per_program, num_warps=4,
-            enable_fp_fusion=False, **pdl.launch_args(x),
+            x, column_scales if column_scales is not None else x, out, values, scales, fetch[0] if fetch else x,
+            num_tokens, rows, inter_size, x.stride(0), out.stride(0), values.stride(0), scales.stride(0),
+            scales.stride(1), fetch[1] if fetch else 0, COL_SCALES=column_scales is not None, FP8_GROUP=group,
+            BLOCK=block, ROWS=per_program, num_warps=4, enable_fp_fusion=False, PREFETCH=fetch is not None,
+            **pdl.launch_args(x),
         )
     return (values, scales) if fp8 else out
 
 
-def silu_and_mul_fp8(x: torch.Tensor, column_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_fp8(x: torch.Tensor, column_scales: torch.Tensor | None = None,
+                     prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``silu_and_mul`` written straight as the input of an FP8 linear: ``(values, scales)`` as in
     ``rms_norm_fp8``. The intermediate size must be a multiple of 128."""
-    return silu_and_mul(x, fp8=True, column_scales=column_scales)
+    return silu_and_mul(x, fp8=True, column_scales=column_scales, prefetch=prefetch)

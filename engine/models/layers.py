@@ -46,7 +46,19 @@ def _fused_ops():
     return fused_ops
 
 
-class RMSNorm(nn.Module):
+class FeedsLinear:
+    """A layer whose output a linear layer reads next (``feeds``): in decode-sized steps on Hopper its kernel may ask
+    the L2 for that layer's weight first (``engine.l2_prefetch``)."""
+
+    def feeds(self, linear: nn.Module) -> None:
+        self.__dict__["_feeds"] = linear  # a plain attribute, not a submodule: the weight stays the linear's own
+
+    def _next_weight(self) -> torch.Tensor | None:
+        linear = self.__dict__.get("_feeds")
+        return linear.weight if linear is not None else None
+
+
+class RMSNorm(FeedsLinear, nn.Module):
     """Root-mean-square norm over the last dim, optionally fused with the residual add.
 
     ``forward(x)`` returns the normed ``x``. ``forward(x, residual)`` first forms
@@ -74,7 +86,7 @@ class RMSNorm(nn.Module):
                 from engine.models.fp8 import Fp8Activation
 
                 values, scales, residual = _fused_ops().rms_norm_fp8(x, self.weight, self.eps, residual,
-                                                                     column_scales)
+                                                                     column_scales, prefetch=self._next_weight())
                 out = Fp8Activation(values, scales, x.shape[0], x.dtype)
                 return out if residual is None else (out, residual)
             return self._forward_triton(x, residual, column_scales)
@@ -96,13 +108,13 @@ class RMSNorm(nn.Module):
         if residual is None:
             if column_scales is not None:
                 raise ValueError("RMSNorm: column_scales come with a residual (the add they are fused into)")
-            return _fused_ops().rms_norm(rows, self.weight, self.eps).view(x.shape)
+            return _fused_ops().rms_norm(rows, self.weight, self.eps, prefetch=self._next_weight()).view(x.shape)
         out, residual = _fused_ops().fused_add_rms_norm(rows, residual.reshape(rows.shape), self.weight, self.eps,
-                                                        column_scales)
+                                                        column_scales, prefetch=self._next_weight())
         return out.view(x.shape), residual.view(x.shape)
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(FeedsLinear, nn.Module):
     """SwiGLU activation on a fused [gate | up] projection."""
 
     def __init__(self):
@@ -118,9 +130,9 @@ class SiluAndMul(nn.Module):
             if fp8_out:
                 from engine.models.fp8 import Fp8Activation
 
-                values, scales = _fused_ops().silu_and_mul_fp8(x, column_scales)
+                values, scales = _fused_ops().silu_and_mul_fp8(x, column_scales, prefetch=self._next_weight())
                 return Fp8Activation(values, scales, x.shape[0], x.dtype)
-            return _fused_ops().silu_and_mul(x, column_scales=column_scales)
+            return _fused_ops().silu_and_mul(x, column_scales=column_scales, prefetch=self._next_weight())
         if column_scales is not None:
             x = (x.float() * column_scales).to(x.dtype)
         gate, up = x.chunk(2, dim=-1)

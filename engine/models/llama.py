@@ -133,6 +133,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The kernels that compute a product's input may have the L2 fetch its weight (engine.l2_prefetch).
+        self.input_layernorm.feeds(self.self_attn.qkv_proj)
+        if isinstance(mlp, LlamaMLP):
+            self.post_attention_layernorm.feeds(mlp.gate_up_proj)
+            mlp.act_fn.feeds(mlp.down_proj)
 
     def forward(
         self,
