@@ -4,7 +4,9 @@ In a decode step a projection's weight is read once, by a short cuBLAS product t
 wait on HBM, and between kernels nothing reads memory at all. The small kernel that computes the product's input
 (the add-norm before q|k|v and gate|up, the SwiGLU before down) can ask the L2 cache for that weight first thing:
 each of its programs issues bulk prefetches (``cp.async.bulk.prefetch.L2.global``, sm_90) for a share of the
-weight's bytes, and carries on with its own work while the L2 fills. The product then finds its weight in the
+weight's bytes, and carries on with its own work while the L2 fills. Decode attention, before o, reads far more
+than the L2 holds, so there the programs dispatched last ask for o's weight as they finish (``prefetch_tail``;
+in split steps, the merge kernel's programs as they start). The product then finds its weight in the
 L2 (50 MB on an H100 or H200; Qwen3-0.6B's largest projection is 12.6 MB). A prefetch
 is a hint: it changes no result, only where the product's loads are served from. It reads only the weight,
 which no kernel writes, so it is issued before the kernel waits for the one before it (``engine.pdl``).
@@ -28,7 +30,8 @@ import triton.language as tl
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 512  # decode-sized steps: a prefill-sized product reads its weight many times and is not cold long
-MAX_BYTES = 32 << 20  # of the H200's 50 MB L2: room for the activations and what the kernels before left
+MAX_BYTES = 36 << 20  # of the H200's 50 MB L2 (Llama-3.1-8B's o is 33.5 MB): room for activations and the rest
+TAIL = tl.constexpr(128)  # decode attention: the programs dispatched last, about one per SM, prefetch o's weight
 
 
 @triton.jit
@@ -58,6 +61,16 @@ def prefetch_share(base_ptr, num_bytes, program, num_programs, PIECE: tl.constex
             @p cp.async.bulk.prefetch.L2.global [$1], $2;
             mov.u32 $0, 0;
             }""", constraints="=r,l,r", args=[base_ptr + offset, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_tail(base_ptr, num_bytes, program, num_programs, TAIL: tl.constexpr):
+    """``prefetch_share`` among the last ``TAIL`` programs (all of them if fewer) of a grid whose programs are
+    dispatched in the order of ``program``, their linear index: called as they finish, when the kernel's reads
+    that would evict the lines are nearly done."""
+    tail = tl.minimum(num_programs, TAIL)
+    if program >= num_programs - tail:
+        prefetch_share(base_ptr, num_bytes, program - (num_programs - tail), tail)
 
 
 def enabled_from_env() -> bool:

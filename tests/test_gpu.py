@@ -375,6 +375,7 @@ def test_launch_options_give_plain_launches_tokens(tmp_path, monkeypatch, settin
     eager steps and CUDA-graph replays, give the greedy tokens of plain launches: a 16-bit cache, and FP8 weights
     and KV. The kernels that ran carry the launch attribute and the prefetches."""
     from engine import l2_prefetch, pdl
+    from engine.attention import triton_kernels
     from engine.models import fused_ops
 
     model_dir = save_tiny_model("qwen3", tmp_path)
@@ -393,11 +394,14 @@ def test_launch_options_give_plain_launches_tokens(tmp_path, monkeypatch, settin
         finally:
             llm.engine.close()
 
-    kernels = (fused_ops._rms_norm_kernel, fused_ops._silu_and_mul_kernel)
+    # The kernels before the products: before q|k|v, gate|up and down; before o (decode attention, its merge).
+    kernels = {"mlp": (fused_ops._rms_norm_kernel, fused_ops._silu_and_mul_kernel),
+               "attention": (triton_kernels._decode_split_kernel, triton_kernels._decode_split_fp8_kernel,
+                             triton_kernels._decode_merge_kernel)}
 
     def compiled() -> dict:
-        return {(name, key): k for name, kernel in enumerate(kernels) for entry in kernel.device_caches.values()
-                for key, k in entry[0].items()}
+        return {(group, i, key): k for group, members in kernels.items() for i, kernel in enumerate(members)
+                for entry in kernel.device_caches.values() for key, k in entry[0].items()}
 
     before = compiled()
     try:
@@ -408,9 +412,12 @@ def test_launch_options_give_plain_launches_tokens(tmp_path, monkeypatch, settin
         monkeypatch.undo()
         pdl._mode.cache_clear()  # later tests launch as the environment says
         l2_prefetch._enabled.cache_clear()
-    new = [k for key, k in compiled().items() if key not in before]  # this test's variants: the settings' own
-    assert any(k.metadata.launch_pdl for k in new) == ("MINIVLLM_PDL" in settings)
-    assert any("cp.async.bulk.prefetch.L2" in k.asm["ptx"] for k in new) == ("MINIVLLM_L2_PREFETCH" in settings)
+    new = {key: k for key, k in compiled().items() if key not in before}  # this test's variants: the settings'
+    for group in kernels:
+        ran = [k for key, k in new.items() if key[0] == group]
+        assert any(k.metadata.launch_pdl for k in ran) == ("MINIVLLM_PDL" in settings), group
+        assert any("cp.async.bulk.prefetch.L2" in k.asm["ptx"] for k in ran) == (
+            "MINIVLLM_L2_PREFETCH" in settings), group
 
 
 def test_steps_never_synchronize_the_stream(tmp_path):

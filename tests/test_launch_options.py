@@ -69,13 +69,13 @@ def test_the_programs_prefetch_every_byte_once_in_aligned_shares(num_bytes, num_
 
 # Compiled in a process of its own: the tests run Triton's interpreter, whose kernels do not compile.
 _COMPILE = """
-import json, sys
+import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from engine.models import fused_ops
 
-kernel = getattr(fused_ops, sys.argv[1])
+module, name = sys.argv[1].split(":")
+kernel = getattr(importlib.import_module(module), name)
 constexprs, types, options = json.loads(sys.argv[2])
 signature = {n: types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in kernel.arg_names}
 signature.update({n: "constexpr" for n in constexprs})
@@ -114,7 +114,7 @@ def test_a_kernel_waits_for_the_one_before_ahead_of_its_first_memory_access(mode
     ``griddepcontrol.wait`` (the kernel before may still write its input); "early" also lets the next kernel be
     dispatched; off, neither instruction is there and the launch carries no attribute."""
     lines, launch_pdl = _sm90_ptx_lines(
-        "_silu_and_mul_kernel", dict(COL_SCALES=False, FP8_GROUP=0, BLOCK=1024, ROWS=1, PDL=mode, PREFETCH=False),
+        "engine.models.fused_ops:_silu_and_mul_kernel", dict(COL_SCALES=False, FP8_GROUP=0, BLOCK=1024, ROWS=1, PDL=mode, PREFETCH=False),
         {"col_scale_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "prefetch_ptr": "*u8"},
         {"launch_pdl": True} if mode else {})
     waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
@@ -132,7 +132,7 @@ def test_the_norm_asks_for_the_next_weight_before_it_waits(prefetch):
     product's weight before ``griddepcontrol.wait`` (the weight is never written, so it need not wait), and reads
     its own inputs only after it; without, no prefetch is there."""
     lines, _ = _sm90_ptx_lines(
-        "_rms_norm_kernel", dict(HAS_RESIDUAL=True, COL_SCALES=False, FP8_GROUP=0, BLOCK=1024, PDL=1,
+        "engine.models.fused_ops:_rms_norm_kernel", dict(HAS_RESIDUAL=True, COL_SCALES=False, FP8_GROUP=0, BLOCK=1024, PDL=1,
                                  PREFETCH=prefetch),
         {"col_scale_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "prefetch_ptr": "*u8", "eps": "fp32",
          "prefetch_bytes": "i64"}, {"launch_pdl": True})
@@ -142,3 +142,17 @@ def test_the_norm_asks_for_the_next_weight_before_it_waits(prefetch):
     assert (fetch is not None) is prefetch
     if prefetch:
         assert fetch < wait
+
+
+def test_decode_attention_asks_for_o_weight_after_its_output_is_stored():
+    """Compiled for sm_90: decode attention's programs prefetch the output projection's weight at their end, after
+    the last store of their output (the KV they read would evict lines fetched earlier)."""
+    cons = dict(NUM_HEADS=16, GROUP=2, GROUP_PAD=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, NUM_SPLITS=1,
+                DOT_PRECISION="tf32", HAS_ORDER=True, SLIDING=False, SOFTCAP=False, PDL=0, PREFETCH=True)
+    types = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+             "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "order_ptr": "*i32", "prefetch_ptr": "*u8",
+             "qk_scale": "fp32", "softcap": "fp32", "prefetch_bytes": "i64"}
+    lines, _ = _sm90_ptx_lines("engine.attention.triton_kernels:_decode_split_kernel", cons, types, {})
+    fetches = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line]
+    stores = [i for i, line in enumerate(lines) if line.startswith(("st.global", "@")) and "st.global" in line]
+    assert len(fetches) >= 1 and stores and min(fetches) > max(stores)

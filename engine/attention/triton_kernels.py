@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import pdl
+from engine import l2_prefetch, pdl
 from engine.models.fused_ops import (
     _norm_halves, _rope_halves, _round, check_rope_inputs, rotary_into_cache, rotary_with_column_scales)
 from kvcache.paged_cache import FP8_DTYPE, rotates_keys
@@ -149,6 +149,15 @@ def _store_decode_rows(o, cols, seq, split, heads, head_mask, out_ptr, part_out_
 
 
 @triton.jit
+def _prefetch_at_the_tail(prefetch_ptr, prefetch_bytes):
+    """A decode program's part in prefetching the next product's weight (``l2_prefetch.prefetch_tail``), by its
+    linear index in the grid (axis 0 fastest, the order in which programs are dispatched)."""
+    program = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    num_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    l2_prefetch.prefetch_tail(prefetch_ptr, prefetch_bytes, program, num_programs, l2_prefetch.TAIL)
+
+
+@triton.jit
 def _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_HEADS: tl.constexpr,
                       NUM_SPLITS: tl.constexpr):
     """A split's log-sum-exp (part_lse [num_seqs, NUM_HEADS, NUM_SPLITS]; -inf for an empty split) for the merge."""
@@ -161,13 +170,14 @@ def _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_
 @_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window")
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, prefetch_ptr,
     qk_scale, max_context_len, window, softcap,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, prefetch_bytes,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Decode attention on a cache in the query's dtype (the scale pointers and strides are unused)."""
     pdl.wait(PDL)
@@ -215,6 +225,8 @@ def _decode_split_kernel(
     _store_decode_rows(o, offs_d, seq, split, heads, head_mask, out_ptr, part_out_ptr, stride_ob, stride_oh,
                        NUM_HEADS, HEAD_DIM, NUM_SPLITS)
     _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_HEADS, NUM_SPLITS)
+    if PREFETCH:  # the next product's weight, by the programs dispatched last (engine.l2_prefetch)
+        _prefetch_at_the_tail(prefetch_ptr, prefetch_bytes)
 
 
 @triton.jit
@@ -259,15 +271,15 @@ def _fp8_word_pairs_to_f16(words):
 @_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window")
 def _decode_split_fp8_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, prefetch_ptr,
     qk_scale, max_context_len, window, softcap,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, prefetch_bytes,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PTX: tl.constexpr, K_PAIRS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Decode attention on an FP8 cache, read as 16-bit words: each tile is two half-width tiles.
 
@@ -385,17 +397,23 @@ def _decode_split_fp8_kernel(
     _store_decode_rows(acc_odd * inv_l[:, None], 2 * offs_j + 1, seq, split, heads, head_mask, out_ptr,
                        part_out_ptr, stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, NUM_SPLITS)
     _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_HEADS, NUM_SPLITS)
+    if PREFETCH:
+        _prefetch_at_the_tail(prefetch_ptr, prefetch_bytes)
 
 
 @_jit_without_specializing("stride_fs")
 def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, fp8_values_ptr, fp8_scales_ptr, stride_ob, stride_oh, stride_fv, stride_fs,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    FP8_OUT: tl.constexpr, PDL: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, fp8_values_ptr, fp8_scales_ptr, prefetch_ptr, stride_ob, stride_oh,
+    stride_fv, stride_fs, prefetch_bytes, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, FP8_OUT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One head of one row: the splits' partial outputs weighted by their log-sum-exps. ``FP8_OUT``: the row
     quantized as an FP8 projection's input instead (``paged_decode_attention``'s ``fp8_out``): rounded to the
-    model dtype, then its absolute maximum mapped to 448, ``fp8_kernels.quantize_rows``'s arithmetic."""
+    model dtype, then its absolute maximum mapped to 448, ``fp8_kernels.quantize_rows``'s arithmetic.
+    ``PREFETCH``: first, the programs ask the L2 for the next product's weight (``engine.l2_prefetch``)."""
+    if PREFETCH:
+        l2_prefetch.prefetch_share(prefetch_ptr, prefetch_bytes, tl.program_id(0) * tl.num_programs(1) +
+                                   tl.program_id(1), tl.num_programs(0) * tl.num_programs(1))
     pdl.wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -1109,6 +1127,7 @@ def paged_decode_attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's (k_scales, v_scales)
     softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
     fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (values, scales): the output quantized instead
+    prefetch: torch.Tensor | None = None,  # the next product's weight, asked of the L2 at the end (l2_prefetch)
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole cached context (flash-decoding).
 
@@ -1152,7 +1171,7 @@ def paged_decode_attention(
     fp8 = kv_scales is not None
     k_pairs = fp8 and _fp8_ptx(q) and _k_word_pairs(q.device.index or 0, head_dim)
     return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, order, tiles, window,
-                          kv_scales, softcap, k_pairs, fp8_out)
+                          kv_scales, softcap, k_pairs, fp8_out, prefetch)
 
 
 def _check_fp8_out(q: torch.Tensor, fp8_out) -> None:
@@ -1171,9 +1190,9 @@ def _check_fp8_out(q: torch.Tensor, fp8_out) -> None:
 
 
 def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, order, tiles, window,
-                   kv_scales, softcap, k_pairs: bool, fp8_out=None) -> torch.Tensor:
+                   kv_scales, softcap, k_pairs: bool, fp8_out=None, prefetch=None) -> torch.Tensor:
     """The decode kernel (and the merge) on checked arguments; ``k_pairs``: an FP8 cache's K converted as word
-    pairs (``_fp8_word_pairs_to_f16``)."""
+    pairs (``_fp8_word_pairs_to_f16``); ``prefetch`` as in ``paged_decode_attention``."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_context_len = block_tables.shape[1] * block_size
@@ -1206,11 +1225,13 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
         if any(st % 2 for st in cache_strides):
             raise ValueError(f"paged_decode_attention: an FP8 cache's strides must be even, got {cache_strides}")
         cache_strides = tuple(st // 2 for st in cache_strides)
+    fetch = l2_prefetch.target(prefetch, q, num_seqs)
+    fetch_ptr, fetch_bytes = fetch or (q, 0)
     kernel[(grid[1], grid[0], grid[2]) if heads_first else grid](
         q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, part_out, part_lse,
-        *scale_ptrs, scale if softcap else scale * LOG2_E, max_context_len, window, float(softcap),
+        *scale_ptrs, fetch_ptr, scale if softcap else scale * LOG2_E, max_context_len, window, float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *cache_strides, *scale_strides,
-        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim,
+        fetch_bytes, PREFETCH=fetch is not None and num_splits == 1, NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim,
         PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), HAS_ORDER=order is not None, SLIDING=window > 0,
         SOFTCAP=bool(softcap), **dtype_arg, num_warps=num_warps, num_stages=num_stages, **launch_options,
@@ -1220,10 +1241,10 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
         fp8_values, fp8_scales = fp8_out if fp8_out is not None else (out, out)  # the latter unused
         fp8_strides = (fp8_values.stride(0), fp8_scales.stride(1)) if fp8_out is not None else (0, 0)
         _decode_merge_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, fp8_values, fp8_scales, out.stride(0), out.stride(1), *fp8_strides,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            part_out, part_lse, out, fp8_values, fp8_scales, fetch_ptr, out.stride(0), out.stride(1), *fp8_strides,
+            fetch_bytes, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), FP8_OUT=fp8_out is not None, num_warps=4,
-            **pdl.launch_args(q),
+            PREFETCH=fetch is not None, **pdl.launch_args(q),
         )
     return out
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_gather_last_dim, all_reduce, shard_range, tp_size
+from engine.feeds import FeedsLinear
 
 
 @functools.cache
@@ -44,18 +45,6 @@ def _fused_ops():
     from engine.models import fused_ops
 
     return fused_ops
-
-
-class FeedsLinear:
-    """A layer whose output a linear layer reads next (``feeds``): in decode-sized steps on Hopper its kernel may ask
-    the L2 for that layer's weight first (``engine.l2_prefetch``)."""
-
-    def feeds(self, linear: nn.Module) -> None:
-        self.__dict__["_feeds"] = linear  # a plain attribute, not a submodule: the weight stays the linear's own
-
-    def _next_weight(self) -> torch.Tensor | None:
-        linear = self.__dict__.get("_feeds")
-        return linear.weight if linear is not None else None
 
 
 class RMSNorm(FeedsLinear, nn.Module):

@@ -72,6 +72,7 @@ class LlamaAttention(nn.Module):
         rope = rotary_emb.pending(self.q_norm, self.k_norm) if spec.qk_norm else rotary_emb.pending()
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_idx,
                               sliding_window=window, rope=rope)
+        self.attn.feeds(self.o_proj)  # decode attention may have the L2 fetch o's weight (engine.l2_prefetch)
 
     def forward(
         self,
