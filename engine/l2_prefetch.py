@@ -5,11 +5,11 @@ wait on HBM, and between kernels nothing reads memory at all. The small kernel t
 (the add-norm before q|k|v and gate|up, the SwiGLU before down) can ask the L2 cache for that weight first thing:
 each of its programs issues bulk prefetches (``cp.async.bulk.prefetch.L2.global``, sm_90) for a share of the
 weight's bytes, and carries on with its own work while the L2 fills. Decode attention, before o, reads far more
-than the L2 holds, so there the programs dispatched last ask for o's weight as they finish (``prefetch_tail``;
-in split steps, the merge kernel's programs as they start). The product then finds its weight in the
-L2 (50 MB on an H100 or H200; Qwen3-0.6B's largest projection is 12.6 MB). A prefetch
-is a hint: it changes no result, only where the product's loads are served from. It reads only the weight,
-which no kernel writes, so it is issued before the kernel waits for the one before it (``engine.pdl``).
+than the L2 holds, so there the programs dispatched last ask for o's weight as they finish (``prefetch_tail``; in
+split steps, the merge kernel's programs as they start). The product then finds its weight in the L2 (50 MB on an
+H100 or H200; Qwen3-0.6B's largest projection is 12.6 MB). A prefetch is a hint: it changes no result, only where
+the product's loads are served from. It reads only the weight, which no kernel writes, so it is issued before the
+kernel waits for the one before it (``engine.pdl``).
 
 ``MINIVLLM_L2_PREFETCH=1`` turns it on (off by default until measured) for steps of up to ``MAX_ROWS`` tokens on
 GPUs of compute capability 9.0 and later, for weights of up to ``MAX_BYTES``. A larger weight is left alone: which
