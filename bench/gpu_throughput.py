@@ -12,7 +12,7 @@ in the same invocation, and each run is given the roofline of its own bytes (FP8
 half of bf16's; their scales count too) and, for FP8 weights, the FP8 matmul rate measured here.
 With ``--env`` each of those runs once per setting given, in that order, on the same requests: a setting is
 environment variables the engine reads when its kernels first launch (``MINIVLLM_PDL``, ``engine.pdl``;
-``MINIVLLM_L2_PREFETCH``, ``engine.l2_prefetch``), comma-separated.
+``MINIVLLM_L2_PREFETCH``, ``engine.l2_prefetch``) or torch's ``TORCH_BLAS_PREFER_CUBLASLT``, comma-separated.
 
 Measures copy bandwidth and matmul rate in the same run, computes the workload's
 roofline from them, runs minivllm (bf16, Triton attention, CUDA graphs), reports the
@@ -47,7 +47,9 @@ from engine import LLM, SamplingParams  # noqa: E402
 
 
 ALL_REDUCE_BATCHES = (1, 8, 32, 64, 128, 192, 256)
-LAUNCH_SETTINGS = ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH")  # what --env sets; a run's record shows them
+# What --env sets; a run's record shows them. TORCH_BLAS_PREFER_CUBLASLT=1: the bf16 products through cuBLASLt
+# (torch.backends.cuda.preferred_blas_library), whose kernel choices for decode-sized products differ from cuBLAS's.
+LAUNCH_SETTINGS = ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH", "TORCH_BLAS_PREFER_CUBLASLT")
 _ENV_AT_START = {name: os.environ.get(name) for name in LAUNCH_SETTINGS}
 
 
@@ -110,6 +112,8 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
             os.environ[name] = value
         pdl._mode.cache_clear()
         l2_prefetch._enabled.cache_clear()
+        torch.backends.cuda.preferred_blas_library(
+            "cublaslt" if os.environ.get("TORCH_BLAS_PREFER_CUBLASLT") == "1" else "cublas")
     llm = LLM(str(model_dir), load_format="dummy", max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
@@ -131,6 +135,7 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
     runner = llm.engine.runner
     return {"name": name, "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
             "env": {name: os.environ.get(name) for name in LAUNCH_SETTINGS},
+            "blas": str(torch.backends.cuda.preferred_blas_library()),
             "kv_bytes_per_token": runner.bytes_per_block() // runner.block_size,
             "kv_cache_tokens": runner.kv_cache.num_slots, "elapsed_s": elapsed, "output_tokens": num_out,
             "tok_s": num_out / elapsed,
