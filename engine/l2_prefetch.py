@@ -96,11 +96,11 @@ def _enabled(device_index: int) -> bool:
 def target(weight: torch.Tensor | None, x: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, int] | None:
     """(byte view of ``weight``, bytes to prefetch) where a kernel on ``x`` with ``num_rows`` rows should prefetch
     ``weight``; None where it should not (off, the CPU, a large step, a weight too large or not contiguous)."""
-    if weight is None or not x.is_cuda or num_rows > MAX_ROWS or not weight.is_contiguous():
-        return None
-    num_bytes = weight.numel() * weight.element_size()
-    if not 0 < num_bytes <= MAX_BYTES or num_bytes % 16 or weight.data_ptr() % 16:
+    if weight is None or not x.is_cuda or num_rows > MAX_ROWS:
         return None
     if not _enabled(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+        return None
+    num_bytes = weight.numel() * weight.element_size()
+    if not 0 < num_bytes <= MAX_BYTES or num_bytes % 16 or weight.data_ptr() % 16 or not weight.is_contiguous():
         return None
     return weight.view(-1).view(torch.uint8), num_bytes
