@@ -35,7 +35,11 @@ MODES = {"off": 0, "on": 1, "early": 2}
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAS_GDC = True
 except ImportError:  # older Triton: the kernels never take the PDL branch (``triton_supports_pdl`` is False)
+    _HAS_GDC = False
+
     @triton.jit
     def gdc_wait():
         pass
@@ -61,7 +65,7 @@ def triton_supports_pdl() -> bool:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
         return False
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and gdc_wait.__module__.startswith("triton.")
+    return _HAS_GDC and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
 def mode_from_env() -> int:
