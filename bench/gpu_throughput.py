@@ -110,8 +110,8 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
                 os.environ[name] = value
         for name, value in (item.split("=", 1) for item in env.split(",")):
             os.environ[name] = value
-        pdl._mode.cache_clear()
-        l2_prefetch._enabled.cache_clear()
+        pdl.reread_env()
+        l2_prefetch.reread_env()
         torch.backends.cuda.preferred_blas_library(
             "cublaslt" if os.environ.get("TORCH_BLAS_PREFER_CUBLASLT") == "1" else "cublas")
     llm = LLM(str(model_dir), load_format="dummy", max_model_len=args.max_model_len,

@@ -37,8 +37,8 @@ from engine.models import fused_ops  # noqa: E402
 def _settings(prefetch: bool, pdl_mode: str) -> None:
     os.environ["MINIVLLM_L2_PREFETCH"] = "1" if prefetch else "0"
     os.environ["MINIVLLM_PDL"] = pdl_mode
-    l2_prefetch._enabled.cache_clear()
-    pdl._mode.cache_clear()
+    l2_prefetch.reread_env()
+    pdl.reread_env()
 
 
 def measure(n: int, k: int, batch: int, pdl_modes: list[str]) -> dict[str, float]:

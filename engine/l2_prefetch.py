@@ -93,6 +93,11 @@ def _enabled(device_index: int) -> bool:
     return True
 
 
+def reread_env() -> None:
+    """Forget the setting read from ``MINIVLLM_L2_PREFETCH``: kernels launched after this read it again."""
+    _enabled.cache_clear()
+
+
 def target(weight: torch.Tensor | None, x: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, int] | None:
     """(byte view of ``weight``, bytes to prefetch) where a kernel on ``x`` with ``num_rows`` rows should prefetch
     ``weight``; None where it should not (off, the CPU, a large step, a weight too large or not contiguous)."""

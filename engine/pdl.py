@@ -91,6 +91,12 @@ def _mode(device_index: int) -> int:
     return mode
 
 
+def reread_env() -> None:
+    """Forget the mode read from ``MINIVLLM_PDL``: kernels launched after this read the variable again (for a
+    benchmark or test that compares settings in one process)."""
+    _mode.cache_clear()
+
+
 def mode(t: torch.Tensor) -> int:
     """The mode for kernels on ``t``'s device: 0 on the CPU (Triton's interpreter included)."""
     return _mode(t.device.index if t.device.index is not None else torch.cuda.current_device()) if t.is_cuda else 0

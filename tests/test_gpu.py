@@ -383,8 +383,8 @@ def test_launch_options_give_plain_launches_tokens(tmp_path, monkeypatch, settin
     def greedy(env: dict, **options) -> list[list[int]]:
         for name in ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH"):
             monkeypatch.setenv(name, env.get(name, "off"))
-        pdl._mode.cache_clear()
-        l2_prefetch._enabled.cache_clear()
+        pdl.reread_env()
+        l2_prefetch.reread_env()
         llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=1024, num_kvcache_blocks=512,
                   max_num_batched_tokens=256, **options)
         try:
@@ -409,8 +409,8 @@ def test_launch_options_give_plain_launches_tokens(tmp_path, monkeypatch, settin
             assert greedy(settings, **options) == plain, options
     finally:
         monkeypatch.undo()
-        pdl._mode.cache_clear()  # later tests launch as the environment says
-        l2_prefetch._enabled.cache_clear()
+        pdl.reread_env()  # later tests launch as the environment says
+        l2_prefetch.reread_env()
     new = {key: k for key, k in compiled().items() if key not in before}  # this test's variants: the settings'
     for group in kernels:
         ran = [k for key, k in new.items() if key[0] == group]
