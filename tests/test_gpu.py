@@ -12,7 +12,7 @@ import transformers
 from engine import LLM, SamplingParams
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from tests.helpers import VOCAB, PagedRunner, random_image, save_checkpoint, save_tiny_model
+from tests.helpers import TINY_CONFIGS, VOCAB, PagedRunner, random_image, save_checkpoint, save_tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -377,7 +377,9 @@ def test_launch_options_give_plain_launches_tokens(tmp_path, monkeypatch, settin
     from engine.attention import triton_kernels
     from engine.models import fused_ops
 
-    model_dir = save_tiny_model("qwen3", tmp_path)
+    config = TINY_CONFIGS["qwen3"]()
+    config.max_position_embeddings = 1024  # room for the 700-token prompt and its 40 tokens
+    model_dir = save_checkpoint(config, tmp_path)
     prompts = _prompts(VOCAB, [5, 150, 40, 90, 12, 200, 700, 1])
 
     def greedy(env: dict, **options) -> list[list[int]]:
