@@ -11,10 +11,10 @@ H100 or H200; Qwen3-0.6B's largest projection is 12.6 MB). A prefetch is a hint:
 the product's loads are served from. It reads only the weight, which no kernel writes, so it is issued before the
 kernel waits for the one before it (``engine.pdl``).
 
-``MINIVLLM_L2_PREFETCH=1`` turns it on (off by default until measured) for steps of up to ``MAX_ROWS`` tokens on
-GPUs of compute capability 9.0 and later, for weights of up to ``MAX_BYTES``. A larger weight is left alone: which
-part of it a product reads first is cuBLAS's choice, and lines fetched for a part read last would be evicted by
-the rest before use, their bandwidth spent for nothing.
+``MINIVLLM_L2_PREFETCH=1`` turns it on (off by default: on W1 it lengthened decode steps, bench/RESULTS.md) for
+steps of up to ``MAX_ROWS`` tokens on GPUs of compute capability 9.0 and later, for weights of up to ``MAX_BYTES``.
+A larger weight is left alone: which part of it a product reads first is cuBLAS's choice, and lines fetched for a
+part read last would be evicted by the rest before use, their bandwidth spent for nothing.
 """
 
 from __future__ import annotations

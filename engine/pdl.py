@@ -12,11 +12,12 @@ Every kernel launched this way must wait before its first memory access (``wait`
 the previous kernel may still be reading or writing any buffer. The cuBLAS products between the engine's kernels
 are launched by torch without the attribute and keep a plain dependency on whatever ran before them.
 
-``MINIVLLM_PDL`` picks the mode, read once per process: ``off`` (the default until measured), ``on`` (a kernel
-waits first thing; the next one may be dispatched as its programs exit), ``early`` (it also lets the next kernel be
-dispatched as soon as all its own programs have started, so the next kernel's programs may sit in
-``griddepcontrol.wait`` beside the tail of this one). It needs CUDA compute capability 9.0 or later and a Triton that
-has ``launch_pdl`` (3.4 and later); elsewhere it is off whatever the variable says.
+``MINIVLLM_PDL`` picks the mode, read once per process: ``off`` (the default: on W1 the other modes did not shorten
+a decode step, bench/RESULTS.md), ``on`` (a kernel waits first thing; the next one may be dispatched as its
+programs exit), ``early`` (it also lets the next kernel be dispatched as soon as all its own programs have started,
+so the next kernel's programs may sit in ``griddepcontrol.wait`` beside the tail of this one). It needs CUDA
+compute capability 9.0 or later and a Triton that has ``launch_pdl`` (3.4 and later); elsewhere it is off whatever
+the variable says.
 """
 
 from __future__ import annotations
