@@ -93,30 +93,34 @@ def compare(shape: str, batches) -> None:
         torch.cuda.empty_cache()
 
 
-def sweep(shape: str, batches) -> None:
+def sweep(shape: str, batches, layers) -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, (n, k) in SHAPES[shape].items():
+        if layers and name not in layers:
+            continue
         ws = weights(n, k)
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = F.linear(x, ws[0]).float()
             cublas = timed(F.linear, x, ws)
             results = []
-            block_ms = [b for b in (16, 32, 64, 128, 256) if min(16, m) <= b <= max(16, 2 * m)]
-            for bn, bm, split, warps, stages in itertools.product((32, 64, 128, 256), block_ms, (1, 2, 4, 8),
-                                                                  (4, 8), (3, 4, 6)):
-                if k % (BLOCK_K * split) or bn * bm > 128 * 256 or (bn * bm >= 128 * 128 and warps == 4):
+            widest = max(16, triton.next_power_of_2(m))
+            block_ms = [b for b in (16, 32, 64, 128, 256) if widest // 4 <= b <= widest]
+            for bn, bm, split in itertools.product((32, 64, 128, 256), block_ms, (1, 2, 4, 8)):
+                if k % (BLOCK_K * split) or bn * bm > 128 * 256:
                     continue
-                tiles = Tiles(bn, bm, split, warps, stages)
-                try:
-                    fn = splitk(m, n, k, tiles)
-                    error = float((fn(x, ws[0]).float() - want).norm() / want.norm())
-                    if not error < 0.01:
-                        print(f"  {name} m={m} {tiles}: relative error {error:.4f}")
-                        continue
-                    results.append((timed(fn, x, ws, reps=3), tiles))
-                except Exception as exc:  # out of shared memory or registers for this tile
-                    print(f"  skip {tiles}: {type(exc).__name__}")
+                for stages in (4, 3):  # 3 where 4 stages do not fit the shared memory
+                    tiles = Tiles(bn, bm, split, 8 if bn * bm >= 128 * 128 else 4, stages)
+                    try:
+                        fn = splitk(m, n, k, tiles)
+                        error = float((fn(x, ws[0]).float() - want).norm() / want.norm())
+                        if not error < 0.01:
+                            print(f"  {name} m={m} {tiles}: relative error {error:.4f}")
+                            break
+                        results.append((timed(fn, x, ws, reps=3), tiles))
+                        break
+                    except Exception as exc:  # out of shared memory or registers for this tile
+                        print(f"  skip {tiles}: {type(exc).__name__}")
             results.sort(key=lambda r: r[0])
             pick = choose_tiles(m, n, k, num_sms)
             picked = next((t for t, c in results if c == pick), None)
@@ -133,12 +137,16 @@ def main() -> None:
     parser.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: both")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: 1 to 256)")
+    parser.add_argument("--layers", default=None, help="--sweep: comma-separated projections (qkv,o,gate_up,down)")
     args = parser.parse_args()
     torch.manual_seed(0)
     batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else BATCHES
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     for shape in [args.shape] if args.shape else sorted(SHAPES):
-        (sweep if args.sweep else compare)(shape, batches)
+        if args.sweep:
+            sweep(shape, batches, args.layers.split(",") if args.layers else None)
+        else:
+            compare(shape, batches)
 
 
 if __name__ == "__main__":

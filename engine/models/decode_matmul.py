@@ -39,9 +39,10 @@ DEFAULT = "cublas"
 @triton.jit(do_not_specialize=["M"])
 def _splitk_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, k_per_split, stride_am, stride_wn, stride_cm,
                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One [BLOCK_N, BLOCK_M] tile of C^T = W @ A^T over K's slice ``program_id(2)`` (of SPLIT)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    """One [BLOCK_N, BLOCK_M] tile of C^T = W @ A^T over K's slice ``program_id(2)`` (of SPLIT). The token tiles
+    are the grid's first axis: the programs that read one weight tile run side by side and share it in the L2."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -63,10 +64,10 @@ def _splitk_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, k_per_split, 
         tl.store(out_ptrs, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
     else:
         # The workspace holds [SPLIT, tokens rounded up to BLOCK_M, N] float32 partial sums.
-        rows = tl.num_programs(1) * BLOCK_M
+        rows = tl.num_programs(0) * BLOCK_M
         tl.store(part_ptr + (pid_k * rows + offs_m[None, :]) * N + offs_n[:, None], acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial sum is stored before the release below publishes them
-        tile = pid_m * tl.num_programs(0) + pid_n
+        tile = pid_n * tl.num_programs(0) + pid_m
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == SPLIT - 1:  # the last of the tile's programs: the others' sums are visible to it
             for other in range(0, SPLIT):
@@ -88,7 +89,7 @@ class Tiles:
     num_stages: int
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
-        return triton.cdiv(n, self.block_n), triton.cdiv(m, self.block_m), self.split
+        return triton.cdiv(m, self.block_m), triton.cdiv(n, self.block_n), self.split
 
 
 def choose_tiles(m: int, n: int, k: int, num_sms: int) -> Tiles | None:
@@ -143,7 +144,7 @@ def splitk_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles,
         workspace = _workspaces.get(x.device)
         if workspace is None:
             workspace = _workspaces[x.device] = _Workspace(x.device)
-        got = workspace.get(tiles.split * grid[1] * tiles.block_m * n, grid[0] * grid[1])
+        got = workspace.get(tiles.split * grid[0] * tiles.block_m * n, grid[0] * grid[1])
         if got is None:
             return None
         part, count = got
