@@ -61,22 +61,34 @@ def timed(fn, x, ws, reps: int = 5) -> float:
     return graph_time([lambda w=w: fn(x, w) for w in ws], reps=reps)
 
 
+def neighbours(tiles: Tiles, k: int) -> list[Tiles]:
+    """The pick with the other weight-tile width and half or twice its K slices: what ``compare`` also times."""
+    out = []
+    for block_n in (64, 128):
+        for split in (tiles.split // 2, tiles.split, tiles.split * 2):
+            if split < 1 or k % (BLOCK_K * split) or (block_n, split) == (tiles.block_n, tiles.split):
+                continue
+            warps = 8 if block_n * tiles.block_m >= 128 * 128 else 4
+            out.append(Tiles(block_n, tiles.block_m, split, warps, 4 if block_n * tiles.block_m < 128 * 256 else 3))
+    return out
+
+
 def compare(shape: str, batches) -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    names = ("cuBLAS", "cuBLASLt", "W @ x^T", "splitk")
-    print(f"{shape}: us per call / weight TB/s; splitk's tiles (BLOCK_N, BLOCK_M, split) after its time")
+    names = ("cuBLAS", "cuBLASLt", "W @ x^T", "splitk", "best near it")
+    print(f"{shape}: us per call / weight TB/s; then the engine's tiles and the best of their neighbours")
     print(f"{'layer':>8} {'batch':>5} " + " ".join(f"{v:>16}" for v in names))
     for name, (n, k) in SHAPES[shape].items():
         ws = weights(n, k)
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = F.linear(x, ws[0]).float()
-            pick = splitk(m, n, k, choose_tiles(m, n, k, num_sms))
+            tiles = choose_tiles(m, n, k, num_sms)
             variants = {
                 "cuBLAS": with_blas("cublas", F.linear),
                 "cuBLASLt": with_blas("cublaslt", F.linear),
                 "W @ x^T": with_blas("cublas", lambda x, w: torch.mm(w, x.t())),
-                "splitk": pick,
+                "splitk": splitk(m, n, k, tiles),
             }
             times = []
             for variant, fn in variants.items():
@@ -87,8 +99,15 @@ def compare(shape: str, batches) -> None:
                     print(f"  {name} m={m} {variant}: relative error {error:.4f} against F.linear")
                 times.append(timed(fn, x, ws))
             torch.backends.cuda.preferred_blas_library("cublas")
+            best = (float("inf"), None)
+            for other in neighbours(tiles, k):
+                try:
+                    best = min(best, (timed(splitk(m, n, k, other), x, ws, reps=3), other), key=lambda r: r[0])
+                except Exception as exc:  # out of shared memory or registers for this tile
+                    print(f"  skip {other}: {type(exc).__name__}")
+            times.append(best[0])
             cells = " ".join(f"{t:>10.1f}/{2 * n * k / (t * 1e-6) / 1e12:>4.2f}" for t in times)
-            print(f"{name:>8} {m:>5} {cells}  {pick.tiles}", flush=True)
+            print(f"{name:>8} {m:>5} {cells}  {tiles} | {best[1]}", flush=True)
         del ws
         torch.cuda.empty_cache()
 
