@@ -8,9 +8,16 @@ by memory, and a step of W1 spends ~40% of its device time in them on the 8B sha
 CUDA graph on one of several weight copies in turn, so that no call finds its weight in the L2 cache (as
 ``fp8_gemm.py`` does). Variants: ``F.linear`` with torch's cuBLAS and with its cuBLASLt backend
 (``torch.backends.cuda.preferred_blas_library``); ``W @ x^T`` (the weight rows on cuBLAS's wide side, the output
-left transposed); and ``splitk``, ``engine.models.decode_matmul``'s kernel with the tiles it picks. Prints
-microseconds and the weight TB/s each reaches; ``--sweep`` lists the split-K kernel's five best tiles and the
-engine's pick.
+left transposed); and ``splitk``, the kernel below, with the tiles ``choose_tiles`` picks and the best of their
+neighbours. Prints microseconds and the weight TB/s each reaches; ``--sweep`` lists the split-K kernel's five best
+tiles. The split-K kernel lost to cuBLAS at every batch of 64 tokens and more (bench/RESULTS.md, 2026-12-05), so
+the engine does not use it.
+
+The kernel: a program computes one tile of C^T = W @ A^T, up to 128 weight rows on the tensor cores' wide side
+and every token of the step on the narrow one, over a slice of K; K is cut into as many slices as it takes to give
+every SM a program, and the last program of a tile to finish adds the others' float32 partial sums (kept in a
+workspace) and writes the output, so the product is one launch. A counter per tile, reset by that program, says
+who is last, so the kernel replays in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -18,25 +25,145 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp8_gemm import SHAPES, graph_time  # noqa: E402
 
-from engine.models.decode_matmul import BLOCK_K, Tiles, choose_tiles, splitk_matmul  # noqa: E402
-
 BATCHES = (1, 32, 64, 128, 151, 256)
 L2_BYTES = 50 << 20
+MAX_ROWS = 256  # the widest token tile a program takes (the tensor cores' narrow side)
+BLOCK_K = 64
+
+
+# The token count changes every step: not specialized, so no step compiles a variant.
+@triton.jit(do_not_specialize=["M"])
+def _splitk_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, k_per_split, stride_am, stride_wn, stride_cm,
+                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_N, BLOCK_M] tile of C^T = W @ A^T over K's slice ``program_id(2)`` (of SPLIT). The token tiles
+    are the grid's first axis: the programs that read one weight tile run side by side and share it in the L2."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * k_per_split + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    a_ptrs = a_ptr + offs_m[None, :] * stride_am + offs_k[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for _ in range(0, k_per_split, BLOCK_K):  # k_per_split is a multiple of BLOCK_K
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
+        a = tl.load(a_ptrs, mask=m_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]: A^T's tile
+        acc = tl.dot(w, a, acc)
+        w_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    out_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
+    if SPLIT == 1:
+        tl.store(out_ptrs, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # The workspace holds [SPLIT, tokens rounded up to BLOCK_M, N] float32 partial sums.
+        rows = tl.num_programs(0) * BLOCK_M
+        tl.store(part_ptr + (pid_k * rows + offs_m[None, :]) * N + offs_n[:, None], acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial sum is stored before the release below publishes them
+        tile = pid_n * tl.num_programs(0) + pid_m
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:  # the last of the tile's programs: the others' sums are visible to it
+            for other in range(0, SPLIT):
+                if other != pid_k:
+                    acc += tl.load(part_ptr + (other * rows + offs_m[None, :]) * N + offs_n[:, None],
+                                   mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)  # ready for the next launch
+            tl.store(out_ptrs, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """``block_n`` weight rows x ``block_m`` tokens a program, K cut into ``split`` slices."""
+
+    block_n: int
+    block_m: int
+    split: int
+    num_warps: int
+    num_stages: int
+
+    def grid(self, m: int, n: int) -> tuple[int, int, int]:
+        return triton.cdiv(m, self.block_m), triton.cdiv(n, self.block_n), self.split
+
+
+def choose_tiles(m: int, n: int, k: int, num_sms: int) -> Tiles | None:
+    """The tiles for an [m, k] x [k, n] product, or None where the kernel does not apply (K not a multiple of
+    BLOCK_K, or more than MAX_ROWS tokens). The token tile is the batch rounded up to a power of two, so a decode
+    step's graph sizes meet a handful of variants; the weight tile narrows as the token tile widens, keeping the
+    accumulator at 16k float32 values; K is split until there is a program per SM, keeping slices of 512 or more."""
+    if m > MAX_ROWS or k % BLOCK_K:
+        return None
+    block_m = max(16, triton.next_power_of_2(m))
+    block_n = 64 if block_m == 256 else 128
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split < num_sms and k % (BLOCK_K * split * 2) == 0 and k // (split * 2) >= 512:
+        split *= 2
+    return Tiles(block_n, block_m, split, num_warps=8 if block_n * block_m >= 128 * 128 else 4, num_stages=4)
+
+
+class _Workspace:
+    """Float32 partial sums and the tiles' arrival counters of one device, grown when a product needs more; a
+    product first met during CUDA graph capture that needs more returns None (growing would allocate from the
+    graph's pool)."""
+
+    def __init__(self, device: torch.device):
+        self.part = torch.empty(0, dtype=torch.float32, device=device)
+        self.count = torch.zeros(0, dtype=torch.int32, device=device)
+
+    def get(self, part_numel: int, count_numel: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.part.numel() < part_numel or self.count.numel() < count_numel:
+            if self.part.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            if self.part.numel() < part_numel:
+                self.part = torch.empty(part_numel, dtype=torch.float32, device=self.part.device)
+            if self.count.numel() < count_numel:
+                self.count = torch.zeros(count_numel, dtype=torch.int32, device=self.count.device)
+        return self.part, self.count
+
+
+_workspaces: dict[torch.device, _Workspace] = {}
+
+
+def splitk_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles,
+                  out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ weight.T`` ([m, k] x [n, k], both with unit column stride) by the split-K kernel with ``tiles``; None
+    where the workspace cannot grow (during capture)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    grid = tiles.grid(m, n)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    part, count = out, out  # not read with one slice
+    if tiles.split > 1:
+        workspace = _workspaces.get(x.device)
+        if workspace is None:
+            workspace = _workspaces[x.device] = _Workspace(x.device)
+        got = workspace.get(tiles.split * grid[0] * tiles.block_m * n, grid[0] * grid[1])
+        if got is None:
+            return None
+        part, count = got
+    _splitk_kernel[grid](x, weight, out, part, count, m, n, k // tiles.split, x.stride(0), weight.stride(0),
+                         out.stride(0), SPLIT=tiles.split, BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m,
+                         BLOCK_K=BLOCK_K, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
 
 
 def splitk(m: int, n: int, k: int, tiles: Tiles):
-    """The engine's split-K product with ``tiles``, its workspace grown before any graph capture."""
+    """The split-K product with ``tiles``, its workspace grown before any graph capture."""
     if tiles is None:
         return None
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
@@ -76,7 +203,7 @@ def neighbours(tiles: Tiles, k: int) -> list[Tiles]:
 def compare(shape: str, batches) -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     names = ("cuBLAS", "cuBLASLt", "W @ x^T", "splitk", "best near it")
-    print(f"{shape}: us per call / weight TB/s; then the engine's tiles and the best of their neighbours")
+    print(f"{shape}: us per call / weight TB/s; then choose_tiles' pick and the best of its neighbours")
     print(f"{'layer':>8} {'batch':>5} " + " ".join(f"{v:>16}" for v in names))
     for name, (n, k) in SHAPES[shape].items():
         ws = weights(n, k)
@@ -144,7 +271,7 @@ def sweep(shape: str, batches, layers) -> None:
             pick = choose_tiles(m, n, k, num_sms)
             picked = next((t for t, c in results if c == pick), None)
             print(f"{name} m={m}: cuBLAS {cublas:.1f} us ({2 * n * k / (cublas * 1e-6) / 1e12:.2f} TB/s); "
-                  f"engine's pick {pick} -> {picked}")
+                  f"choose_tiles' pick {pick} -> {picked}")
             for t, tiles in results[:5]:
                 print(f"    {t:7.1f} us {2 * n * k / (t * 1e-6) / 1e12:5.2f} TB/s  {tiles}")
         del ws

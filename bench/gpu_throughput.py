@@ -12,8 +12,7 @@ in the same invocation, and each run is given the roofline of its own bytes (FP8
 half of bf16's; their scales count too) and, for FP8 weights, the FP8 matmul rate measured here.
 With ``--env`` each of those runs once per setting given, in that order, on the same requests: a setting is
 environment variables the engine reads when its kernels first launch (``MINIVLLM_PDL``, ``engine.pdl``;
-``MINIVLLM_L2_PREFETCH``, ``engine.l2_prefetch``; ``MINIVLLM_DECODE_MATMUL``, ``engine.models.decode_matmul``) or
-torch's ``TORCH_BLAS_PREFER_CUBLASLT``, comma-separated.
+``MINIVLLM_L2_PREFETCH``, ``engine.l2_prefetch``) or torch's ``TORCH_BLAS_PREFER_CUBLASLT``, comma-separated.
 
 Measures copy bandwidth and matmul rate in the same run, computes the workload's
 roofline from them, runs minivllm (bf16, Triton attention, CUDA graphs), reports the
@@ -50,8 +49,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 ALL_REDUCE_BATCHES = (1, 8, 32, 64, 128, 192, 256)
 # What --env sets; a run's record shows them. TORCH_BLAS_PREFER_CUBLASLT=1: the bf16 products through cuBLASLt
 # (torch.backends.cuda.preferred_blas_library), whose kernel choices for decode-sized products differ from cuBLAS's.
-# MINIVLLM_DECODE_MATMUL: decode-sized bf16 products through cuBLAS or the split-K Triton kernel.
-LAUNCH_SETTINGS = ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH", "TORCH_BLAS_PREFER_CUBLASLT", "MINIVLLM_DECODE_MATMUL")
+LAUNCH_SETTINGS = ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH", "TORCH_BLAS_PREFER_CUBLASLT")
 _ENV_AT_START = {name: os.environ.get(name) for name in LAUNCH_SETTINGS}
 
 
@@ -103,7 +101,6 @@ def all_reduce_time(table: dict[int, float]):
 def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: str = "auto",
                  quantization: str | None = None, env: str | None = None) -> tuple[dict, LLM]:
     from engine import l2_prefetch, pdl
-    from engine.models import decode_matmul
 
     if env is not None:  # read when the engine's kernels first launch on a device; each run sets only its own
         for name, value in _ENV_AT_START.items():
@@ -115,7 +112,6 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
             os.environ[name] = value
         pdl.reread_env()
         l2_prefetch.reread_env()
-        decode_matmul.reread_env()
         torch.backends.cuda.preferred_blas_library(
             "cublaslt" if os.environ.get("TORCH_BLAS_PREFER_CUBLASLT") == "1" else "cublas")
     llm = LLM(str(model_dir), load_format="dummy", max_model_len=args.max_model_len,

@@ -349,10 +349,6 @@ class Fp8Weights:
                                   widened=self._kept("_cpu_widened"))
             return fp8_linear(x, self.weight, self.weight_scale_inv, bias, self.fp8_block,
                               cublas_scales=self._kept("_cublas_scales"))
-        if x.is_cuda and _triton_installed():
-            from engine.models import decode_matmul  # the split-K kernel of decode-sized products, where chosen
-
-            return decode_matmul.linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def matmul_deferring_scales(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
