@@ -35,7 +35,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_gemm import SHAPES, graph_time  # noqa: E402
+from fp8_gemm import SHAPES, graph_time, print_sweep  # noqa: E402
 
 BATCHES = (1, 32, 64, 128, 151, 256)
 L2_BYTES = 50 << 20
@@ -267,13 +267,8 @@ def sweep(shape: str, batches, layers) -> None:
                         break
                     except Exception as exc:  # out of shared memory or registers for this tile
                         print(f"  skip {tiles}: {type(exc).__name__}")
-            results.sort(key=lambda r: r[0])
-            pick = choose_tiles(m, n, k, num_sms)
-            picked = next((t for t, c in results if c == pick), None)
-            print(f"{name} m={m}: cuBLAS {cublas:.1f} us ({2 * n * k / (cublas * 1e-6) / 1e12:.2f} TB/s); "
-                  f"choose_tiles' pick {pick} -> {picked}")
-            for t, tiles in results[:5]:
-                print(f"    {t:7.1f} us {2 * n * k / (t * 1e-6) / 1e12:5.2f} TB/s  {tiles}")
+            print_sweep(f"{name} m={m}: cuBLAS {cublas:.1f} us ({2 * n * k / (cublas * 1e-6) / 1e12:.2f} TB/s); "
+                        f"choose_tiles' pick", results, choose_tiles(m, n, k, num_sms), weight_bytes=2 * n * k)
         del ws
         torch.cuda.empty_cache()
 

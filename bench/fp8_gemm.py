@@ -135,6 +135,15 @@ def _scaled_mm_per_token(x, values, scales):
     return torch._scaled_mm(xq, values.t(), scale_a=xs, scale_b=scales.view(1, -1), out_dtype=x.dtype)
 
 
+def print_sweep(title: str, results: list, pick, weight_bytes: int) -> None:
+    """The five fastest of ``results`` ((us, tiles) pairs) with the weight TB/s each reaches, after a line with
+    ``title`` and the time of ``pick`` (a heuristic's tiles) among them."""
+    results = sorted(results, key=lambda r: r[0])
+    print(f"{title} {pick} -> {next((t for t, c in results if c == pick), None)}")
+    for t, tiles in results[:5]:
+        print(f"    {t:7.1f} us {weight_bytes / (t * 1e-6) / 1e12:5.2f} TB/s  {tiles}")
+
+
 def sweep(shape: str, batches) -> None:
     """Every tile and split for each projection and batch: the five fastest, and the heuristic's pick."""
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -161,12 +170,8 @@ def sweep(shape: str, batches) -> None:
                     print(f"  skip {cfg}: {type(exc).__name__}")
                     continue
                 results.append((t, cfg))
-            results.sort(key=lambda r: r[0])
-            pick = fp8_kernels.matmul_config(m, n, k, num_sms)
-            picked = next((t for t, c in results if c == pick), None)
-            print(f"{name} m={m}: bf16 {bf16:.1f} us; heuristic {pick} -> {picked}")
-            for t, cfg in results[:5]:
-                print(f"    {t:7.1f} us {n * k / (t * 1e-6) / 1e12:5.2f} TB/s  {cfg}")
+            print_sweep(f"{name} m={m}: bf16 {bf16:.1f} us; heuristic", results,
+                        fp8_kernels.matmul_config(m, n, k, num_sms), weight_bytes=n * k)
         del ws
         torch.cuda.empty_cache()
 
