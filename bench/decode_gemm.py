@@ -35,10 +35,9 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_gemm import SHAPES, graph_time, print_sweep  # noqa: E402
+from fp8_gemm import L2_BYTES, SHAPES, graph_time, print_sweep  # noqa: E402
 
 BATCHES = (1, 32, 64, 128, 151, 256)
-L2_BYTES = 50 << 20
 MAX_ROWS = 256  # the widest token tile a program takes (the tensor cores' narrow side)
 BLOCK_K = 64
 
@@ -100,13 +99,11 @@ class Tiles:
         return triton.cdiv(m, self.block_m), triton.cdiv(n, self.block_n), self.split
 
 
-def choose_tiles(m: int, n: int, k: int, num_sms: int) -> Tiles | None:
-    """The tiles for an [m, k] x [k, n] product, or None where the kernel does not apply (K not a multiple of
-    BLOCK_K, or more than MAX_ROWS tokens). The token tile is the batch rounded up to a power of two, so a decode
-    step's graph sizes meet a handful of variants; the weight tile narrows as the token tile widens, keeping the
-    accumulator at 16k float32 values; K is split until there is a program per SM, keeping slices of 512 or more."""
-    if m > MAX_ROWS or k % BLOCK_K:
-        return None
+def choose_tiles(m: int, n: int, k: int, num_sms: int) -> Tiles:
+    """The tiles for an [m, k] x [k, n] product (m <= MAX_ROWS, k a multiple of BLOCK_K). The token tile is the batch
+    rounded up to a power of two, so a decode step's graph sizes would meet a handful of variants; the weight tile
+    narrows as the token tile widens, keeping the accumulator at 16k float32 values; K is split until there is a
+    program per SM, keeping slices of 512 or more."""
     block_m = max(16, triton.next_power_of_2(m))
     block_n = 64 if block_m == 256 else 128
     tiles = triton.cdiv(n, block_n)
@@ -116,60 +113,21 @@ def choose_tiles(m: int, n: int, k: int, num_sms: int) -> Tiles | None:
     return Tiles(block_n, block_m, split, num_warps=8 if block_n * block_m >= 128 * 128 else 4, num_stages=4)
 
 
-class _Workspace:
-    """Float32 partial sums and the tiles' arrival counters of one device, grown when a product needs more; a
-    product first met during CUDA graph capture that needs more returns None (growing would allocate from the
-    graph's pool)."""
-
-    def __init__(self, device: torch.device):
-        self.part = torch.empty(0, dtype=torch.float32, device=device)
-        self.count = torch.zeros(0, dtype=torch.int32, device=device)
-
-    def get(self, part_numel: int, count_numel: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.part.numel() < part_numel or self.count.numel() < count_numel:
-            if self.part.is_cuda and torch.cuda.is_current_stream_capturing():
-                return None
-            if self.part.numel() < part_numel:
-                self.part = torch.empty(part_numel, dtype=torch.float32, device=self.part.device)
-            if self.count.numel() < count_numel:
-                self.count = torch.zeros(count_numel, dtype=torch.int32, device=self.count.device)
-        return self.part, self.count
-
-
-_workspaces: dict[torch.device, _Workspace] = {}
-
-
-def splitk_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles,
-                  out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``x @ weight.T`` ([m, k] x [n, k], both with unit column stride) by the split-K kernel with ``tiles``; None
-    where the workspace cannot grow (during capture)."""
-    m, k = x.shape
-    n = weight.shape[0]
+def splitk(m: int, n: int, k: int, tiles: Tiles, device="cuda"):
+    """``x @ w.T`` for [m, k] inputs and [n, k] weights by the split-K kernel with ``tiles``: a closure that owns its
+    output, the float32 partial sums ([split, m rounded up to the token tile, n]) and the tiles' arrival counters."""
     grid = tiles.grid(m, n)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    part, count = out, out  # not read with one slice
-    if tiles.split > 1:
-        workspace = _workspaces.get(x.device)
-        if workspace is None:
-            workspace = _workspaces[x.device] = _Workspace(x.device)
-        got = workspace.get(tiles.split * grid[0] * tiles.block_m * n, grid[0] * grid[1])
-        if got is None:
-            return None
-        part, count = got
-    _splitk_kernel[grid](x, weight, out, part, count, m, n, k // tiles.split, x.stride(0), weight.stride(0),
-                         out.stride(0), SPLIT=tiles.split, BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m,
-                         BLOCK_K=BLOCK_K, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    return out
+    out = torch.empty(m, n, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
+    part = torch.empty(tiles.split * grid[0] * tiles.block_m * n, dtype=torch.float32, device=device)
+    count = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=device)
 
+    def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        _splitk_kernel[grid](x, w, out, part, count, m, n, k // tiles.split, x.stride(0), w.stride(0), out.stride(0),
+                             SPLIT=tiles.split, BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, BLOCK_K=BLOCK_K,
+                             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        return out
 
-def splitk(m: int, n: int, k: int, tiles: Tiles):
-    """The split-K product with ``tiles``, its workspace grown before any graph capture."""
-    if tiles is None:
-        return None
-    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    fn = lambda x, w: splitk_matmul(x, w, tiles, out)  # noqa: E731
-    fn.tiles = tiles
-    return fn
+    return product
 
 
 def with_blas(library: str, fn):
@@ -282,6 +240,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else BATCHES
+    if max(batches) > MAX_ROWS:
+        parser.error(f"--batches: decode sizes of at most {MAX_ROWS} tokens")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     for shape in [args.shape] if args.shape else sorted(SHAPES):
         if args.sweep:
