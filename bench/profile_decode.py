@@ -117,8 +117,8 @@ def main() -> None:
 
     if args.prefill:
         sched_tokens = timings[-1].num_tokens
-        flops = 2 * (model_costs(engine.runner.model, config).matmul_params - config.vocab_size * config.hidden_size) \
-            * sched_tokens
+        # matmul_params leaves out the embedding and the LM head (which multiplies one token per prompt).
+        flops = 2 * model_costs(engine.runner.model, config).matmul_params * sched_tokens
         print(f"\nprefill step of {sched_tokens} tokens: matmul floor {flops / ceil.matmul_flops_per_s * 1e3:.2f} ms")
     contexts = np.array([r.num_computed_tokens for r in engine.scheduler.running])
     costs = model_costs(engine.runner.model, config, engine.runner.bytes_per_block() // engine.runner.block_size)

@@ -82,7 +82,7 @@ def measure_ceilings(device: torch.device, copy_gib: float = 4.0, n: int = 8192)
 @dataclass
 class ModelCosts:
     weight_bytes: int  # every parameter, read once per decode step
-    matmul_params: int  # parameters that multiply each prompt token (all but the embedding lookup)
+    matmul_params: int  # parameters that multiply each prompt token: all but the embedding and the LM head
     kv_bytes_per_token: int
     attn_flops_per_pair: int  # FLOPs per (query, key) pair over all layers: QK^T and PV
     expert_bytes: int = 0  # of weight_bytes, the experts of the sparse layers (read as tokens are routed)
