@@ -1,4 +1,5 @@
-"""bf16 products at decode batch sizes: cuBLAS, cuBLASLt and a split-K Triton kernel (needs a CUDA GPU).
+"""bf16 products at decode batch sizes: cuBLAS, cuBLASLt, cuBLAS split along K and a split-K Triton kernel (needs
+a CUDA GPU).
 
     python bench/decode_gemm.py                          # both shapes' projections, batches 1-256
     python bench/decode_gemm.py --shape llama-3.1-8b --batches 151 --sweep
@@ -8,8 +9,9 @@ by memory, and a step of W1 spends ~40% of its device time in them on the 8B sha
 CUDA graph on one of several weight copies in turn, so that no call finds its weight in the L2 cache (as
 ``fp8_gemm.py`` does). Variants: ``F.linear`` with torch's cuBLAS and with its cuBLASLt backend
 (``torch.backends.cuda.preferred_blas_library``); ``W @ x^T`` (the weight rows on cuBLAS's wide side, the output
-left transposed); and ``splitk``, the kernel below, with the tiles ``choose_tiles`` picks and the best of their
-neighbours. Prints microseconds and the weight TB/s each reaches; ``--sweep`` lists the split-K kernel's five best
+left transposed); ``splitk``, the kernel below, with the tiles ``choose_tiles`` picks and the best of their
+neighbours; and cuBLAS itself split along K (``ksplit_partials``: a strided-batched product of K's slices, more
+programs with shorter K loops, partial products a following kernel would add), with its best slice count. Prints microseconds and the weight TB/s each reaches; ``--sweep`` lists the split-K kernel's five best
 tiles. The split-K kernel lost to cuBLAS at every batch of 64 tokens and more (bench/RESULTS.md, 2026-12-05), so
 the engine does not use it.
 
@@ -130,6 +132,23 @@ def splitk(m: int, n: int, k: int, tiles: Tiles, device="cuda"):
     return product
 
 
+def ksplit_partials(split: int):
+    """``x @ w.T`` cut along K into ``split`` slices, one cuBLAS strided-batched product: [split, m, n] partial
+    products (bf16, each rounded once) whose sum is the result. Views only, no copy: slice s of x is columns
+    s*K/split.. of every row (row-major, ld = K), of w the same columns (column-major, ld = K). A consumer that
+    reads the product anyway (the residual add-norm after o and down) can add the slices as it reads them."""
+    def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        n = w.shape[0]
+        return torch.bmm(x.view(m, split, k // split).transpose(0, 1), w.view(n, split, k // split).permute(1, 2, 0))
+    return product
+
+
+def ksplits(k: int) -> list[int]:
+    """The slice counts ``ksplit_partials`` is timed with: 2 to 8 slices of a multiple of 128 columns."""
+    return [s for s in (2, 3, 4, 6, 8) if k % (128 * s) == 0]
+
+
 def with_blas(library: str, fn):
     def call(*args):
         torch.backends.cuda.preferred_blas_library(library)
@@ -160,8 +179,9 @@ def neighbours(tiles: Tiles, k: int) -> list[Tiles]:
 
 def compare(shape: str, batches) -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    names = ("cuBLAS", "cuBLASLt", "W @ x^T", "splitk", "best near it")
-    print(f"{shape}: us per call / weight TB/s; then choose_tiles' pick and the best of its neighbours")
+    names = ("cuBLAS", "cuBLASLt", "W @ x^T", "splitk", "best near it", "K-split bmm", "bmm + sum")
+    print(f"{shape}: us per call / weight TB/s; then choose_tiles' pick and the best of its neighbours, and the "
+          f"slice count of the best cuBLAS K-split (its partial products; then with a separate sum)")
     print(f"{'layer':>8} {'batch':>5} " + " ".join(f"{v:>16}" for v in names))
     for name, (n, k) in SHAPES[shape].items():
         ws = weights(n, k)
@@ -191,8 +211,20 @@ def compare(shape: str, batches) -> None:
                 except Exception as exc:  # out of shared memory or registers for this tile
                     print(f"  skip {other}: {type(exc).__name__}")
             times.append(best[0])
+            split_best = (float("inf"), None)
+            for split in ksplits(k):
+                fn = ksplit_partials(split)
+                error = float((fn(x, ws[0]).float().sum(0) - want).norm() / want.norm())
+                if not error < 0.01:
+                    print(f"  {name} m={m} K-split {split}: relative error {error:.4f} against F.linear")
+                split_best = min(split_best, (timed(fn, x, ws), split), key=lambda r: r[0])
+            if split_best[1] is None:
+                times += [float("nan")] * 2
+            else:
+                partials = ksplit_partials(split_best[1])
+                times += [split_best[0], timed(lambda x, w: partials(x, w).sum(0), x, ws)]
             cells = " ".join(f"{t:>10.1f}/{2 * n * k / (t * 1e-6) / 1e12:>4.2f}" for t in times)
-            print(f"{name:>8} {m:>5} {cells}  {tiles} | {best[1]}", flush=True)
+            print(f"{name:>8} {m:>5} {cells}  {tiles} | {best[1]} | K in {split_best[1]}", flush=True)
         del ws
         torch.cuda.empty_cache()
 

@@ -12,7 +12,8 @@ in the same invocation, and each run is given the roofline of its own bytes (FP8
 half of bf16's; their scales count too) and, for FP8 weights, the FP8 matmul rate measured here.
 With ``--env`` each of those runs once per setting given, in that order, on the same requests: a setting is
 environment variables the engine reads when its kernels first launch (``MINIVLLM_PDL``, ``engine.pdl``;
-``MINIVLLM_L2_PREFETCH``, ``engine.l2_prefetch``) or torch's ``TORCH_BLAS_PREFER_CUBLASLT``, comma-separated.
+``MINIVLLM_L2_PREFETCH``, ``engine.l2_prefetch``; ``MINIVLLM_DECODE_KSPLIT``, ``engine.models.layers``) or torch's
+``TORCH_BLAS_PREFER_CUBLASLT``, comma-separated.
 
 Measures copy bandwidth and matmul rate in the same run, computes the workload's
 roofline from them, runs minivllm (bf16, Triton attention, CUDA graphs), reports the
@@ -49,7 +50,9 @@ from engine import LLM, SamplingParams  # noqa: E402
 ALL_REDUCE_BATCHES = (1, 8, 32, 64, 128, 192, 256)
 # What --env sets; a run's record shows them. TORCH_BLAS_PREFER_CUBLASLT=1: the bf16 products through cuBLASLt
 # (torch.backends.cuda.preferred_blas_library), whose kernel choices for decode-sized products differ from cuBLAS's.
-LAUNCH_SETTINGS = ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH", "TORCH_BLAS_PREFER_CUBLASLT")
+# MINIVLLM_DECODE_KSPLIT=S: decode-sized o and down products as S slices of K (engine.models.layers), read when
+# the model is built.
+LAUNCH_SETTINGS = ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH", "TORCH_BLAS_PREFER_CUBLASLT", "MINIVLLM_DECODE_KSPLIT")
 _ENV_AT_START = {name: os.environ.get(name) for name in LAUNCH_SETTINGS}
 
 

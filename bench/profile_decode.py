@@ -125,7 +125,8 @@ def main() -> None:
     roof_ms = (costs.weight_bytes + costs.kv_bytes_per_token * contexts.sum()) / ceil.copy_bytes_per_s * 1e3
     rows = kernel_table(prof, args.steps)
     total_us = sum(r[2] for r in rows)
-    settings = {name: os.environ[name] for name in ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH") if name in os.environ}
+    settings = {name: os.environ[name] for name in ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH", "MINIVLLM_DECODE_KSPLIT",
+                                                    "TORCH_BLAS_PREFER_CUBLASLT") if name in os.environ}
     print(f"\n{args.shape}: {len(contexts)} requests decoding, context mean {contexts.mean():.0f} "
           f"(max {contexts.max()}), {'eager' if args.enforce_eager else 'CUDA graphs'}"
           f"{', async scheduling' if engine.async_scheduling else ''}{f', {settings}' if settings else ''}")

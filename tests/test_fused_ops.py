@@ -100,6 +100,31 @@ def test_fused_add_rms_norm_matches_torch(dtype, hidden_size):
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before), "inputs must not be written"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_slices", [2, 3])
+def test_fused_add_rms_norm_adds_partial_products_first(dtype, num_slices):
+    """Partial products of K's slices ([slices, tokens, hidden], ``layers.PartialSums``) give what the norm gives on
+    their sum rounded once, and the module takes them on either path."""
+    from engine.models.layers import PartialSums
+
+    norm = _torch_norm(576, dtype, seed=9)
+    slices = torch.stack([_randn(6, 576, dtype=dtype, seed=10 + i) for i in range(num_slices)])
+    residual = _randn(6, 576, dtype=dtype, seed=20)
+    whole = slices.float().sum(0).to(dtype)
+    ref_out, ref_residual = norm(whole, residual)
+    out, new_residual = fused_ops.fused_add_rms_norm(slices, residual, norm.weight, norm.eps)
+    _assert_matches(new_residual, ref_residual)
+    _assert_matches(out, ref_out)
+    torch_out, torch_residual = norm(PartialSums(slices), residual)
+    torch.testing.assert_close(torch_out, ref_out, atol=0, rtol=0)
+    torch.testing.assert_close(torch_residual, ref_residual, atol=0, rtol=0)
+    norm.use_triton = True
+    got_out, got_residual = norm(PartialSums(slices), residual)
+    _assert_matches(got_out, ref_out)
+    with pytest.raises(ValueError, match="partial sums come with a residual"):
+        norm(PartialSums(slices))
+
+
 def test_rms_norm_module_uses_the_kernel_on_3d_views():
     """The module flattens leading dims (a qkv view here) and restores them."""
     norm = _torch_norm(32, torch.float32, seed=7)
@@ -337,5 +362,36 @@ def test_tiny_model_fused_matches_torch_path(name, tmp_path):
         runner = PagedRunner(model)
         outputs[use_triton] = [runner.step(chunks) for chunks in steps]
     for ref_step, got_step in zip(outputs[False], outputs[True]):
+        for ref, got in zip(ref_step, got_step):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "fused"])
+def test_decode_products_split_along_k_give_the_whole_products_logits(use_triton, tmp_path, monkeypatch):
+    """``MINIVLLM_DECODE_KSPLIT``: o and down of decode-sized steps as partial products of K's slices, added by the
+    next add-norm, give the logits of whole products (float32); prompts longer than the decode sizes stay whole."""
+    from engine.models import layers
+
+    path = save_tiny_model("qwen3", tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (19, 250, 12)]
+    steps = [[(0, prompts[0][:-1])], [(0, prompts[0][-1:]), (1, prompts[1]), (2, prompts[2])]]
+    outputs, made = {}, []
+    real_partial_products = layers.RowParallelLinear.partial_products
+    monkeypatch.setattr(layers.RowParallelLinear, "partial_products",
+                        lambda self, x: made.append(x.shape[0]) or real_partial_products(self, x))
+    for setting in ("0", "2"):
+        monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", setting)
+        model = load_model(ModelConfig.from_pretrained(path), torch.float32, DEVICE)
+        set_use_triton(model, use_triton)
+        assert {m.k_slices for m in model.modules() if isinstance(m, layers.RowParallelLinear)} == {int(setting) or 1}
+        runner = PagedRunner(model)
+        outputs[setting] = [runner.step(chunks) for chunks in steps]
+    assert made and set(made) == {18}  # the 18-token prefill; the 263-token step is past the decode sizes
+    assert layers.decode_k_slices(96) == 1  # 2 slices of 48 columns: left whole
+    monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "two")
+    with pytest.raises(ValueError, match="MINIVLLM_DECODE_KSPLIT must be a slice count from 0 to 16, got 'two'"):
+        layers.decode_k_slices(128)
+    for ref_step, got_step in zip(outputs["0"], outputs["2"]):
         for ref, got in zip(ref_step, got_step):
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

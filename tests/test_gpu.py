@@ -443,8 +443,36 @@ def test_steps_never_synchronize_the_stream(tmp_path):
     assert llm.engine.num_steps_planned_ahead > 0
 
 
-def test_bf16_logits_on_a_real_shaped_model_stay_within_tolerance(tmp_path):
-    """Qwen3-0.6B shape, random weights: our bf16 Triton path against transformers in float32."""
+def test_decode_products_split_along_k_under_cuda_graphs_give_the_same_tokens(tmp_path, monkeypatch):
+    """``MINIVLLM_DECODE_KSPLIT=2`` (o and down of decode-sized steps as partial products of K's slices, added by the
+    next add-norm kernel) in CUDA-graph replays gives the greedy tokens of whole products (float32)."""
+    from engine.models import layers
+
+    model_dir = save_tiny_model("qwen3", tmp_path)
+    prompts = _prompts(VOCAB)
+    made = []
+    real_partial_products = layers.RowParallelLinear.partial_products
+    monkeypatch.setattr(layers.RowParallelLinear, "partial_products",
+                        lambda self, x: made.append(x.shape[0]) or real_partial_products(self, x))
+    tokens = {}
+    for setting in ("0", "2"):
+        monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", setting)
+        llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=256, num_kvcache_blocks=256)
+        try:
+            assert llm.engine.runner.graphs is not None
+            llm.engine.measure_steps(True)
+            tokens[setting] = _greedy(llm, prompts, 40)
+            assert any(t.graph for t in llm.engine.step_timings)
+        finally:
+            llm.engine.close()
+    assert made, "the split products should have run (captured in the graphs)"
+    assert tokens["2"] == tokens["0"]
+
+
+@pytest.mark.parametrize("ksplit", ["0", "2"])
+def test_bf16_logits_on_a_real_shaped_model_stay_within_tolerance(tmp_path, monkeypatch, ksplit):
+    """Qwen3-0.6B shape, random weights: our bf16 Triton path against transformers in float32; also with decode-sized
+    steps' o and down products split along K (``MINIVLLM_DECODE_KSPLIT``), the 24-token step here."""
     import json
     import sys
     from pathlib import Path
@@ -456,6 +484,7 @@ def test_bf16_logits_on_a_real_shaped_model_stay_within_tolerance(tmp_path):
     hf_config = transformers.AutoConfig.from_pretrained(tmp_path)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).cuda().eval()
+    monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", ksplit)
     ours = load_model(ModelConfig.from_pretrained(tmp_path), torch.bfloat16, torch.device("cuda"), "dummy")
     ours.load_weights((name, t.detach()) for name, t in hf.state_dict().items())
     from engine.attention.triton_backend import TritonAttentionBackend

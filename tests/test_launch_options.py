@@ -133,7 +133,7 @@ def test_the_norm_asks_for_the_next_weight_before_it_waits(prefetch):
     its own inputs only after it; without, no prefetch is there."""
     lines, _ = _sm90_ptx_lines(
         "engine.models.fused_ops:_rms_norm_kernel", dict(HAS_RESIDUAL=True, COL_SCALES=False, FP8_GROUP=0, BLOCK=1024, PDL=1,
-                                 PREFETCH=prefetch),
+                                 PREFETCH=prefetch, NUM_SLICES=1),
         {"col_scale_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "prefetch_ptr": "*u8", "eps": "fp32",
          "prefetch_bytes": "i64"}, {"launch_pdl": True})
     fetch = next((i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line), None)

@@ -71,9 +71,9 @@ def _store_fp8_groups(v, cols, mask, q_row_ptr, s_row_ptr, stride_sg, first_grou
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr, residual_ptr, col_scale_ptr, weight_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr, prefetch_ptr,
-    eps, num_rows, hidden_size, stride_x, stride_r, stride_o, stride_ro, stride_q, stride_s, stride_sg, prefetch_bytes,
-    HAS_RESIDUAL: tl.constexpr, COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    eps, num_rows, hidden_size, stride_xs, stride_x, stride_r, stride_o, stride_ro, stride_q, stride_s, stride_sg,
+    prefetch_bytes, HAS_RESIDUAL: tl.constexpr, COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_SLICES: tl.constexpr,
 ):
     """One row, as a [BLOCK / 128, 128] tile (or [1, BLOCK]). ``FP8_GROUP`` (0 or 128) > 0: the normed row goes out
     as float8 values and a scale per 128 columns (one row of the tile each; ``q_ptr``, ``s_ptr``), not to
@@ -81,7 +81,8 @@ def _rms_norm_kernel(
     the same either way, so that both sum the squares in the same order and round alike. ``COL_SCALES``: ``x``
     times its columns' scales first, rounded to the model dtype (``fp8_kernels.scale_columns_``'s result).
     ``PREFETCH``: first, the programs ask the L2 for ``prefetch_bytes`` of the next product's weight
-    (``engine.l2_prefetch``)."""
+    (``engine.l2_prefetch``). ``NUM_SLICES`` > 1: ``x`` is that many partial products ``stride_xs`` apart, added in
+    float32 and rounded once, as the whole product would have been (``layers.PartialSums``)."""
     if PREFETCH:
         l2_prefetch.prefetch_share(prefetch_ptr, prefetch_bytes, tl.program_id(0), tl.num_programs(0))
     pdl.wait(PDL)
@@ -91,6 +92,10 @@ def _rms_norm_kernel(
     in_row = offs < hidden_size
     mask = in_row & (row < num_rows) if FP8_GROUP > 0 else in_row
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if NUM_SLICES > 1:
+        for i in tl.static_range(1, NUM_SLICES):
+            x += tl.load(x_ptr + i * stride_xs + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _round(x, out_ptr)
     if COL_SCALES:
         x = _round(x * tl.load(col_scale_ptr + offs, mask=in_row, other=0.0), out_ptr)
     if HAS_RESIDUAL:
@@ -315,7 +320,14 @@ def _fp8_output(name: str, x: torch.Tensor, width: int) -> tuple[torch.Tensor, t
 
 def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
               fp8: bool = False, column_scales: torch.Tensor | None = None, prefetch: torch.Tensor | None = None):
-    _check_activation(name, "x", x, 2)
+    slices = x  # [num_slices, tokens, hidden]: partial products to add first (fused_add_rms_norm only)
+    if x.dim() == 3 and residual is not None and not fp8 and column_scales is None:
+        _check_activation(name, "x", x, 3)
+        if not 1 <= x.shape[0] <= 16:
+            raise ValueError(f"{name}: 1 to 16 partial products, got {x.shape[0]}")
+        x = x[0]
+    else:
+        _check_activation(name, "x", x, 2)
     num_tokens, hidden_size = x.shape
     if not 0 < hidden_size <= MAX_HIDDEN_SIZE:
         raise ValueError(f"{name}: hidden size {hidden_size} is outside (0, {MAX_HIDDEN_SIZE}]")
@@ -341,13 +353,15 @@ def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight:
         res_in = residual if residual is not None else x  # unused without HAS_RESIDUAL
         res_out = new_residual if new_residual is not None else out
         fetch = l2_prefetch.target(prefetch, x, rows)
+        num_slices = slices.shape[0] if slices.dim() == 3 else 1
         _rms_norm_kernel[(rows,)](
             x, res_in, column_scales if column_scales is not None else weight, weight, out, res_out, values, scales,
-            fetch[0] if fetch else x, float(eps), num_tokens, hidden_size, x.stride(0), res_in.stride(0),
+            fetch[0] if fetch else x, float(eps), num_tokens, hidden_size,
+            slices.stride(0) if num_slices > 1 else 0, x.stride(0), res_in.stride(0),
             out.stride(0), res_out.stride(0), values.stride(0), scales.stride(0), scales.stride(1),
             fetch[1] if fetch else 0, HAS_RESIDUAL=residual is not None, COL_SCALES=column_scales is not None,
             FP8_GROUP=group, BLOCK=block, num_warps=num_warps, enable_fp_fusion=False, PREFETCH=fetch is not None,
-            **pdl.launch_args(x),
+            NUM_SLICES=num_slices, **pdl.launch_args(x),
         )
     return ((values, scales) if fp8 else out), new_residual
 
@@ -366,7 +380,9 @@ def fused_add_rms_norm(
     """``(rms_norm(x + residual), x + residual)``, the sum rounded to the model dtype; inputs are not written.
     ``column_scales`` (float32 [hidden]): scales ``x``'s columns still need (``Fp8Weights.matmul_deferring_scales``),
     each product rounded to the model dtype before the add, as if ``x`` had been multiplied by them first.
-    ``prefetch`` as in ``rms_norm``."""
+    ``prefetch`` as in ``rms_norm``. ``x`` may be [num_slices, num_tokens, hidden] (no ``column_scales`` then): partial
+    products of K's slices whose sum is the input, added in float32 and rounded to the model dtype once
+    (``layers.PartialSums``)."""
     return _rms_norm("fused_add_rms_norm", x, residual, weight, eps, column_scales=column_scales, prefetch=prefetch)
 
 

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import importlib.util
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,33 @@ def _fused_ops():
     return fused_ops
 
 
+DECODE_KSPLIT_MAX_ROWS = 256  # decode-sized batches: the products that read their weight for few tokens
+
+
+def decode_k_slices(in_features: int) -> int:
+    """``MINIVLLM_DECODE_KSPLIT``: how many slices of K the o and down products of decode-sized batches are cut
+    into (``RowParallelLinear.forward_deferring_scales``), 0 or 1 for none (the default). A count that does not cut
+    ``in_features`` into multiples of 64 columns leaves that product whole. An unknown value is an error."""
+    value = os.environ.get("MINIVLLM_DECODE_KSPLIT", "0").strip() or "0"
+    if not value.isdigit() or not 0 <= int(value) <= 16:
+        raise ValueError(f"MINIVLLM_DECODE_KSPLIT must be a slice count from 0 to 16, got {value!r}")
+    slices = int(value)
+    return slices if slices > 1 and in_features % (64 * slices) == 0 else 1
+
+
+@dataclass
+class PartialSums:
+    """A product left as the products of K's slices, ``slices`` [num_slices, tokens, out_features] in the model
+    dtype, each rounded once: its value is their sum. The residual add-norm that reads it adds them (in float32,
+    rounded to the model dtype once, as a whole product is) before the residual (``RMSNorm.forward``)."""
+
+    slices: torch.Tensor
+
+    def total(self) -> torch.Tensor:
+        """The product itself, [tokens, out_features]."""
+        return self.slices.float().sum(0).to(self.slices.dtype)
+
+
 class RMSNorm(FeedsLinear, nn.Module):
     """Root-mean-square norm over the last dim, optionally fused with the residual add.
 
@@ -69,7 +97,16 @@ class RMSNorm(FeedsLinear, nn.Module):
         Triton path then returns one, quantized as the layer would quantize the normed rows, in the same kernel.
         The torch path returns the normed rows either way. ``column_scales`` (float32 [hidden]): the scales that
         ``x``'s columns still need (an FP8 product that left its per-channel weight scales to this norm,
-        ``RowParallelLinear.forward_deferring_scales``), each product rounded to ``x``'s dtype before the add."""
+        ``RowParallelLinear.forward_deferring_scales``), each product rounded to ``x``'s dtype before the add.
+        ``x`` may be ``PartialSums`` (with a residual, no FP8 output): the slices are added first."""
+        if isinstance(x, PartialSums):
+            if residual is None or fp8_out or column_scales is not None:
+                raise ValueError("RMSNorm: partial sums come with a residual, without FP8 output or column scales")
+            if _use_triton(self.use_triton, x.slices):
+                out, residual = _fused_ops().fused_add_rms_norm(x.slices, residual, self.weight, self.eps,
+                                                                prefetch=self._next_weight())
+                return out, residual
+            x = x.total()
         if _use_triton(self.use_triton, x):
             if fp8_out and x.dim() == 2:
                 from engine.models.fp8 import Fp8Activation
@@ -415,6 +452,7 @@ class RowParallelLinear(Fp8Weights, nn.Linear):
         start, local = shard_range(in_features)
         super().__init__(local, out_features, bias=bias)
         self.weight.source_range = (1, start, local)  # checkpoint columns this rank loads
+        self.k_slices = decode_k_slices(local)  # MINIVLLM_DECODE_KSPLIT, read when the model is built
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
@@ -430,7 +468,18 @@ class RowParallelLinear(Fp8Weights, nn.Linear):
         not measured on several GPUs yet. A checkpoint's 128 x 128 tiles differ by rank and cannot.)"""
         if tp_size() == 1 and self.bias is None and self.takes_fp8_input:
             return self.matmul_deferring_scales(x)
+        if (self.k_slices > 1 and tp_size() == 1 and self.bias is None and not self.is_fp8
+                and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] <= DECODE_KSPLIT_MAX_ROWS):
+            return self.partial_products(x), None
         return self.forward(x), None
+
+    def partial_products(self, x: torch.Tensor) -> PartialSums:
+        """``x @ W.T`` as the products of ``k_slices`` slices of K in one strided-batched matmul (views, no copy):
+        more programs with shorter K loops than one product of a decode-sized batch has."""
+        slices, k = self.k_slices, x.shape[1]
+        a = x.unflatten(1, (slices, k // slices)).transpose(0, 1)  # [slices, tokens, k / slices]
+        w = self.weight.unflatten(1, (slices, k // slices)).permute(1, 2, 0)  # [slices, k / slices, out]
+        return PartialSums(torch.bmm(a, w))
 
 
 class VocabParallelEmbedding(nn.Embedding):
