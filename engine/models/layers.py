@@ -465,7 +465,9 @@ class RowParallelLinear(Fp8Weights, nn.Linear):
         (``matmul_deferring_scales``: prefill-sized batches): (out, float32 column scales or None). One rank only:
         with tensor parallelism the ranks' partial products are summed first. (Quantized at load time, the ranks
         share their channel scales, ``fp8.quantize_model_weights``, so the sum could take them after; that path is
-        not measured on several GPUs yet. A checkpoint's 128 x 128 tiles differ by rank and cannot.)"""
+        not measured on several GPUs yet. A checkpoint's 128 x 128 tiles differ by rank and cannot.) With ``k_slices``
+        > 1 (``MINIVLLM_DECODE_KSPLIT``), a 16-bit weight's product of a decode-sized batch comes back as
+        ``PartialSums``, for the residual add-norm that reads it next to add up."""
         if tp_size() == 1 and self.bias is None and self.takes_fp8_input:
             return self.matmul_deferring_scales(x)
         if (self.k_slices > 1 and tp_size() == 1 and self.bias is None and not self.is_fp8

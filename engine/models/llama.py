@@ -82,7 +82,8 @@ class LlamaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out [num_tokens, hidden_size], the column scales out still needs or None): with FP8 weights, products
         of prefill-sized steps may leave their per-channel weight scales to the kernel that reads them next. q|k|v's
-        are applied by the attention layer's KV-cache write; o's are returned for the residual add-norm."""
+        are applied by the attention layer's KV-cache write; o's are returned for the residual add-norm. ``out`` may be
+        o's ``PartialSums`` (``RowParallelLinear.forward_deferring_scales``), which that add-norm adds up."""
         if self.qkv_proj.takes_fp8_input and self.qkv_proj.bias is None:
             qkv, column_scales = self.qkv_proj.matmul_deferring_scales(hidden)
         else:
