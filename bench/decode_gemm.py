@@ -11,9 +11,10 @@ CUDA graph on one of several weight copies in turn, so that no call finds its we
 (``torch.backends.cuda.preferred_blas_library``); ``W @ x^T`` (the weight rows on cuBLAS's wide side, the output
 left transposed); ``splitk``, the kernel below, with the tiles ``choose_tiles`` picks and the best of their
 neighbours; and cuBLAS itself split along K (``ksplit_partials``: a strided-batched product of K's slices, more
-programs with shorter K loops, partial products a following kernel would add), with its best slice count. Prints microseconds and the weight TB/s each reaches; ``--sweep`` lists the split-K kernel's five best
-tiles. The split-K kernel lost to cuBLAS at every batch of 64 tokens and more (bench/RESULTS.md, 2026-12-05), so
-the engine does not use it.
+programs with shorter K loops, partial products a following kernel would add), with its best slice count. Prints
+microseconds and the weight TB/s each reaches; ``--sweep`` lists the split-K kernel's five best tiles. The split-K
+kernel lost to cuBLAS at every batch of 64 tokens and more (bench/RESULTS.md, 2026-12-05), so the engine does not
+use it.
 
 The kernel: a program computes one tile of C^T = W @ A^T, up to 128 weight rows on the tensor cores' wide side
 and every token of the step on the narrow one, over a slice of K; K is cut into as many slices as it takes to give
@@ -37,7 +38,9 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_gemm import L2_BYTES, SHAPES, graph_time, print_sweep  # noqa: E402
+from fp8_gemm import L2_BYTES, SHAPES, graph_time, print_sweep  # noqa: E402  (puts the repo root on the path)
+
+from engine.models.layers import k_slice_products  # noqa: E402
 
 BATCHES = (1, 32, 64, 128, 151, 256)
 MAX_ROWS = 256  # the widest token tile a program takes (the tensor cores' narrow side)
@@ -133,15 +136,10 @@ def splitk(m: int, n: int, k: int, tiles: Tiles, device="cuda"):
 
 
 def ksplit_partials(split: int):
-    """``x @ w.T`` cut along K into ``split`` slices, one cuBLAS strided-batched product: [split, m, n] partial
-    products (bf16, each rounded once) whose sum is the result. Views only, no copy: slice s of x is columns
-    s*K/split.. of every row (row-major, ld = K), of w the same columns (column-major, ld = K). A consumer that
-    reads the product anyway (the residual add-norm after o and down) can add the slices as it reads them."""
-    def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        m, k = x.shape
-        n = w.shape[0]
-        return torch.bmm(x.view(m, split, k // split).transpose(0, 1), w.view(n, split, k // split).permute(1, 2, 0))
-    return product
+    """cuBLAS cut along K into ``split`` slices, as the engine runs it (``layers.k_slice_products``): [split, m, n]
+    partial products (bf16, each rounded once) whose sum is the result; the residual add-norm after o and down adds
+    them as it reads them."""
+    return lambda x, w: k_slice_products(x, w, split)
 
 
 def ksplits(k: int) -> list[int]:

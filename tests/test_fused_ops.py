@@ -121,8 +121,8 @@ def test_fused_add_rms_norm_adds_partial_products_first(dtype, num_slices):
     norm.use_triton = True
     got_out, got_residual = norm(PartialSums(slices), residual)
     _assert_matches(got_out, ref_out)
-    with pytest.raises(ValueError, match="partial sums come with a residual"):
-        norm(PartialSums(slices))
+    _assert_matches(got_residual, ref_residual)
+    _assert_matches(norm(PartialSums(slices)), norm(whole))  # without a residual: added up first
 
 
 def test_rms_norm_module_uses_the_kernel_on_3d_views():

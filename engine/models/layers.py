@@ -75,6 +75,15 @@ class PartialSums:
         return self.slices.float().sum(0).to(self.slices.dtype)
 
 
+def k_slice_products(x: torch.Tensor, weight: torch.Tensor, slices: int) -> torch.Tensor:
+    """``x @ weight.T`` ([tokens, K] x [out, K]) as the products of ``slices`` slices of K, [slices, tokens, out], in
+    one strided-batched matmul of views (no copy): slice s is columns s*K/slices.. of x's rows and of the weight's."""
+    k = x.shape[1]
+    a = x.unflatten(1, (slices, k // slices)).transpose(0, 1)  # [slices, tokens, k / slices]
+    w = weight.unflatten(1, (slices, k // slices)).permute(1, 2, 0)  # [slices, k / slices, out]
+    return torch.bmm(a, w)
+
+
 class RMSNorm(FeedsLinear, nn.Module):
     """Root-mean-square norm over the last dim, optionally fused with the residual add.
 
@@ -98,14 +107,12 @@ class RMSNorm(FeedsLinear, nn.Module):
         The torch path returns the normed rows either way. ``column_scales`` (float32 [hidden]): the scales that
         ``x``'s columns still need (an FP8 product that left its per-channel weight scales to this norm,
         ``RowParallelLinear.forward_deferring_scales``), each product rounded to ``x``'s dtype before the add.
-        ``x`` may be ``PartialSums`` (with a residual, no FP8 output): the slices are added first."""
+        ``x`` may be ``PartialSums``: the slices are added first (by the add-norm kernel where it is the one to run)."""
         if isinstance(x, PartialSums):
-            if residual is None or fp8_out or column_scales is not None:
-                raise ValueError("RMSNorm: partial sums come with a residual, without FP8 output or column scales")
-            if _use_triton(self.use_triton, x.slices):
-                out, residual = _fused_ops().fused_add_rms_norm(x.slices, residual, self.weight, self.eps,
-                                                                prefetch=self._next_weight())
-                return out, residual
+            fused = residual is not None and not fp8_out and column_scales is None
+            if fused and _use_triton(self.use_triton, x.slices):
+                return _fused_ops().fused_add_rms_norm(x.slices, residual, self.weight, self.eps,
+                                                       prefetch=self._next_weight())
             x = x.total()
         if _use_triton(self.use_triton, x):
             if fp8_out and x.dim() == 2:
@@ -476,12 +483,9 @@ class RowParallelLinear(Fp8Weights, nn.Linear):
         return self.forward(x), None
 
     def partial_products(self, x: torch.Tensor) -> PartialSums:
-        """``x @ W.T`` as the products of ``k_slices`` slices of K in one strided-batched matmul (views, no copy):
-        more programs with shorter K loops than one product of a decode-sized batch has."""
-        slices, k = self.k_slices, x.shape[1]
-        a = x.unflatten(1, (slices, k // slices)).transpose(0, 1)  # [slices, tokens, k / slices]
-        w = self.weight.unflatten(1, (slices, k // slices)).permute(1, 2, 0)  # [slices, k / slices, out]
-        return PartialSums(torch.bmm(a, w))
+        """``x @ W.T`` as the products of ``k_slices`` slices of K (``k_slice_products``): more programs with shorter
+        K loops than one product of a decode-sized batch has."""
+        return PartialSums(k_slice_products(x, self.weight, self.k_slices))
 
 
 class VocabParallelEmbedding(nn.Embedding):
