@@ -29,6 +29,7 @@ import gc
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -50,10 +51,17 @@ from engine import LLM, SamplingParams  # noqa: E402
 ALL_REDUCE_BATCHES = (1, 8, 32, 64, 128, 192, 256)
 # What --env sets; a run's record shows them. TORCH_BLAS_PREFER_CUBLASLT=1: the bf16 products through cuBLASLt
 # (torch.backends.cuda.preferred_blas_library), whose kernel choices for decode-sized products differ from cuBLAS's.
-# MINIVLLM_DECODE_KSPLIT=S: decode-sized o and down products as S slices of K (engine.models.layers), read when
-# the model is built.
+# MINIVLLM_DECODE_KSPLIT=S (or o=S,down=S,gate_up=S): decode-sized o, down and gate|up products as S slices of K
+# (engine.models.layers), read when the model is built.
 LAUNCH_SETTINGS = ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH", "TORCH_BLAS_PREFER_CUBLASLT", "MINIVLLM_DECODE_KSPLIT")
 _ENV_AT_START = {name: os.environ.get(name) for name in LAUNCH_SETTINGS}
+
+
+def env_items(setting: str) -> list[tuple[str, str]]:
+    """An ``--env`` setting's (NAME, VALUE) pairs: items are cut at the commas before a known NAME, so that a value
+    may hold commas itself (``MINIVLLM_DECODE_KSPLIT=o=4,down=4``)."""
+    items = re.split(",(?=(?:%s)=)" % "|".join(LAUNCH_SETTINGS), setting)
+    return [tuple(item.split("=", 1)) if "=" in item else (item, "") for item in items]
 
 
 def _all_reduce_rank(rank: int, world: int, port: int, hidden: int, out: str) -> None:
@@ -111,7 +119,7 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        for name, value in (item.split("=", 1) for item in env.split(",")):
+        for name, value in env_items(env):
             os.environ[name] = value
         pdl.reread_env()
         l2_prefetch.reread_env()
@@ -253,9 +261,9 @@ def main() -> None:
                         help="run each configuration once per --env setting (e.g. MINIVLLM_PDL=on)")
     args = parser.parse_args()
     for setting in args.env or []:
-        for item in setting.split(","):
-            if "=" not in item or item.split("=", 1)[0] not in LAUNCH_SETTINGS:
-                parser.error(f"--env takes NAME=VALUE items, NAME one of {', '.join(LAUNCH_SETTINGS)}: {item!r}")
+        for name, value in env_items(setting):
+            if name not in LAUNCH_SETTINGS:
+                parser.error(f"--env takes NAME=VALUE items, NAME one of {', '.join(LAUNCH_SETTINGS)}: {setting!r}")
     if args.tensor_parallel_size > 1:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, as the device notes ask
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -203,6 +203,31 @@ def test_silu_and_mul_matches_torch(dtype, inter_size):
     _assert_matches(fused_ops.silu_and_mul(x), ref_module(x))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_slices", [2, 3])
+def test_silu_and_mul_adds_partial_products_first(dtype, num_slices):
+    """Partial products of gate|up ([slices, tokens, 2 * inter], ``layers.PartialSums``) give the SwiGLU of their sum
+    rounded once, plain and as an FP8 linear's input, and the module takes them on either path."""
+    from engine.models.layers import PartialSums
+
+    slices = torch.stack([_randn(5, 2 * 384, dtype=dtype, seed=30 + i, scale=2.0) for i in range(num_slices)])
+    whole = slices.float().sum(0).to(dtype)
+    torch_path = SiluAndMul()
+    torch_path.use_triton = False
+    ref = torch_path(whole)
+    _assert_matches(fused_ops.silu_and_mul(slices), ref)
+    assert torch.equal(torch_path(PartialSums(slices)), ref)
+    fused_path = SiluAndMul()
+    fused_path.use_triton = True
+    _assert_matches(fused_path(PartialSums(slices)), ref)
+    values, scales = fused_ops.silu_and_mul_fp8(slices)
+    want_values, want_scales = fused_ops.silu_and_mul_fp8(whole)
+    if dtype != torch.bfloat16 or DEVICE == "cuda":  # the interpreter truncates the sum's rounding to bfloat16
+        assert _same_bits(values, want_values) and torch.equal(scales, want_scales)
+    with pytest.raises(ValueError, match="1 to 16 partial products, got 17"):
+        fused_ops.silu_and_mul(whole.expand(17, *whole.shape))
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -368,30 +393,61 @@ def test_tiny_model_fused_matches_torch_path(name, tmp_path):
 
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "fused"])
 def test_decode_products_split_along_k_give_the_whole_products_logits(use_triton, tmp_path, monkeypatch):
-    """``MINIVLLM_DECODE_KSPLIT``: o and down of decode-sized steps as partial products of K's slices, added by the
-    next add-norm, give the logits of whole products (float32); prompts longer than the decode sizes stay whole."""
+    """``MINIVLLM_DECODE_KSPLIT``: o, down and gate|up of decode-sized steps as partial products of K's slices, added
+    by the kernel that reads them next (the add-norm, SwiGLU), give the logits of whole products (float32), one count
+    for all or counts by product; prompts longer than the decode sizes stay whole."""
     from engine.models import layers
 
-    path = save_tiny_model("qwen3", tmp_path)
+    import transformers
+
+    from tests.helpers import SMALL_CONFIG, save_checkpoint
+
+    config = transformers.Qwen3Config(**{**SMALL_CONFIG, "hidden_size": 128, "intermediate_size": 256}, head_dim=32,
+                                      tie_word_embeddings=False)
+    path = save_checkpoint(config, tmp_path)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (19, 250, 12)]
     steps = [[(0, prompts[0][:-1])], [(0, prompts[0][-1:]), (1, prompts[1]), (2, prompts[2])]]
     outputs, made = {}, []
-    real_partial_products = layers.RowParallelLinear.partial_products
-    monkeypatch.setattr(layers.RowParallelLinear, "partial_products",
-                        lambda self, x: made.append(x.shape[0]) or real_partial_products(self, x))
-    for setting in ("0", "2"):
+    real_partial_products = layers.DecodeKSplit.partial_products
+    monkeypatch.setattr(layers.DecodeKSplit, "partial_products", lambda self, x: made.append(
+        (self.k_slices, tuple(self.weight.shape), x.shape[0])) or real_partial_products(self, x))
+    o, gate_up, down = (128, 128), (512, 128), (128, 256)  # the weights, [out, in]
+    cases = {  # setting: (slices, weight) of each product cut, in layer order, both layers
+        "0": [],
+        "2": [(2, o), (2, gate_up), (2, down)] * 2,
+        "4": [(4, down)] * 2,  # o's and gate|up's K of 128 do not cut into 4 slices of a multiple of 64
+        "gate_up=1,down=2": [(2, down)] * 2,
+        " o=2, gate_up=2 ": [(2, o), (2, gate_up)] * 2,
+    }
+    for setting, want in cases.items():
         monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", setting)
+        made.clear()
         model = load_model(ModelConfig.from_pretrained(path), torch.float32, DEVICE)
         set_use_triton(model, use_triton)
-        assert {m.k_slices for m in model.modules() if isinstance(m, layers.RowParallelLinear)} == {int(setting) or 1}
         runner = PagedRunner(model)
         outputs[setting] = [runner.step(chunks) for chunks in steps]
-    assert made == [18] * 4  # o and down of both layers in the 18-token step; the 263-token step is past the sizes
-    assert layers.decode_k_slices(96) == 1  # 2 slices of 48 columns: left whole
-    monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "two")
-    with pytest.raises(ValueError, match="MINIVLLM_DECODE_KSPLIT must be a slice count from 0 to 16, got 'two'"):
-        layers.decode_k_slices(128)
-    for ref_step, got_step in zip(outputs["0"], outputs["2"]):
-        for ref, got in zip(ref_step, got_step):
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        # Only the 18-token step is cut; the 263-token one is past the decode sizes.
+        assert [(k, shape) for k, shape, _ in made] == want and {rows for _, _, rows in made} <= {18}
+    for setting in cases:
+        for ref_step, got_step in zip(outputs["0"], outputs[setting]):
+            for ref, got in zip(ref_step, got_step):
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_k_split_setting_is_checked(monkeypatch):
+    from engine.models import layers
+
+    monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "4")
+    assert [layers.decode_k_slices(p, 1024) for p in ("o", "down", "gate_up")] == [4, 4, 4]
+    assert layers.decode_k_slices("o", 192) == 1  # 4 slices of 48 columns: left whole
+    monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "o=4,down=8")
+    assert [layers.decode_k_slices(p, 1024) for p in ("o", "down", "gate_up")] == [4, 8, 1]
+    for bad, match in (("two", "'two' is not a product"), ("o=2,qkv=2", "'qkv' is not a product"),
+                       ("o=2,o=4", "'o' is not a product .* or is named twice"), ("down=17", "got '17' for down"),
+                       ("gate_up=", "got '' for gate_up")):
+        monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", bad)
+        with pytest.raises(ValueError, match=match):
+            layers.decode_k_slices("o", 1024)
+    with pytest.raises(ValueError, match="no K-split for product 'qkv'"):
+        layers.decode_k_slices("qkv", 1024)

@@ -444,16 +444,20 @@ def test_steps_never_synchronize_the_stream(tmp_path):
 
 
 def test_decode_products_split_along_k_under_cuda_graphs_give_the_same_tokens(tmp_path, monkeypatch):
-    """``MINIVLLM_DECODE_KSPLIT=2`` (o and down of decode-sized steps as partial products of K's slices, added by the
-    next add-norm kernel) in CUDA-graph replays gives the greedy tokens of whole products (float32)."""
+    """``MINIVLLM_DECODE_KSPLIT=2`` (o, down and gate|up of decode-sized steps as partial products of K's slices,
+    added by the add-norm and SwiGLU kernels that read them) in CUDA-graph replays gives the greedy tokens of whole
+    products (float32)."""
     from engine.models import layers
+    from tests.helpers import SMALL_CONFIG
 
-    model_dir = save_tiny_model("qwen3", tmp_path)
+    config = transformers.Qwen3Config(**{**SMALL_CONFIG, "hidden_size": 128, "intermediate_size": 256}, head_dim=32,
+                                      tie_word_embeddings=False)  # every K a multiple of 2 x 64
+    model_dir = save_checkpoint(config, tmp_path)
     prompts = _prompts(VOCAB)
     made = []
-    real_partial_products = layers.RowParallelLinear.partial_products
-    monkeypatch.setattr(layers.RowParallelLinear, "partial_products",
-                        lambda self, x: made.append(x.shape[0]) or real_partial_products(self, x))
+    real_partial_products = layers.DecodeKSplit.partial_products
+    monkeypatch.setattr(layers.DecodeKSplit, "partial_products",
+                        lambda self, x: made.append(tuple(self.weight.shape)) or real_partial_products(self, x))
     tokens = {}
     for setting in ("0", "2"):
         monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", setting)
@@ -465,14 +469,14 @@ def test_decode_products_split_along_k_under_cuda_graphs_give_the_same_tokens(tm
             assert any(t.graph for t in llm.engine.step_timings)
         finally:
             llm.engine.close()
-    assert made, "the split products should have run (captured in the graphs)"
+    assert set(made) == {(128, 128), (512, 128), (128, 256)}, "o, gate|up and down should have run cut (in graphs)"
     assert tokens["2"] == tokens["0"]
 
 
 @pytest.mark.parametrize("ksplit", ["0", "2"])
 def test_bf16_logits_on_a_real_shaped_model_stay_within_tolerance(tmp_path, monkeypatch, ksplit):
     """Qwen3-0.6B shape, random weights: our bf16 Triton path against transformers in float32; also with decode-sized
-    steps' o and down products split along K (``MINIVLLM_DECODE_KSPLIT``), the 24-token step here."""
+    steps' o, down and gate|up products split along K (``MINIVLLM_DECODE_KSPLIT``), the 24-token step here."""
     import json
     import sys
     from pathlib import Path

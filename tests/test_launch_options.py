@@ -114,7 +114,8 @@ def test_a_kernel_waits_for_the_one_before_ahead_of_its_first_memory_access(mode
     ``griddepcontrol.wait`` (the kernel before may still write its input); "early" also lets the next kernel be
     dispatched; off, neither instruction is there and the launch carries no attribute."""
     lines, launch_pdl = _sm90_ptx_lines(
-        "engine.models.fused_ops:_silu_and_mul_kernel", dict(COL_SCALES=False, FP8_GROUP=0, BLOCK=1024, ROWS=1, PDL=mode, PREFETCH=False),
+        "engine.models.fused_ops:_silu_and_mul_kernel",
+        dict(COL_SCALES=False, FP8_GROUP=0, BLOCK=1024, ROWS=1, PDL=mode, PREFETCH=False, NUM_SLICES=1),
         {"col_scale_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "prefetch_ptr": "*u8"},
         {"launch_pdl": True} if mode else {})
     waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]

@@ -227,13 +227,15 @@ def _rope_kernel(
 
 @triton.jit(do_not_specialize=["num_rows", "num_padded"])
 def _silu_and_mul_kernel(x_ptr, col_scale_ptr, out_ptr, q_ptr, s_ptr, prefetch_ptr, num_rows, num_padded, inter_size,
-                         stride_x, stride_o, stride_q, stride_s, stride_sg, prefetch_bytes, COL_SCALES: tl.constexpr,
-                         FP8_GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
-                         PREFETCH: tl.constexpr):
+                         stride_xs, stride_x, stride_o, stride_q, stride_s, stride_sg, prefetch_bytes,
+                         COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                         PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_SLICES: tl.constexpr):
     """``BLOCK`` columns of ``ROWS`` rows, each as ``_rms_norm_kernel`` tiles a row; ``FP8_GROUP`` > 0 as there
     (rows from ``num_rows`` to ``num_padded`` are padding, zeros). ``COL_SCALES``: gate and up times their
     columns' scales first, each rounded to the model dtype, as ``fp8_kernels.scale_columns_`` would leave them;
-    the scales are loaded once for all the program's rows. ``PREFETCH`` as in ``_rms_norm_kernel``."""
+    the scales are loaded once for all the program's rows. ``PREFETCH`` as in ``_rms_norm_kernel``.
+    ``NUM_SLICES`` > 1: ``x`` is that many partial products of gate|up ``stride_xs`` apart, added in float32 and
+    rounded once, as the whole product would have been (``layers.PartialSums``)."""
     if PREFETCH:
         program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         l2_prefetch.prefetch_share(prefetch_ptr, prefetch_bytes, program, tl.num_programs(0) * tl.num_programs(1))
@@ -249,6 +251,13 @@ def _silu_and_mul_kernel(x_ptr, col_scale_ptr, out_ptr, q_ptr, s_ptr, prefetch_p
         mask = in_row & (row < num_rows)
         gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + inter_size + offs, mask=mask, other=0.0).to(tl.float32)
+        if NUM_SLICES > 1:
+            for i in tl.static_range(1, NUM_SLICES):
+                gate += tl.load(x_ptr + i * stride_xs + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+                up += tl.load(x_ptr + i * stride_xs + row * stride_x + inter_size + offs, mask=mask,
+                              other=0.0).to(tl.float32)
+            gate = _round(gate, out_ptr)
+            up = _round(up, out_ptr)
         if COL_SCALES:
             gate = _round(gate * gate_scales, out_ptr)
             up = _round(up * up_scales, out_ptr)
@@ -589,7 +598,15 @@ def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor
     """SwiGLU of ``x`` [num_tokens, 2 * inter] (any row stride): ``silu(gate) * up``, [num_tokens, inter]
     (with ``fp8``, ``silu_and_mul_fp8``'s result). ``column_scales`` (float32 [2 * inter]): the SwiGLU of
     ``x`` times them, each product rounded to ``x``'s dtype, as ``fp8_kernels.scale_columns_`` would leave it.
-    ``prefetch``: the weight of the product that reads the result, asked of the L2 (``engine.l2_prefetch``)."""
+    ``prefetch``: the weight of the product that reads the result, asked of the L2 (``engine.l2_prefetch``).
+    ``x`` may be [num_slices, num_tokens, 2 * inter], partial products of gate|up (``layers.PartialSums``): their
+    sum, rounded once to ``x``'s dtype, is the input."""
+    slices = x
+    if x.dim() == 3:
+        _check_activation("silu_and_mul", "x", x, 3)
+        if not 1 <= x.shape[0] <= 16:
+            raise ValueError(f"silu_and_mul: 1 to 16 partial products, got {x.shape[0]}")
+        x = x[0]
     _check_activation("silu_and_mul", "x", x, 2)
     num_tokens, width = x.shape
     if width % 2 != 0:
@@ -612,9 +629,10 @@ def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor
         fetch = l2_prefetch.target(prefetch, x, rows)
         _silu_and_mul_kernel[(triton.cdiv(rows, per_program), triton.cdiv(inter_size, block))](
             x, column_scales if column_scales is not None else x, out, values, scales, fetch[0] if fetch else x,
-            num_tokens, rows, inter_size, x.stride(0), out.stride(0), values.stride(0), scales.stride(0),
-            scales.stride(1), fetch[1] if fetch else 0, COL_SCALES=column_scales is not None, FP8_GROUP=group,
-            BLOCK=block, ROWS=per_program, num_warps=4, enable_fp_fusion=False, PREFETCH=fetch is not None,
+            num_tokens, rows, inter_size, slices.stride(0) if slices.dim() == 3 else 0, x.stride(0), out.stride(0),
+            values.stride(0), scales.stride(0), scales.stride(1), fetch[1] if fetch else 0,
+            COL_SCALES=column_scales is not None, FP8_GROUP=group, BLOCK=block, ROWS=per_program, num_warps=4,
+            enable_fp_fusion=False, PREFETCH=fetch is not None, NUM_SLICES=slices.shape[0] if slices.dim() == 3 else 1,
             **pdl.launch_args(x),
         )
     return (values, scales) if fp8 else out

@@ -49,16 +49,33 @@ def _fused_ops():
 
 
 DECODE_KSPLIT_MAX_ROWS = 256  # decode-sized batches: the products that read their weight for few tokens
+# The products whose next kernel adds partial products as it reads them: o and down (the residual add-norm, RMSNorm),
+# gate|up (SwiGLU, SiluAndMul).
+DECODE_KSPLIT_PRODUCTS = ("o", "down", "gate_up")
 
 
-def decode_k_slices(in_features: int) -> int:
-    """``MINIVLLM_DECODE_KSPLIT``: how many slices of K the o and down products of decode-sized batches are cut
-    into (``RowParallelLinear.forward_deferring_scales``), 0 or 1 for none (the default). A count that does not cut
-    ``in_features`` into multiples of 64 columns leaves that product whole. An unknown value is an error."""
-    value = os.environ.get("MINIVLLM_DECODE_KSPLIT", "0").strip() or "0"
-    if not value.isdigit() or not 0 <= int(value) <= 16:
-        raise ValueError(f"MINIVLLM_DECODE_KSPLIT must be a slice count from 0 to 16, got {value!r}")
-    slices = int(value)
+def decode_k_slices(product: str, in_features: int) -> int:
+    """``MINIVLLM_DECODE_KSPLIT``: how many slices of K ``product`` (one of ``DECODE_KSPLIT_PRODUCTS``) is cut into
+    for decode-sized batches (``DecodeKSplit``); 1 for none, the default. The setting is one count for every such
+    product (``2``), or counts by product (``o=4,down=4,gate_up=2``; a product not named stays whole); 0 and 1 mean
+    none. A count that does not cut ``in_features`` into multiples of 64 columns leaves that product whole. An unknown
+    product or a count outside 0-16 is an error."""
+    if product not in DECODE_KSPLIT_PRODUCTS:
+        raise ValueError(f"decode_k_slices: no K-split for product {product!r} (one of {DECODE_KSPLIT_PRODUCTS})")
+    value = os.environ.get("MINIVLLM_DECODE_KSPLIT", "0").replace(" ", "") or "0"
+    counts = dict.fromkeys(DECODE_KSPLIT_PRODUCTS, value) if value.isdigit() else {}
+    if not counts:
+        for item in value.split(","):
+            name, _, count = item.partition("=")
+            if name not in DECODE_KSPLIT_PRODUCTS or name in counts:
+                raise ValueError(f"MINIVLLM_DECODE_KSPLIT: {name!r} is not a product that can be cut along K or is "
+                                 f"named twice (products: {', '.join(DECODE_KSPLIT_PRODUCTS)}), in {value!r}")
+            counts[name] = count
+    for name, count in counts.items():
+        if not count.isdigit() or int(count) > 16:
+            raise ValueError(f"MINIVLLM_DECODE_KSPLIT must give slice counts from 0 to 16 (one count, or "
+                             f"product=count pairs such as o=4,down=4,gate_up=2), got {count!r} for {name}")
+    slices = int(counts.get(product, "1"))
     return slices if slices > 1 and in_features % (64 * slices) == 0 else 1
 
 
@@ -82,6 +99,24 @@ def k_slice_products(x: torch.Tensor, weight: torch.Tensor, slices: int) -> torc
     a = x.unflatten(1, (slices, k // slices)).transpose(0, 1)  # [slices, tokens, k / slices]
     w = weight.unflatten(1, (slices, k // slices)).permute(1, 2, 0)  # [slices, k / slices, out]
     return torch.bmm(a, w)
+
+
+class DecodeKSplit:
+    """What the linears whose decode-sized products may be cut along K share (``MINIVLLM_DECODE_KSPLIT``): such a
+    product comes back as the ``PartialSums`` of ``k_slices`` slices, one strided-batched cuBLAS product with more
+    programs and shorter K loops than the whole product of few tokens has, for the kernel that reads the product next
+    to add up (the residual add-norm after o and down, SwiGLU after gate|up). 16-bit weights without a bias only."""
+
+    k_slices: int = 1
+
+    def splits_along_k(self, x) -> bool:
+        """Whether this layer's product of ``x`` comes back as ``PartialSums``."""
+        return (self.k_slices > 1 and self.bias is None and not self.is_fp8 and isinstance(x, torch.Tensor)
+                and x.dim() == 2 and x.shape[0] <= DECODE_KSPLIT_MAX_ROWS)
+
+    def partial_products(self, x: torch.Tensor) -> PartialSums:
+        """``x @ W.T`` as the products of ``k_slices`` slices of K (``k_slice_products``)."""
+        return PartialSums(k_slice_products(x, self.weight, self.k_slices))
 
 
 class RMSNorm(FeedsLinear, nn.Module):
@@ -158,13 +193,19 @@ class SiluAndMul(FeedsLinear, nn.Module):
                 column_scales: torch.Tensor | None = None) -> torch.Tensor:  # x: [num_tokens, 2 * intermediate]
         """``fp8_out`` as in ``RMSNorm.forward``. ``column_scales`` (float32, [2 * intermediate]): scales that
         ``x``'s columns still need (``Fp8Weights.matmul_deferring_scales``), each product rounded to ``x``'s
-        dtype before the activation, as if they had been applied to ``x`` first."""
+        dtype before the activation, as if they had been applied to ``x`` first. ``x`` may be ``PartialSums``
+        (gate|up cut along K, ``DecodeKSplit``): the kernel adds the slices as it reads them, the torch path first."""
+        if isinstance(x, PartialSums):
+            if _use_triton(self.use_triton, x.slices):
+                x = x.slices  # [num_slices, num_tokens, 2 * intermediate]: the kernel adds them up
+            else:
+                x = x.total()
         if _use_triton(self.use_triton, x):
             if fp8_out:
                 from engine.models.fp8 import Fp8Activation
 
                 values, scales = _fused_ops().silu_and_mul_fp8(x, column_scales, prefetch=self._next_weight())
-                return Fp8Activation(values, scales, x.shape[0], x.dtype)
+                return Fp8Activation(values, scales, x.shape[-2], x.dtype)
             return _fused_ops().silu_and_mul(x, column_scales=column_scales, prefetch=self._next_weight())
         if column_scales is not None:
             x = (x.float() * column_scales).to(x.dtype)
@@ -419,19 +460,21 @@ class Fp8Weights:
         return kept[1]
 
 
-class FusedLinear(Fp8Weights, nn.Linear):
+class FusedLinear(DecodeKSplit, Fp8Weights, nn.Linear):
     """One matmul for several projections of the same input, e.g. q|k|v or gate|up.
 
     The output rows are the shards in order. Checkpoints store each shard as its own
     tensor (``q_proj``, ``k_proj``, ...); ``load_shard`` copies one into its row range.
     With tensor parallelism each rank holds some rows of every shard (a column-parallel
     linear): ``source_rows`` gives, per shard, the (first row, count) of the checkpoint
-    tensor this rank loads.
+    tensor this rank loads. ``k_split``: the product's name in ``MINIVLLM_DECODE_KSPLIT``
+    (``decode_k_slices``), where the layer that reads it adds partial products.
     """
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool,
-                 source_rows: dict[str, tuple[int, int]] | None = None):
+                 source_rows: dict[str, tuple[int, int]] | None = None, k_split: str | None = None):
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.k_slices = decode_k_slices(k_split, in_features) if k_split else 1
         self.shard_slices: dict[str, slice] = {}
         self.source_rows = source_rows or {}
         offset = 0
@@ -451,15 +494,16 @@ class FusedLinear(Fp8Weights, nn.Linear):
         copy_weight(param.data[dst], take(loaded, 0, rows), f"{shard} shard")
 
 
-class RowParallelLinear(Fp8Weights, nn.Linear):
+class RowParallelLinear(DecodeKSplit, Fp8Weights, nn.Linear):
     """A linear whose input features are split over the tensor-parallel ranks (o_proj, down_proj): each
-    rank multiplies its slice, one all-reduce sums them, the bias is added once after it."""
+    rank multiplies its slice, one all-reduce sums them, the bias is added once after it. ``k_split`` as in
+    ``FusedLinear``: ``forward_deferring_scales`` may return partial products (one rank only)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool, k_split: str | None = None):
         start, local = shard_range(in_features)
         super().__init__(local, out_features, bias=bias)
         self.weight.source_range = (1, start, local)  # checkpoint columns this rank loads
-        self.k_slices = decode_k_slices(local)  # MINIVLLM_DECODE_KSPLIT, read when the model is built
+        self.k_slices = decode_k_slices(k_split, local) if k_split else 1  # read when the model is built
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
@@ -477,15 +521,9 @@ class RowParallelLinear(Fp8Weights, nn.Linear):
         ``PartialSums``, for the residual add-norm that reads it next to add up."""
         if tp_size() == 1 and self.bias is None and self.takes_fp8_input:
             return self.matmul_deferring_scales(x)
-        if (self.k_slices > 1 and tp_size() == 1 and self.bias is None and not self.is_fp8
-                and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] <= DECODE_KSPLIT_MAX_ROWS):
+        if tp_size() == 1 and self.splits_along_k(x):
             return self.partial_products(x), None
         return self.forward(x), None
-
-    def partial_products(self, x: torch.Tensor) -> PartialSums:
-        """``x @ W.T`` as the products of ``k_slices`` slices of K (``k_slice_products``): more programs with shorter
-        K loops than one product of a decode-sized batch has."""
-        return PartialSums(k_slice_products(x, self.weight, self.k_slices))
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -60,7 +60,8 @@ class LlamaAttention(nn.Module):
             bias=spec.qkv_bias,
             source_rows={"q_proj": (q_start * hd, self.q_size), "k_proj": kv_rows, "v_proj": kv_rows},
         )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, bias=spec.o_proj_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, bias=spec.o_proj_bias,
+                                        k_split="o")
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -101,8 +102,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         start, size = shard_range(config.intermediate_size)  # this rank's columns (column-parallel)
         self.gate_up_proj = FusedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=False,
-                                        source_rows={"gate_proj": (start, size), "up_proj": (start, size)})
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
+                                        source_rows={"gate_proj": (start, size), "up_proj": (start, size)},
+                                        k_split="gate_up")
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False, k_split="down")
         self.act_fn = SiluAndMul()
 
     @property
@@ -119,9 +121,12 @@ class LlamaMLP(nn.Module):
 
     def _activation(self, x):
         # With FP8 weights, SwiGLU applies gate|up's per-channel scales where the product leaves them (prefill) and
-        # writes the down projection's input already quantized: two passes over the activations fewer.
+        # writes the down projection's input already quantized: two passes over the activations fewer. A decode-sized
+        # product cut along K (MINIVLLM_DECODE_KSPLIT) comes as partial products, which SwiGLU adds as it reads them.
         if self.gate_up_proj.takes_fp8_input:
             gate_up, column_scales = self.gate_up_proj.matmul_deferring_scales(x)
+        elif self.gate_up_proj.splits_along_k(x):
+            gate_up, column_scales = self.gate_up_proj.partial_products(x), None
         else:
             gate_up, column_scales = self.gate_up_proj(x), None
         return self.act_fn(gate_up, fp8_out=self.down_proj.takes_fp8_input, column_scales=column_scales)
