@@ -138,7 +138,8 @@ def splitk(m: int, n: int, k: int, tiles: Tiles, device="cuda"):
 def ksplit_partials(split: int):
     """cuBLAS cut along K into ``split`` slices, as the engine runs it (``layers.k_slice_products``): [split, m, n]
     partial products (bf16, each rounded once) whose sum is the result; the kernel that reads the product next adds
-    them as it reads them (the residual add-norm after o and down, SwiGLU after gate|up)."""
+    them as it reads them (the KV-cache write after q|k|v, the residual add-norm after o and down, SwiGLU after
+    gate|up)."""
     return lambda x, w: k_slice_products(x, w, split)
 
 

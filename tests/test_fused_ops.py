@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.models import fused_ops  # noqa: E402
@@ -393,9 +394,10 @@ def test_tiny_model_fused_matches_torch_path(name, tmp_path):
 
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "fused"])
 def test_decode_products_split_along_k_give_the_whole_products_logits(use_triton, tmp_path, monkeypatch):
-    """``MINIVLLM_DECODE_KSPLIT``: o, down and gate|up of decode-sized steps as partial products of K's slices, added
-    by the kernel that reads them next (the add-norm, SwiGLU), give the logits of whole products (float32), one count
-    for all or counts by product; prompts longer than the decode sizes stay whole."""
+    """``MINIVLLM_DECODE_KSPLIT``: q|k|v, o, gate|up and down of decode-sized steps as partial products of K's slices,
+    added by the kernel that reads them next (the rope and KV-cache write, the add-norm, SwiGLU; on the fused path with
+    the Triton attention backend), give the logits of whole products (float32), one count for all or counts by
+    product; prompts longer than the decode sizes stay whole."""
     from engine.models import layers
 
     import transformers
@@ -412,13 +414,14 @@ def test_decode_products_split_along_k_give_the_whole_products_logits(use_triton
     real_partial_products = layers.DecodeKSplit.partial_products
     monkeypatch.setattr(layers.DecodeKSplit, "partial_products", lambda self, x: made.append(
         (self.k_slices, tuple(self.weight.shape), x.shape[0])) or real_partial_products(self, x))
-    o, gate_up, down = (128, 128), (512, 128), (128, 256)  # the weights, [out, in]
+    qkv, o, gate_up, down = (256, 128), (128, 128), (512, 128), (128, 256)  # the weights, [out, in]
     cases = {  # setting: (slices, weight) of each product cut, in layer order, both layers
         "0": [],
-        "2": [(2, o), (2, gate_up), (2, down)] * 2,
-        "4": [(4, down)] * 2,  # o's and gate|up's K of 128 do not cut into 4 slices of a multiple of 64
+        "2": [(2, qkv), (2, o), (2, gate_up), (2, down)] * 2,
+        "4": [(4, down)] * 2,  # the others' K of 128 does not cut into 4 slices of a multiple of 64
         "gate_up=1,down=2": [(2, down)] * 2,
         " o=2, gate_up=2 ": [(2, o), (2, gate_up)] * 2,
+        "qkv=2": [(2, qkv)] * 2,
     }
     for setting, want in cases.items():
         monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", setting)
@@ -426,6 +429,9 @@ def test_decode_products_split_along_k_give_the_whole_products_logits(use_triton
         model = load_model(ModelConfig.from_pretrained(path), torch.float32, DEVICE)
         set_use_triton(model, use_triton)
         runner = PagedRunner(model)
+        if use_triton:
+            for layer in model.attention_layers():
+                layer.set_backend(TritonAttentionBackend())
         outputs[setting] = [runner.step(chunks) for chunks in steps]
         # Only the 18-token step is cut; the 263-token one is past the decode sizes.
         assert [(k, shape) for k, shape, _ in made] == want and {rows for _, _, rows in made} <= {18}
@@ -439,15 +445,15 @@ def test_decode_k_split_setting_is_checked(monkeypatch):
     from engine.models import layers
 
     monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "4")
-    assert [layers.decode_k_slices(p, 1024) for p in ("o", "down", "gate_up")] == [4, 4, 4]
+    assert [layers.decode_k_slices(p, 1024) for p in ("qkv", "o", "gate_up", "down")] == [4, 4, 4, 4]
     assert layers.decode_k_slices("o", 192) == 1  # 4 slices of 48 columns: left whole
     monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "o=4,down=8")
-    assert [layers.decode_k_slices(p, 1024) for p in ("o", "down", "gate_up")] == [4, 8, 1]
-    for bad, match in (("two", "'two' is not a product"), ("o=2,qkv=2", "'qkv' is not a product"),
+    assert [layers.decode_k_slices(p, 1024) for p in ("qkv", "o", "gate_up", "down")] == [1, 4, 1, 8]
+    for bad, match in (("two", "'two' is not a product"), ("o=2,q=2", "'q' is not a product"),
                        ("o=2,o=4", "'o' is not a product .* or is named twice"), ("down=17", "got '17' for down"),
                        ("gate_up=", "got '' for gate_up")):
         monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", bad)
         with pytest.raises(ValueError, match=match):
             layers.decode_k_slices("o", 1024)
-    with pytest.raises(ValueError, match="no K-split for product 'qkv'"):
-        layers.decode_k_slices("qkv", 1024)
+    with pytest.raises(ValueError, match="no K-split for product 'lm_head'"):
+        layers.decode_k_slices("lm_head", 1024)

@@ -788,6 +788,61 @@ def test_write_paged_kv_with_rope_matches_rope_then_write(cache, dtype, head_dim
     assert (written[untouched] == 1).all() and (written[~untouched] != 1).all()
 
 
+@pytest.mark.parametrize("extra", ["rope", "mrope+norm+scales"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_slices", [2, 3])
+def test_write_paged_kv_adds_partial_products_of_qkv(num_slices, dtype, extra):
+    """A q|k|v product cut along K (``rope.partials``, q, k and v views of the first slice): the write leaves the
+    cache and returns the queries that the whole product, the slices' sum rounded once, gives; an FP8 cache or views
+    of anything but the first slice are refused."""
+    num_heads, num_kv_heads, head_dim, n = 4, 2, 64, 13
+    _, _, _, qkv, pending = _qkv_case(7, n, num_heads, num_kv_heads, head_dim, dtype, extra)
+    gen = torch.Generator().manual_seed(num_slices)
+    partials = torch.stack([qkv] + [(torch.randn(qkv.shape, generator=gen) * 2).to(dtype=dtype, device=DEVICE)
+                                    for _ in range(num_slices - 1)])
+    whole = partials.float().sum(0).to(dtype)
+    widths = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    heads = (num_heads, num_kv_heads, num_kv_heads)
+
+    def views(t):
+        return [x.view(n, h, head_dim) for x, h in zip(t.split(widths, dim=-1), heads)]
+
+    slots = (torch.randperm(48, generator=gen)[:n] + 16).to(DEVICE)
+    shape = (4, 16, num_kv_heads, head_dim)
+    caches = [[torch.zeros(shape, dtype=dtype, device=DEVICE) for _ in range(2)] for _ in range(2)]
+    q, k, v = views(partials[0])
+    ours = write_paged_kv(k, v, *caches[0], slots, q=q, rope=dataclasses.replace(pending, partials=partials))
+    wq, wk, wv = views(whole)
+    theirs = write_paged_kv(wk, wv, *caches[1], slots, q=wq, rope=pending)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(ours, theirs, **tol)
+    for ours_cache, their_cache in zip(*caches):
+        torch.testing.assert_close(ours_cache, their_cache, **tol)
+    # The torch path (``PendingRope.apply``) adds them up the same way.
+    got = dataclasses.replace(pending, partials=partials).apply(q, k, v)
+    for a, b in zip(got, dataclasses.replace(pending).apply(wq, wk, wv)):
+        assert torch.equal(a, b)
+    bad = {  # what is wrong: (the change, the error it gets)
+        "an FP8 cache": dict(k_cache=torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE),
+                             v_cache=torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE),
+                             kv_scales=tuple(torch.ones(shape[:3], device=DEVICE) for _ in range(2))),
+        "views of the second slice": dict(zip("qkv", views(partials[1]))),
+        "partials of another width": dict(partials=partials[:, :, :-64]),
+        "partials of other rows": dict(partials=partials[:, 1:]),
+        "partials of another dtype": dict(partials=partials.double()),
+    }
+    errors = {"an FP8 cache": "16-bit cache only", "views of the second slice": "q must be a view of columns 0..256",
+              "partials of another width": "rows must be q|k|v", "partials of other rows": "q must be a view",
+              "partials of another dtype": "partials must be"}
+    for what, change in bad.items():
+        args = dict(q=q, k=k, v=v, k_cache=caches[0][0], v_cache=caches[0][1], kv_scales=None, partials=partials)
+        args.update(change)
+        with pytest.raises(ValueError, match=errors[what]):
+            write_paged_kv(args["k"], args["v"], args["k_cache"], args["v_cache"], slots, args["kv_scales"],
+                           q=args["q"], rope=dataclasses.replace(pending, partials=args["partials"]))
+            pytest.fail(f"accepted bad input: {what}")
+
+
 @pytest.mark.parametrize("tokens_per_program, split_queries", [(1, True), (4, False), (16, True), (8, False)])
 def test_write_paged_kv_fp8_with_rope_any_tokens_per_program(tokens_per_program, split_queries):
     """The FP8 write with rope gives the same bytes, scales and queries however many tokens a program takes and

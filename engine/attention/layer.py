@@ -53,6 +53,13 @@ class Attention(FeedsLinear, nn.Module):
     def set_backend(self, backend) -> None:
         self.backend = backend
 
+    @property
+    def takes_partial_products(self) -> bool:
+        """Whether ``forward`` takes q|k|v as partial products (``partials``): a layer that ropes q and k with the
+        write of a 16-bit cache, whose kernel adds them as it reads them on the Triton backend (the torch backend
+        adds them first)."""
+        return self.rope is not None and self.k_cache is not None and self.kv_scales is None
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
@@ -62,12 +69,15 @@ class Attention(FeedsLinear, nn.Module):
         positions: torch.Tensor | None = None,  # [num_tokens] int64, [3, num_tokens] with M-RoPE: ``rope``'s
         column_scales: torch.Tensor | None = None,  # float32 [q_size + 2 * kv_size]: see below
         fp8_out: bool = False,
+        partials: torch.Tensor | None = None,  # [num_slices, num_tokens, q_size + 2 * kv_size]: see below
     ):  # [num_tokens, num_heads * head_dim], a tensor or an Fp8Activation
         """Attention of q over the cached context and the new K/V, which are written to the cache first.
 
         With a ``rope``, q and k (views of the q|k|v projection's output, rows of any stride) are not roped yet:
         the backend ropes them at ``positions``. ``column_scales``: the per-column FP8 weight scales the q|k|v
         product left to be applied (``Fp8Weights.matmul_deferring_scales``), applied to q, k and v first.
+        ``partials`` (where ``takes_partial_products``): the q|k|v product cut along K (``layers.DecodeKSplit``), q, k
+        and v being views of its first slice; the slices are added before anything else.
 
         ``fp8_out``: the caller's output projection takes an ``Fp8Activation`` (``Fp8Weights.takes_fp8_input``);
         the backend then returns one where its decode kernels can quantize the output (decode-only steps with split
@@ -78,9 +88,12 @@ class Attention(FeedsLinear, nn.Module):
         if self.rope is not None:
             if positions is None:
                 raise ValueError(f"attention layer {self.layer_idx} ropes q and k: it needs the tokens' positions")
-            rope = self.rope.at(positions, column_scales)
-        elif column_scales is not None:
-            raise ValueError(f"attention layer {self.layer_idx}: column_scales are applied with a rope only")
+            rope = self.rope.at(positions, column_scales, partials)
+        elif column_scales is not None or partials is not None:
+            raise ValueError(f"attention layer {self.layer_idx}: column_scales and partials are applied with a rope "
+                             f"only")
+        if partials is not None and self.kv_scales is not None:
+            raise ValueError(f"attention layer {self.layer_idx}: partial products of q|k|v need a 16-bit KV cache")
         n = q.shape[0]
         out = self.backend.forward(
             q.view(n, self.num_heads, self.head_dim),

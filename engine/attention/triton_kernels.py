@@ -1356,7 +1356,9 @@ def write_paged_kv(
     programs storing K and V in the cache). On an FP8 cache the rope kernel runs first
     (``fused_ops.rotary_with_column_scales``) and the write follows, applying V's column scales; with
     ``fuse_rope`` (up to ``_FP8_FUSED_ROPE_MAX_ROWS`` rows when None) the FP8 write kernel ropes K's rows after
-    loading them and before rotating and quantizing them, and the queries alike, in one launch.
+    loading them and before rotating and quantizing them, and the queries alike, in one launch. ``rope.partials``
+    (a 16-bit cache only): q, k and v are views of the first of these partial products of q|k|v, which that launch
+    adds up as it reads them (``fused_ops.rotary_into_cache``).
     """
     def fail(msg: str) -> None:
         raise ValueError(f"write_paged_kv: {msg}")
@@ -1396,7 +1398,10 @@ def write_paged_kv(
             fail(f"with rope, v must be k's dtype {k.dtype}, got {v.dtype}")
         if kv_scales is None:
             return rotary_into_cache(rope.positions, q, k, v, k_cache, v_cache, slot_mapping, rope.cos_sin_cache,
-                                     rope.q_weight, rope.k_weight, rope.eps, rope.mrope_section, rope.column_scales)
+                                     rope.q_weight, rope.k_weight, rope.eps, rope.mrope_section, rope.column_scales,
+                                     rope.partials)
+        if rope.partials is not None:
+            fail("partial products of q|k|v (a product cut along K) go to a 16-bit cache only")
         if not (fuse_rope if fuse_rope is not None else q.shape[0] <= _FP8_FUSED_ROPE_MAX_ROWS):
             # The rope kernel first (q's and k's column scales with it), then the write, which scales V: where
             # fusing them measured slower (_FP8_FUSED_ROPE_MAX_ROWS).

@@ -131,16 +131,18 @@ def _rope_halves(x1, x2, cos, sin, out_ptr):
 
 @triton.jit
 def _norm_rope_heads(
-    x_ptr, out_ptr, weight_ptr, col_scale_ptr, cos, sin, eps, num_heads, stride_h, stride_oh,
+    x_ptr, out_ptr, weight_ptr, col_scale_ptr, cos, sin, eps, num_heads, stride_h, stride_oh, stride_xs,
     HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
-    COL_SCALES: tl.constexpr,
+    COL_SCALES: tl.constexpr, NUM_SLICES: tl.constexpr,
 ):
     """One token's heads of q (or k), ``BLOCK_H`` at a time: optional per-head RMSNorm, then rotate-half.
 
     Each head is read as two halves ``x1 = x[:D/2]``, ``x2 = x[D/2:]``; ``cos``/``sin`` are
-    ``[1, HALF_PAD]`` float32, already rounded to the model dtype. ``COL_SCALES``: each value is first
-    multiplied by its column's scale (``col_scale_ptr``, head h's at ``h * HEAD_DIM``) and rounded to the
-    model dtype, as ``fp8_kernels.scale_columns_`` would have left it.
+    ``[1, HALF_PAD]`` float32, already rounded to the model dtype. ``NUM_SLICES`` > 1: ``x`` is the first of that
+    many partial products ``stride_xs`` apart, added in float32 and rounded to the model dtype once, as the whole
+    product would have been (``layers.PartialSums``). ``COL_SCALES``: each value is then multiplied by its column's
+    scale (``col_scale_ptr``, head h's at ``h * HEAD_DIM``) and rounded to the model dtype, as
+    ``fp8_kernels.scale_columns_`` would have left it.
     """
     half = HEAD_DIM // 2
     offs_d = tl.arange(0, HALF_PAD)
@@ -154,6 +156,12 @@ def _norm_rope_heads(
         in_ptrs = x_ptr + heads[:, None] * stride_h + offs_d[None, :]
         x1 = tl.load(in_ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HALF_PAD]
         x2 = tl.load(in_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+        if NUM_SLICES > 1:
+            for i in tl.static_range(1, NUM_SLICES):
+                x1 += tl.load(in_ptrs + i * stride_xs, mask=mask, other=0.0).to(tl.float32)
+                x2 += tl.load(in_ptrs + i * stride_xs + half, mask=mask, other=0.0).to(tl.float32)
+            x1 = _round(x1, out_ptr)
+            x2 = _round(x2, out_ptr)
         if COL_SCALES:
             scale_ptrs = col_scale_ptr + heads[:, None] * HEAD_DIM + offs_d[None, :]
             x1 = _round(x1 * tl.load(scale_ptrs, mask=mask, other=0.0), out_ptr)
@@ -173,9 +181,11 @@ def _rope_kernel(
     k_weight_ptr, col_scale_ptr, cos_sin_ptr,
     eps, num_q_heads, num_k_heads, num_slots, stride_p, stride_pr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_qot, stride_qoh, stride_kot, stride_koh, stride_c,
+    stride_xs,
     HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HAS_NORM: tl.constexpr, MROPE: tl.constexpr, SECTION_1: tl.constexpr, SECTION_2: tl.constexpr,
     CACHE: tl.constexpr, COL_SCALES: tl.constexpr, ROW_PAD: tl.constexpr, PDL: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
 ):
     """Program (t, 0) ropes token t's query heads into ``q_out``, program (t, 1) its key heads into ``k_out``.
 
@@ -183,7 +193,9 @@ def _rope_kernel(
     ``k_out``/``v_cache`` are the caches, and program (t, 1) stores the roped K heads straight into token t's
     slot (``slot_mapping``; a negative slot, or t past ``num_slots``, writes nothing) and copies its V row
     (``num_k_heads * HEAD_DIM`` values, ``ROW_PAD`` a power of two that holds them) beside it. ``COL_SCALES``:
-    q|k|v's columns still need their scales (``col_scale_ptr``), applied to each value as it is read."""
+    q|k|v's columns still need their scales (``col_scale_ptr``), applied to each value as it is read.
+    ``NUM_SLICES`` > 1: q, k and v are views of the first of that many partial products of q|k|v, ``stride_xs``
+    apart, which are added as they are read (``_norm_rope_heads``; V alike)."""
     pdl.wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
@@ -204,21 +216,26 @@ def _rope_kernel(
     q_size = num_q_heads * HEAD_DIM
     if tl.program_id(1) == 0:
         _norm_rope_heads(q_ptr + tok * stride_qt, q_out_ptr + tok * stride_qot, q_weight_ptr, col_scale_ptr, cos,
-                         sin, eps, num_q_heads, stride_qh, stride_qoh, HEAD_DIM, HALF_PAD, BLOCK_HQ, HAS_NORM,
-                         COL_SCALES)
+                         sin, eps, num_q_heads, stride_qh, stride_qoh, stride_xs, HEAD_DIM, HALF_PAD, BLOCK_HQ,
+                         HAS_NORM, COL_SCALES, NUM_SLICES)
     elif not CACHE:
         _norm_rope_heads(k_ptr + tok * stride_kt, k_out_ptr + tok * stride_kot, k_weight_ptr, col_scale_ptr + q_size,
-                         cos, sin, eps, num_k_heads, stride_kh, stride_koh, HEAD_DIM, HALF_PAD, BLOCK_HK, HAS_NORM,
-                         COL_SCALES)
+                         cos, sin, eps, num_k_heads, stride_kh, stride_koh, stride_xs, HEAD_DIM, HALF_PAD, BLOCK_HK,
+                         HAS_NORM, COL_SCALES, NUM_SLICES)
     else:
         slot = tl.load(slot_mapping_ptr + tok, mask=tok < num_slots, other=-1).to(tl.int64)
         if slot >= 0:
             row = num_k_heads * HEAD_DIM
             _norm_rope_heads(k_ptr + tok * stride_kt, k_out_ptr + slot * row, k_weight_ptr, col_scale_ptr + q_size,
-                             cos, sin, eps, num_k_heads, stride_kh, HEAD_DIM, HEAD_DIM, HALF_PAD, BLOCK_HK, HAS_NORM,
-                             COL_SCALES)
+                             cos, sin, eps, num_k_heads, stride_kh, HEAD_DIM, stride_xs, HEAD_DIM, HALF_PAD, BLOCK_HK,
+                             HAS_NORM, COL_SCALES, NUM_SLICES)
             offs = tl.arange(0, ROW_PAD)
             v = tl.load(v_ptr + tok * stride_vt + offs, mask=offs < row)
+            if NUM_SLICES > 1:
+                v = v.to(tl.float32)
+                for i in tl.static_range(1, NUM_SLICES):
+                    v += tl.load(v_ptr + i * stride_xs + tok * stride_vt + offs, mask=offs < row).to(tl.float32)
+                v = v.to(v_cache_ptr.dtype.element_ty)
             if COL_SCALES:
                 scales = tl.load(col_scale_ptr + q_size + row + offs, mask=offs < row, other=0.0)
                 v = (v.to(tl.float32) * scales).to(v_cache_ptr.dtype.element_ty)
@@ -551,26 +568,52 @@ def rotary_into_cache(
     eps: float = 0.0,
     mrope_section: tuple[int, int, int] | None = None,
     column_scales: torch.Tensor | None = None,  # float32 [(heads + 2 * kv_heads) * head_dim]
+    partials: torch.Tensor | None = None,  # [num_slices, num_tokens, (heads + 2 * kv_heads) * head_dim]
 ) -> torch.Tensor:
     """``rotary`` (``qk_norm_rotary`` with the weights) in one launch with a 16-bit (or float32) KV cache's write:
     every row of q roped into a new tensor, which is returned; the first ``num_slots`` rows of k roped straight
     into their cache slots and those of v copied beside them, no k_out in between (the same values ``rotary`` and
-    a plain write would store). ``column_scales``: q|k|v's columns times these first, each product rounded to the
-    model dtype (``fp8_kernels.scale_columns_``'s arithmetic). The cache arguments are
+    a plain write would store). ``partials``: q|k|v is the sum of these partial products (``layers.PartialSums``,
+    the q|k|v product cut along K), rounded once to the model dtype, and q, k and v are the first one's views; the
+    kernel adds them as it reads them. ``column_scales``: q|k|v's columns times these then, each product rounded to
+    the model dtype (``fp8_kernels.scale_columns_``'s arithmetic). The cache arguments are
     ``engine.attention.triton_kernels.write_paged_kv``'s, which checks them and calls this."""
     name = "write_paged_kv"
     stride_p, stride_pr, section_1, section_2 = check_rope_inputs(name, positions, q, k, cos_sin_cache, q_weight,
                                                                   k_weight, mrope_section, column_scales)
+    if partials is not None:
+        _check_partials(name, partials, q, k, v)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] > 0:
         _launch_rope(positions, q, k, q_out, k_cache, q_weight, k_weight, eps, cos_sin_cache, mrope_section, stride_p,
-                     stride_pr, section_1, section_2, cache=(v, v_cache, slot_mapping), column_scales=column_scales)
+                     stride_pr, section_1, section_2, cache=(v, v_cache, slot_mapping), column_scales=column_scales,
+                     partials=partials)
     return q_out
 
 
+def _check_partials(name: str, partials: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError unless q, k and v are the q|k|v columns of ``partials[0]`` ([num_slices, tokens, width]), so
+    that the kernel finds every slice's values ``partials.stride(0)`` elements after the first's."""
+    if partials.dim() != 3 or not 1 <= partials.shape[0] <= 16 or partials.dtype != q.dtype:
+        raise ValueError(f"{name}: partials must be [1 to 16 slices, tokens, q|k|v width] {q.dtype}, got "
+                         f"{tuple(partials.shape)} {partials.dtype}")
+    width, size = partials.shape[2], partials.element_size()
+    offset = 0
+    for what, t in (("q", q), ("k", k), ("v", v)):
+        columns = t.shape[1] * t.shape[2]
+        if (t.data_ptr() != partials.data_ptr() + offset * size or t.shape[0] != partials.shape[1]
+                or t.stride(0) != partials.stride(1) or t.stride(1) != t.shape[2]):
+            raise ValueError(f"{name}: {what} must be a view of columns {offset}..{offset + columns} of partials[0]")
+        offset += columns
+    if offset != width or partials.stride(2) != 1:
+        raise ValueError(f"{name}: partials' rows must be q|k|v, {offset} contiguous columns, got {width} with "
+                         f"strides {partials.stride()}")
+
+
 def _launch_rope(positions, q, k, q_out, k_out, q_weight, k_weight, eps, cos_sin_cache, mrope_section, stride_p,
-                 stride_pr, section_1, section_2, cache=None, column_scales=None) -> None:
-    """``_rope_kernel`` on checked arguments; ``cache`` = (v, v_cache, slot_mapping): ``k_out`` is the K cache."""
+                 stride_pr, section_1, section_2, cache=None, column_scales=None, partials=None) -> None:
+    """``_rope_kernel`` on checked arguments; ``cache`` = (v, v_cache, slot_mapping): ``k_out`` is the K cache;
+    ``partials`` checked by ``_check_partials``."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     half_pad = triton.next_power_of_2(head_dim // 2)
@@ -583,12 +626,14 @@ def _launch_rope(positions, q, k, q_out, k_out, q_weight, k_weight, eps, cos_sin
         float(eps), num_q_heads, num_k_heads, slot_mapping.shape[0], stride_p, stride_pr,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
+        partials.stride(0) if partials is not None else 0,
         HEAD_DIM=head_dim, HALF_PAD=half_pad,
         BLOCK_HQ=min(triton.next_power_of_2(num_q_heads), heads_per_tile),
         BLOCK_HK=min(triton.next_power_of_2(max(num_k_heads, 1)), heads_per_tile),
         HAS_NORM=has_norm, MROPE=mrope_section is not None, SECTION_1=section_1, SECTION_2=section_2,
         CACHE=cache is not None, COL_SCALES=column_scales is not None,
         ROW_PAD=triton.next_power_of_2(num_k_heads * head_dim) if cache is not None else 1,
+        NUM_SLICES=partials.shape[0] if partials is not None else 1,
         num_warps=4, enable_fp_fusion=False, **pdl.launch_args(q),
     )
 

@@ -49,17 +49,17 @@ def _fused_ops():
 
 
 DECODE_KSPLIT_MAX_ROWS = 256  # decode-sized batches: the products that read their weight for few tokens
-# The products whose next kernel adds partial products as it reads them: o and down (the residual add-norm, RMSNorm),
-# gate|up (SwiGLU, SiluAndMul).
-DECODE_KSPLIT_PRODUCTS = ("o", "down", "gate_up")
+# The products whose next kernel adds partial products as it reads them: q|k|v (the rope and KV-cache write of a
+# 16-bit cache), o and down (the residual add-norm, RMSNorm), gate|up (SwiGLU, SiluAndMul).
+DECODE_KSPLIT_PRODUCTS = ("qkv", "o", "gate_up", "down")
 
 
 def decode_k_slices(product: str, in_features: int) -> int:
     """``MINIVLLM_DECODE_KSPLIT``: how many slices of K ``product`` (one of ``DECODE_KSPLIT_PRODUCTS``) is cut into
     for decode-sized batches (``DecodeKSplit``); 1 for none, the default. The setting is one count for every such
-    product (``2``), or counts by product (``o=4,down=4,gate_up=2``; a product not named stays whole); 0 and 1 mean
-    none. A count that does not cut ``in_features`` into multiples of 64 columns leaves that product whole. An unknown
-    product or a count outside 0-16 is an error."""
+    product (``2``), or counts by product (``qkv=2,o=4,gate_up=2,down=4``; a product not named stays whole); 0 and 1
+    mean none. A count that does not cut ``in_features`` into multiples of 64 columns leaves that product whole. An
+    unknown product or a count outside 0-16 is an error."""
     if product not in DECODE_KSPLIT_PRODUCTS:
         raise ValueError(f"decode_k_slices: no K-split for product {product!r} (one of {DECODE_KSPLIT_PRODUCTS})")
     value = os.environ.get("MINIVLLM_DECODE_KSPLIT", "0").replace(" ", "") or "0"
@@ -74,7 +74,7 @@ def decode_k_slices(product: str, in_features: int) -> int:
     for name, count in counts.items():
         if not count.isdigit() or int(count) > 16:
             raise ValueError(f"MINIVLLM_DECODE_KSPLIT must give slice counts from 0 to 16 (one count, or "
-                             f"product=count pairs such as o=4,down=4,gate_up=2), got {count!r} for {name}")
+                             f"product=count pairs such as qkv=2,o=4,gate_up=2,down=4), got {count!r} for {name}")
     slices = int(counts.get(product, "1"))
     return slices if slices > 1 and in_features % (64 * slices) == 0 else 1
 
@@ -105,7 +105,8 @@ class DecodeKSplit:
     """What the linears whose decode-sized products may be cut along K share (``MINIVLLM_DECODE_KSPLIT``): such a
     product comes back as the ``PartialSums`` of ``k_slices`` slices, one strided-batched cuBLAS product with more
     programs and shorter K loops than the whole product of few tokens has, for the kernel that reads the product next
-    to add up (the residual add-norm after o and down, SwiGLU after gate|up). 16-bit weights without a bias only."""
+    to add up (the KV-cache write after q|k|v, the residual add-norm after o and down, SwiGLU after gate|up). 16-bit
+    weights without a bias only."""
 
     k_slices: int = 1
 
@@ -286,9 +287,11 @@ class RotaryEmbedding(nn.Module):
 @dataclass(frozen=True)
 class PendingRope:
     """What one attention layer's q and k still need after the q|k|v projection: rope (``rotary``), after Qwen3's
-    per-head RMSNorms where ``q_norm``/``k_norm`` are given; and, for one step, the tokens' ``positions`` and the
+    per-head RMSNorms where ``q_norm``/``k_norm`` are given; and, for one step, the tokens' ``positions``, the
     ``column_scales`` (float32 [q_size + 2 * kv_size]) the FP8 product has not applied to q|k|v's columns yet
-    (``Fp8Weights.matmul_deferring_scales``), which come first.
+    (``Fp8Weights.matmul_deferring_scales``), which come first, and before them the ``partials`` of a product cut
+    along K (``DecodeKSplit``; [num_slices, num_tokens, q_size + 2 * kv_size]), whose sum q|k|v is: the q, k and v
+    handed over with it are then views of the first slice.
 
     ``RotaryEmbedding.pending`` makes one per layer (``Attention``'s ``rope``); ``at`` gives a step's. The Triton
     attention backend applies it in the launch that writes the KV cache (``write_paged_kv``'s ``rope``, which reads
@@ -299,10 +302,12 @@ class PendingRope:
     k_norm: RMSNorm | None = None
     positions: torch.Tensor | None = None  # [num_tokens] int64; [3, num_tokens] with M-RoPE
     column_scales: torch.Tensor | None = None
+    partials: torch.Tensor | None = None
 
-    def at(self, positions: torch.Tensor, column_scales: torch.Tensor | None = None) -> PendingRope:
+    def at(self, positions: torch.Tensor, column_scales: torch.Tensor | None = None,
+           partials: torch.Tensor | None = None) -> PendingRope:
         """This layer's rope for one step's tokens."""
-        return dataclasses.replace(self, positions=positions, column_scales=column_scales)
+        return dataclasses.replace(self, positions=positions, column_scales=column_scales, partials=partials)
 
     @property
     def cos_sin_cache(self) -> torch.Tensor:
@@ -327,8 +332,13 @@ class PendingRope:
 
     def apply(self, q: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, k, v) [num_tokens, heads, head_dim] with the column scales applied (each product rounded to the model
-        dtype, as ``fp8_kernels.scale_columns_`` rounds it), then q and k normed and roped (``RotaryEmbedding``)."""
+        """(q, k, v) [num_tokens, heads, head_dim] added up from the partial products, with the column scales applied
+        (each product rounded to the model dtype, as ``fp8_kernels.scale_columns_`` rounds it), then q and k normed
+        and roped (``RotaryEmbedding``)."""
+        if self.partials is not None:
+            whole = PartialSums(self.partials).total()
+            q, k, v = (part.view(x.shape) for x, part in
+                       zip((q, k, v), whole.split([x.shape[1] * x.shape[2] for x in (q, k, v)], dim=-1)))
         if self.column_scales is not None:
             widths = [x.shape[1] * x.shape[2] for x in (q, k, v)]
             q, k, v = ((x.float() * s.view(x.shape[1:])).to(x.dtype)

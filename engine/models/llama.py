@@ -59,6 +59,7 @@ class LlamaAttention(nn.Module):
             {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
             bias=spec.qkv_bias,
             source_rows={"q_proj": (q_start * hd, self.q_size), "k_proj": kv_rows, "v_proj": kv_rows},
+            k_split="qkv",
         )
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, bias=spec.o_proj_bias,
                                         k_split="o")
@@ -85,15 +86,20 @@ class LlamaAttention(nn.Module):
         of prefill-sized steps may leave their per-channel weight scales to the kernel that reads them next. q|k|v's
         are applied by the attention layer's KV-cache write; o's are returned for the residual add-norm. ``out`` may be
         o's ``PartialSums`` (``RowParallelLinear.forward_deferring_scales``), which that add-norm adds up."""
+        partials = None
         if self.qkv_proj.takes_fp8_input and self.qkv_proj.bias is None:
             qkv, column_scales = self.qkv_proj.matmul_deferring_scales(hidden)
+        elif self.qkv_proj.splits_along_k(hidden) and self.attn.takes_partial_products:
+            # A decode-sized product cut along K (MINIVLLM_DECODE_KSPLIT): the KV-cache write adds the slices up.
+            partials = self.qkv_proj.partial_products(hidden).slices
+            qkv, column_scales = partials[0], None
         else:
             qkv, column_scales = self.qkv_proj(hidden), None  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # q and k go to attention unroped (and, for Qwen3, unnormed): it applies both as it writes the KV cache.
         # With FP8 weights a decode step's attention output comes quantized as o_proj takes it (``Fp8Activation``).
-        out = self.attn(q, k, v, meta, positions, column_scales,
-                        fp8_out=self.o_proj.takes_fp8_input)  # [num_tokens, q_size]
+        out = self.attn(q, k, v, meta, positions, column_scales, fp8_out=self.o_proj.takes_fp8_input,
+                        partials=partials)  # [num_tokens, q_size]
         return self.o_proj.forward_deferring_scales(out)
 
 
