@@ -3,6 +3,7 @@ a CUDA GPU).
 
     python bench/decode_gemm.py                          # both shapes' projections, batches 1-256
     python bench/decode_gemm.py --shape llama-3.1-8b --batches 151 --sweep
+    python bench/decode_gemm.py --ksplit --batches 64,151,256   # cuBLAS against cuBLAS cut along K only
 
 A decode step's four projections read their weights once for a few hundred tokens at most, so they are bound
 by memory, and a step of W1 spends ~40% of its device time in them on the 8B shape. Each call is timed inside a
@@ -228,6 +229,32 @@ def compare(shape: str, batches) -> None:
         torch.cuda.empty_cache()
 
 
+def compare_ksplit(shape: str, batches) -> None:
+    """cuBLAS (and cuBLASLt) against cuBLAS cut along K at every slice count ``ksplits`` allows, each product as the
+    engine runs it with ``MINIVLLM_DECODE_KSPLIT`` (its partial products, which the next kernel adds as it reads
+    them): what to set the counts by product from. No Triton kernel is compiled."""
+    print(f"{shape}: us per call / weight TB/s; cuBLAS cut along K into S slices (partial products)")
+    for name, (n, k) in SHAPES[shape].items():
+        ws = weights(n, k)
+        for m in batches:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            want = F.linear(x, ws[0]).float()
+            cells = []
+            for label, fn in [("cuBLAS", with_blas("cublas", F.linear)), ("cuBLASLt", with_blas("cublaslt", F.linear))]:
+                t = timed(fn, x, ws)
+                cells.append(f"{label} {t:.1f}/{2 * n * k / (t * 1e-6) / 1e12:.2f}")
+            torch.backends.cuda.preferred_blas_library("cublas")
+            for split in ksplits(k):
+                fn = ksplit_partials(split)
+                error = float((fn(x, ws[0]).float().sum(0) - want).norm() / want.norm())
+                t = timed(fn, x, ws)
+                cells.append(f"S={split} {t:.1f}/{2 * n * k / (t * 1e-6) / 1e12:.2f}"
+                             + ("" if error < 0.01 else f" (relative error {error:.4f})"))
+            print(f"{name:>8} {m:>5}  " + "  ".join(cells), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+
+
 def sweep(shape: str, batches, layers) -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, (n, k) in SHAPES[shape].items():
@@ -266,6 +293,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: both")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--ksplit", action="store_true",
+                        help="cuBLAS against cuBLAS cut along K at each slice count only (no Triton kernel)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: 1 to 256)")
     parser.add_argument("--layers", default=None, help="--sweep: comma-separated projections (qkv,o,gate_up,down)")
     args = parser.parse_args()
@@ -277,6 +306,8 @@ def main() -> None:
     for shape in [args.shape] if args.shape else sorted(SHAPES):
         if args.sweep:
             sweep(shape, batches, args.layers.split(",") if args.layers else None)
+        elif args.ksplit:
+            compare_ksplit(shape, batches)
         else:
             compare(shape, batches)
 
