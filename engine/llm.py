@@ -74,6 +74,10 @@ class LLM:
         self._ids = itertools.count()
         self._mm_processor = None  # the model's HF processor (MultiModalProcessor), loaded with the first image
 
+    def get_tokenizer(self):
+        """The model's Hugging Face tokenizer (None for a model given without one), as vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
+
     @property
     def accepts_images(self) -> bool:
         return self.engine.model_info.accepts_images
@@ -179,23 +183,36 @@ class LLM:
             self._mm_processor = MultiModalProcessor.from_pretrained(info.model_path, info.image_token_id)
         return self._mm_processor
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> RequestOutput:
-        """Render one conversation with the tokenizer's chat template and generate the reply.
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template and generate the replies, as vLLM's
+        ``LLM.chat``: ``messages`` is one conversation (a list of message dicts) or a list of conversations, and the
+        result is one ``RequestOutput`` per conversation, in order (a list either way); ``sampling_params`` as in
+        ``generate``, one for all or one per conversation.
 
         With images (content parts ``{"type": "image", "image": PIL image}`` or ``{"type": "image_url",
-        "image_url": {"url": "data:..."}}``), the model's processor renders it with its own chat template.
+        "image_url": {"url": "data:..."}}``), the model's processor renders a conversation with its own chat template.
         """
-        if any(isinstance(m.get("content"), list) and any(p.get("type") in ("image", "image_url", "image_pil")
-                                                         for p in m["content"]) for m in messages):
-            ids, mm_inputs = self._images().process_chat(messages)
-            return self._generate([(None, ids, mm_inputs)], sampling_params, use_tqdm)[0]
-        if self.tokenizer is None:
-            raise RequestError("this model has no tokenizer, so it has no chat template", param="messages")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-            ids = list(ids["input_ids"])
-        return self.generate([{"prompt_token_ids": ids}], sampling_params, use_tqdm=use_tqdm)[0]
+        if not messages:
+            raise RequestError("messages is empty: give a conversation or a list of conversations", param="messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            if not conversation or not all(isinstance(m, dict) for m in conversation):
+                raise RequestError(f"conversation {i} must be a non-empty list of message dicts", param="messages")
+            if any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") in (
+                    "image", "image_url", "image_pil") for p in m["content"]) for m in conversation):
+                ids, mm_inputs = self._images().process_chat(conversation)
+                prompts.append((None, ids, mm_inputs))
+                continue
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer, so it has no chat template", param="messages")
+            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+                ids = list(ids["input_ids"])
+            prompts.append((None, ids, None))
+        return self._generate(prompts, sampling_params, use_tqdm)
 
 
 class _ResultBuilder:

@@ -36,7 +36,7 @@ from engine.distributed import broadcast_from_rank0, kv_head_range, min_over_ran
 from engine.input_batch import InputBatch
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from engine.models.layers import Fp8Weights
+from engine.models.layers import DECODE_KSPLIT_MAX_ROWS, Fp8Weights, decode_k_split_summary
 from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingTensors, build_logprobs, gather_logprobs, score_tokens
 from engine.step_buffers import StepBuffers
@@ -169,6 +169,10 @@ class ModelRunner:
         self.backend = make_attention_backend(config.resolve_attention_backend(self.device))
         for layer in self.model.attention_layers():
             layer.set_backend(self.backend)
+        k_split = decode_k_split_summary(self.model)
+        if k_split:
+            logger.info("products of steps of up to %d tokens cut along K (MINIVLLM_DECODE_KSPLIT): %s",
+                        DECODE_KSPLIT_MAX_ROWS, k_split)
         self.sampler = Sampler()
         self.kv_cache: PagedKVCache | None = None
         max_blocks = -(-max_model_len // self.block_size)

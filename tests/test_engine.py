@@ -145,16 +145,34 @@ def test_default_model_tokenizer_is_the_published_one(default_model_path, tmp_pa
 
 def test_default_model_answers_paris_like_hf(default_llm, default_model_path):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    out = default_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False).outputs[0]
+    replies = default_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
+    assert len(replies) == 1  # a list, as vLLM's LLM.chat returns
+    out = replies[0].outputs[0]
     assert out.text == "The capital of France is Paris."
     assert out.finish_reason == "stop"
-    tok = default_llm.tokenizer
+    tok = default_llm.get_tokenizer()
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if not isinstance(ids, list):
         ids = list(ids["input_ids"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
     ref = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=20)[0, len(ids):].tolist()
     assert out.token_ids == ref  # both stop at <|im_end|>
+
+
+def test_chat_takes_a_list_of_conversations(default_llm):
+    """``LLM.chat`` on several conversations, as vLLM's: one output each, in order, each what it gets alone; each
+    with its own sampling params where a list is given. An empty or malformed conversation is a RequestError."""
+    france = [{"role": "user", "content": "What is the capital of France?"}]
+    greeting = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Say hello."}]
+    alone = [default_llm.chat(c, greedy(8), use_tqdm=False)[0].outputs[0].token_ids for c in (france, greeting)]
+    both = default_llm.chat([france, greeting], greedy(8), use_tqdm=False)
+    assert [r.outputs[0].token_ids for r in both] == alone
+    assert both[0].prompt_token_ids != both[1].prompt_token_ids
+    short = default_llm.chat([france, greeting], [greedy(2), greedy(5)], use_tqdm=False)
+    assert [r.outputs[0].token_ids for r in short] == [alone[0][:2], alone[1][:5]]
+    for bad in ([], [[]], [france, "hello"]):
+        with pytest.raises(RequestError):
+            default_llm.chat(bad, greedy(2), use_tqdm=False)
 
 
 def test_default_model_text_prompts_and_stop_strings(default_llm):

@@ -423,11 +423,15 @@ def test_decode_products_split_along_k_give_the_whole_products_logits(use_triton
         " o=2, gate_up=2 ": [(2, o), (2, gate_up)] * 2,
         "qkv=2": [(2, qkv)] * 2,
     }
+    summaries = {"0": "", "2": "qkv: 2 slices, o: 2 slices, gate_up: 2 slices, down: 2 slices", "4": "down: 4 slices",
+                 "gate_up=1,down=2": "down: 2 slices", " o=2, gate_up=2 ": "o: 2 slices, gate_up: 2 slices",
+                 "qkv=2": "qkv: 2 slices"}
     for setting, want in cases.items():
         monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", setting)
         made.clear()
         model = load_model(ModelConfig.from_pretrained(path), torch.float32, DEVICE)
         set_use_triton(model, use_triton)
+        assert layers.decode_k_split_summary(model) == summaries[setting]  # the start-up log's line
         runner = PagedRunner(model)
         if use_triton:
             for layer in model.attention_layers():

@@ -29,7 +29,7 @@ def test_a_gguf_file_is_served_as_its_model(gguf_path, default_model_path, tmp_p
     reference = load_file(f"{default_model_path}/model.safetensors")
     assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
     reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                     SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
+                     SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
     assert reply.outputs[0].text == "The capital of France is Paris."
     # Converted once: the next load finds it in the cache (the marker is there, nothing is written again).
     from engine.default_model import default_cache_dir

@@ -345,6 +345,6 @@ def test_the_tokenizer_and_chat_template_come_from_the_file(tiny, vocabulary, de
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == default_tokenizer.apply_chat_template(messages, chat_template=tiny.chat_template,
                                                              tokenize=False, add_generation_prompt=True)
-    reply = tiny.llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    reply = tiny.llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert reply.prompt_token_ids == reference.encode(rendered).ids
     assert len(reply.outputs[0].token_ids) == 3

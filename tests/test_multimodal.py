@@ -272,10 +272,10 @@ def test_chat_and_token_id_prompts(llm, llava_dir, processor):
     picture.save(png, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
     question = {"type": "text", "text": "What is this?"}
-    by_pil = llm.chat([{"role": "user", "content": [{"type": "image", "image": picture}, question]}], GREEDY,
-                      use_tqdm=False)
-    by_url = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, question]}],
-                      GREEDY, use_tqdm=False)
+    by_pil, by_url = llm.chat([
+        [{"role": "user", "content": [{"type": "image", "image": picture}, question]}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, question]}],
+    ], GREEDY, use_tqdm=False)
     rendered = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, question]}],
                                              add_generation_prompt=True, tokenize=False)
     by_text = llm.generate({"prompt": rendered, "multi_modal_data": {"image": picture}}, GREEDY, use_tqdm=False)[0]
@@ -384,7 +384,7 @@ def test_the_server_answers_images_as_the_offline_engine(llava_dir, llm, tmp_pat
     question = {"type": "text", "text": "Describe it."}
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     expected = llm.chat([{"role": "user", "content": [{"type": "image", "image": picture}, question]}], params,
-                        use_tqdm=False).outputs[0].text
+                        use_tqdm=False)[0].outputs[0].text
     server = start_server(tmp_path, "llava", ["--model", str(llava_dir), "--max-model-len", "128",
                                               "--num-kvcache-blocks", "48", "--kvcache-block-size", "8",
                                               "--allowed-media-domains", "127.0.0.1",

@@ -246,7 +246,7 @@ def test_greedy_tokens_equal_generate(llm, hf_model, processor, monkeypatch):
     assert not engine.runner.batch.mrope_tables
     engine.check_invariants()
     chat = llm.chat([{"role": "user", "content": [{"type": "image", "image": prompts[3][1][0]},
-                                                  {"type": "text", "text": "what is it?"}]}], GREEDY, use_tqdm=False)
+                                                  {"type": "text", "text": "what is it?"}]}], GREEDY, use_tqdm=False)[0]
     rendered = processor.hf.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {
         "type": "text", "text": "what is it?"}]}], add_generation_prompt=True, tokenize=False)
     assert chat.outputs[0].token_ids == hf_greedy(hf_model, processor, rendered, prompts[3][1], GREEDY.max_tokens)

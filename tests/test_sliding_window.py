@@ -131,7 +131,7 @@ def test_a_template_that_writes_bos_gives_one_bos(tmp_path, default_model_path):
     llm = LLM(str(path), max_model_len=128, num_kvcache_blocks=16)
     assert llm.tokenizer("Hi")["input_ids"][0] == bos, "the tokenizer should add BOS to text"
     messages = [{"role": "user", "content": "Hi"}]
-    reply = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
+    reply = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0]
     assert reply.prompt_token_ids[0] == bos and reply.prompt_token_ids.count(bos) == 1
     rendered = render_chat(llm.tokenizer, [ChatMessageParam(**m) for m in messages])
     assert rendered.prompt_token_ids == reply.prompt_token_ids

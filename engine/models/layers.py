@@ -109,6 +109,7 @@ class DecodeKSplit:
     weights without a bias only."""
 
     k_slices: int = 1
+    k_split: str | None = None  # the product's name in the setting (DECODE_KSPLIT_PRODUCTS)
 
     def splits_along_k(self, x) -> bool:
         """Whether this layer's product of ``x`` comes back as ``PartialSums``."""
@@ -118,6 +119,17 @@ class DecodeKSplit:
     def partial_products(self, x: torch.Tensor) -> PartialSums:
         """``x @ W.T`` as the products of ``k_slices`` slices of K (``k_slice_products``)."""
         return PartialSums(k_slice_products(x, self.weight, self.k_slices))
+
+
+def decode_k_split_summary(model: nn.Module) -> str:
+    """The model's products cut along K and into how many slices, for the start-up log: "" for none, else e.g.
+    "o: 4 slices, down: 4 slices" (a product cut into different counts in different layers lists each)."""
+    cuts: dict[str, set[int]] = {}
+    for module in model.modules():
+        if isinstance(module, DecodeKSplit) and module.k_slices > 1:
+            cuts.setdefault(module.k_split, set()).add(module.k_slices)
+    return ", ".join(f"{name}: {'/'.join(map(str, sorted(cuts[name])))} slices"
+                     for name in DECODE_KSPLIT_PRODUCTS if name in cuts)
 
 
 class RMSNorm(FeedsLinear, nn.Module):
@@ -484,6 +496,7 @@ class FusedLinear(DecodeKSplit, Fp8Weights, nn.Linear):
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool,
                  source_rows: dict[str, tuple[int, int]] | None = None, k_split: str | None = None):
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.k_split = k_split
         self.k_slices = decode_k_slices(k_split, in_features) if k_split else 1
         self.shard_slices: dict[str, slice] = {}
         self.source_rows = source_rows or {}
@@ -513,6 +526,7 @@ class RowParallelLinear(DecodeKSplit, Fp8Weights, nn.Linear):
         start, local = shard_range(in_features)
         super().__init__(local, out_features, bias=bias)
         self.weight.source_range = (1, start, local)  # checkpoint columns this rank loads
+        self.k_split = k_split
         self.k_slices = decode_k_slices(k_split, local) if k_split else 1  # read when the model is built
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
