@@ -426,6 +426,8 @@ def test_decode_products_split_along_k_give_the_whole_products_logits(use_triton
     summaries = {"0": "", "2": "qkv: 2 slices, o: 2 slices, gate_up: 2 slices, down: 2 slices", "4": "down: 4 slices",
                  "gate_up=1,down=2": "down: 2 slices", " o=2, gate_up=2 ": "o: 2 slices, gate_up: 2 slices",
                  "qkv=2": "qkv: 2 slices"}
+    if use_triton:  # the interpreted Triton attention takes ~13 s a setting: every product cut, and none
+        cases = {setting: cases[setting] for setting in ("0", "2")}
     for setting, want in cases.items():
         monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", setting)
         made.clear()
