@@ -174,7 +174,7 @@ class AsyncEngine:
             logger.info("engine core process %d starting", process.pid)
             if while_loading is not None:
                 while_loading()
-            tokenizer = load_tokenizer(config.tokenizer or config.model)
+            tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
             model, stats = _wait_until_ready(process, control, startup_timeout_s)
         except BaseException:
             if process.pid is not None:

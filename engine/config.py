@@ -31,6 +31,8 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None  # defaults to the model directory
+    # Run a model directory's own Python code for its config, tokenizer or processor (transformers' auto_map).
+    trust_remote_code: bool = False
     served_model_name: str | None = None
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda if available, else cpu

@@ -180,7 +180,8 @@ class LLM:
             from engine.multimodal import MultiModalProcessor
 
             info = self.engine.model_info
-            self._mm_processor = MultiModalProcessor.from_pretrained(info.model_path, info.image_token_id)
+            self._mm_processor = MultiModalProcessor.from_pretrained(info.model_path, info.image_token_id,
+                                                                     self.engine.config.trust_remote_code)
         return self._mm_processor
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -89,13 +89,13 @@ class LLMEngine:
         start = time.perf_counter()
         self.config = config
         self.model_path = resolve_model_path(config)
-        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.model_config = ModelConfig.from_pretrained(self.model_path, config.trust_remote_code)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         self._tp_closed = False
         self._frozen = False  # start-up's objects are out of the garbage collector's walks (set once ready)
         self.on_rank_death = None  # called from a watcher thread when another rank's process exits
         self._workers = self._start_tensor_parallel() if config.tensor_parallel_size > 1 else []
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path, config.trust_remote_code)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

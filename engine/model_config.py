@@ -112,11 +112,14 @@ class ModelConfig:
     mrope_section: tuple[int, int, int] | None = None
 
     @classmethod
-    def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
-        """Read ``config.json`` (and ``generation_config.json`` if present) from a model directory."""
+    def from_pretrained(cls, model_path: str | Path, trust_remote_code: bool = False) -> ModelConfig:
+        """Read ``config.json`` (and ``generation_config.json`` if present) from a model directory; a config class
+        of the directory's own code loads only with ``trust_remote_code`` (``engine.tokenizer.from_pretrained``)."""
         from transformers import AutoConfig  # heavy import, kept out of module import time
 
-        hf_config = AutoConfig.from_pretrained(str(model_path))
+        from engine.tokenizer import from_pretrained
+
+        hf_config = from_pretrained(AutoConfig, model_path, trust_remote_code, "config")
         return cls.from_hf_config(hf_config, model_path)
 
     @classmethod

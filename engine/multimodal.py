@@ -202,8 +202,8 @@ class MultiModalProcessor:
         self.image_token_id = image_token_id
 
     @classmethod
-    def from_pretrained(cls, path: str, image_token_id: int) -> MultiModalProcessor:
-        return cls(load_hf_processor(path), image_token_id)
+    def from_pretrained(cls, path: str, image_token_id: int, trust_remote_code: bool = False) -> MultiModalProcessor:
+        return cls(load_hf_processor(path, trust_remote_code), image_token_id)
 
     def process_text(self, text: str, images: Sequence[Any], add_special_tokens: bool = True
                      ) -> tuple[list[int], list[ImageInput]]:
@@ -344,21 +344,24 @@ def _per_image(out: Any) -> tuple[list[np.ndarray] | None, list[tuple[int, int, 
     return np.split(pixels, ends[:-1]), grids
 
 
-def load_hf_processor(path: str) -> Any:
+def load_hf_processor(path: str, trust_remote_code: bool = False) -> Any:
     """``AutoProcessor.from_pretrained(path)``; for a processor whose video processor cannot be built here
     (transformers' Qwen2-VL family builds it with torchvision, which serving images does not need), the same
     processor class without its video processor: the text, chat template and image processing are the class's
-    own."""
+    own. ``trust_remote_code``: see ``engine.tokenizer.from_pretrained``."""
     import inspect
 
     from transformers import AutoConfig, AutoProcessor
 
+    from engine.tokenizer import from_pretrained
+
     try:
-        return AutoProcessor.from_pretrained(str(path))
+        return from_pretrained(AutoProcessor, path, trust_remote_code, "processor")
     except ImportError:
         from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 
-        processor_class = PROCESSOR_MAPPING.get(type(AutoConfig.from_pretrained(str(path))), None)
+        config = from_pretrained(AutoConfig, path, trust_remote_code, "config")
+        processor_class = PROCESSOR_MAPPING.get(type(config), None)
         if processor_class is None or "video_processor" not in inspect.signature(processor_class.__init__).parameters:
             raise
     logger.info("%s without its video processor (it needs torchvision): images and text only", processor_class.__name__)

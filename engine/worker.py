@@ -198,7 +198,7 @@ def run_worker(config: EngineConfig, rank: int) -> None:
     distributed.init_tensor_parallel(rank, config.tensor_parallel_size, init_method(config),
                                      timeout_s=config.distributed_timeout_s)
     try:
-        model_config = ModelConfig.from_pretrained(resolve_model_path(config))
+        model_config = ModelConfig.from_pretrained(resolve_model_path(config), config.trust_remote_code)
         runner = ModelRunner(config, model_config, resolve_max_model_len(config, model_config))
         runner.init_kv_cache(runner.determine_num_blocks())
         runner.warm_up_kernels()

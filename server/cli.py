@@ -103,6 +103,9 @@ def _add_model_args(group) -> None:
                        help="Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct "
                             "(converted into ~/.cache/minivllm on first use)")
     group.add_argument("--tokenizer", default=None, help="tokenizer directory; default: the model directory")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="run the Python code a model directory ships for its config, tokenizer or processor "
+                            "(transformers' auto_map); the model itself always runs on this engine's own code")
     group.add_argument("--served-model-name", default=None,
                        help="the model name clients send; default: the model directory's name "
                             f"({DEFAULT_MODEL_NAME} for the default model)")
@@ -271,6 +274,7 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, tokenizer=args.tokenizer, served_model_name=served_model_name(args), dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
         generation_config=args.generation_config,
         device=args.device, load_format=args.load_format, seed=args.seed, max_model_len=args.max_model_len,
         kvcache_block_size=args.kvcache_block_size, num_kvcache_blocks=args.num_kvcache_blocks,
@@ -367,7 +371,8 @@ def serve(args: argparse.Namespace) -> int:
         if engine.model.accepts_images:
             from engine.multimodal import MultiModalProcessor
 
-            image_processor = MultiModalProcessor.from_pretrained(engine.model.model_path, engine.model.image_token_id)
+            image_processor = MultiModalProcessor.from_pretrained(engine.model.model_path, engine.model.image_token_id,
+                                                                  args.trust_remote_code)
         model = ServedModel(served_model_name(args), engine.model, engine.tokenizer, tool_parser=parser,
                             reasoning_parser=args.reasoning_parser, input_modalities=modalities,
                             image_processor=image_processor)

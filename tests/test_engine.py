@@ -319,3 +319,61 @@ def test_warm_up_token_counts_every_step_and_switch(limit):
     counts = warm_up_token_counts(limit)
     missed = [(n, t) for n in range(1, limit + 1) for t in range(1, limit + 2) if not _warmed_alike(counts, n, t)]
     assert missed == []
+
+
+_CUSTOM_CONFIG = '''from transformers import LlamaConfig
+
+
+class CustomLlamaConfig(LlamaConfig):
+    model_type = "custom_llama"
+'''
+_CUSTOM_TOKENIZER = '''from transformers import PreTrainedTokenizerFast
+
+
+class CustomTokenizer(PreTrainedTokenizerFast):
+    pass
+'''
+
+
+@pytest.mark.parametrize("own_code", ["config", "tokenizer"])
+def test_a_model_directory_with_its_own_code_loads_only_when_trusted(own_code, llama_dir, default_model_path, tmp_path):
+    """A directory whose config or tokenizer class is its own Python code (transformers' ``auto_map``): without
+    ``trust_remote_code`` a ConfigError naming the option (the server exits at once, asking nothing on the terminal);
+    with it, that code is loaded and the model generates what the same weights do under a plain config."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from engine.config import ConfigError
+
+    custom = tmp_path / "custom"
+    shutil.copytree(llama_dir, custom)
+    shutil.copy(default_model_path / "tokenizer.json", custom / "tokenizer.json")
+    tokenizer_config = {"eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    if own_code == "config":
+        (custom / "configuration_custom.py").write_text(_CUSTOM_CONFIG)
+        config = json.loads((custom / "config.json").read_text())
+        config.update(model_type="custom_llama", auto_map={"AutoConfig": "configuration_custom.CustomLlamaConfig"})
+        (custom / "config.json").write_text(json.dumps(config))
+    else:
+        (custom / "tokenization_custom.py").write_text(_CUSTOM_TOKENIZER)
+        tokenizer_config.update(tokenizer_class="CustomTokenizer",
+                                auto_map={"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]})
+    (custom / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with pytest.raises(ConfigError, match=f"ships its own Python code for its {own_code}, which runs only with "
+                                          r"trust_remote_code=True \(`--trust-remote-code`\)"):
+        LLM(str(custom), max_model_len=128, num_kvcache_blocks=16)
+    served = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(custom), "--port", "0"],
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert served.returncode != 0 and "--trust-remote-code" in served.stderr
+    assert "[y/N]" not in served.stdout + served.stderr
+    trusted = LLM(str(custom), max_model_len=128, num_kvcache_blocks=16, trust_remote_code=True)
+    if own_code == "config":  # transformers imported the directory's module to build the config
+        assert any(name.endswith(".configuration_custom") for name in sys.modules)
+    else:
+        assert type(trusted.get_tokenizer()).__name__ == "CustomTokenizer"
+    prompts = make_prompts(VOCAB, lens=[9, 17], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = LLM(str(llama_dir), max_model_len=128, num_kvcache_blocks=16)
+    assert run(trusted, prompts, params) == run(plain, prompts, params)
