@@ -63,8 +63,10 @@ def decode_k_slices(product: str, in_features: int) -> int:
     if product not in DECODE_KSPLIT_PRODUCTS:
         raise ValueError(f"decode_k_slices: no K-split for product {product!r} (one of {DECODE_KSPLIT_PRODUCTS})")
     value = os.environ.get("MINIVLLM_DECODE_KSPLIT", "0").replace(" ", "") or "0"
-    counts = dict.fromkeys(DECODE_KSPLIT_PRODUCTS, value) if value.isdigit() else {}
-    if not counts:
+    if value.isdigit():
+        counts = dict.fromkeys(DECODE_KSPLIT_PRODUCTS, value)
+    else:
+        counts = {}
         for item in value.split(","):
             name, _, count = item.partition("=")
             if name not in DECODE_KSPLIT_PRODUCTS or name in counts:
@@ -110,6 +112,11 @@ class DecodeKSplit:
 
     k_slices: int = 1
     k_split: str | None = None  # the product's name in the setting (DECODE_KSPLIT_PRODUCTS)
+
+    def read_k_split(self, product: str | None, in_features: int) -> None:
+        """Name this layer's product and read its slice count from the setting (when the model is built)."""
+        self.k_split = product
+        self.k_slices = decode_k_slices(product, in_features) if product else 1
 
     def splits_along_k(self, x) -> bool:
         """Whether this layer's product of ``x`` comes back as ``PartialSums``."""
@@ -496,8 +503,7 @@ class FusedLinear(DecodeKSplit, Fp8Weights, nn.Linear):
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool,
                  source_rows: dict[str, tuple[int, int]] | None = None, k_split: str | None = None):
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.k_split = k_split
-        self.k_slices = decode_k_slices(k_split, in_features) if k_split else 1
+        self.read_k_split(k_split, in_features)
         self.shard_slices: dict[str, slice] = {}
         self.source_rows = source_rows or {}
         offset = 0
@@ -526,8 +532,7 @@ class RowParallelLinear(DecodeKSplit, Fp8Weights, nn.Linear):
         start, local = shard_range(in_features)
         super().__init__(local, out_features, bias=bias)
         self.weight.source_range = (1, start, local)  # checkpoint columns this rank loads
-        self.k_split = k_split
-        self.k_slices = decode_k_slices(k_split, local) if k_split else 1  # read when the model is built
+        self.read_k_split(k_split, local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
