@@ -3,7 +3,8 @@ a CUDA GPU).
 
     python bench/decode_gemm.py                          # both shapes' projections, batches 1-256
     python bench/decode_gemm.py --shape llama-3.1-8b --batches 151 --sweep
-    python bench/decode_gemm.py --ksplit --batches 64,151,256   # cuBLAS against cuBLAS cut along K only
+    python bench/decode_gemm.py --ksplit --batches 64,151,256   # cuBLAS against cuBLAS cut along K only, and the
+                                                                # MINIVLLM_DECODE_KSPLIT it suggests per shape
 
 A decode step's four projections read their weights once for a few hundred tokens at most, so they are bound
 by memory, and a step of W1 spends ~40% of its device time in them on the 8B shape. Each call is timed inside a
@@ -46,6 +47,7 @@ from engine.models.layers import k_slice_products  # noqa: E402
 BATCHES = (1, 32, 64, 128, 151, 256)
 MAX_ROWS = 256  # the widest token tile a program takes (the tensor cores' narrow side)
 BLOCK_K = 64
+KSPLIT_MARGIN = 0.05  # --ksplit suggests a cut only where it saves at least this share of cuBLAS's time
 
 
 # The token count changes every step: not specialized, so no step compiles a variant.
@@ -229,13 +231,17 @@ def compare(shape: str, batches) -> None:
         torch.cuda.empty_cache()
 
 
-def compare_ksplit(shape: str, batches) -> None:
+def compare_ksplit(shape: str, batches) -> str:
     """cuBLAS (and cuBLASLt) against cuBLAS cut along K at every slice count ``ksplits`` allows, each product as the
     engine runs it with ``MINIVLLM_DECODE_KSPLIT`` (its partial products, which the next kernel adds as it reads
-    them): what to set the counts by product from. No Triton kernel is compiled."""
+    them). No Triton kernel is compiled. Returns the setting it suggests for ``shape`` on this GPU: each product at
+    the slice count with the least time summed over ``batches``, where that beats cuBLAS's sum by ``KSPLIT_MARGIN``
+    (else the product stays whole); "0" when none does."""
     print(f"{shape}: us per call / weight TB/s; cuBLAS cut along K into S slices (partial products)")
+    counts = []
     for name, (n, k) in SHAPES[shape].items():
         ws = weights(n, k)
+        totals: dict[int, float] = {}  # slice count (1: cuBLAS whole) -> microseconds summed over the batches
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = F.linear(x, ws[0]).float()
@@ -243,16 +249,27 @@ def compare_ksplit(shape: str, batches) -> None:
             for label, fn in [("cuBLAS", with_blas("cublas", F.linear)), ("cuBLASLt", with_blas("cublaslt", F.linear))]:
                 t = timed(fn, x, ws)
                 cells.append(f"{label} {t:.1f}/{2 * n * k / (t * 1e-6) / 1e12:.2f}")
+                if label == "cuBLAS":
+                    totals[1] = totals.get(1, 0.0) + t
             torch.backends.cuda.preferred_blas_library("cublas")
             for split in ksplits(k):
                 fn = ksplit_partials(split)
                 error = float((fn(x, ws[0]).float().sum(0) - want).norm() / want.norm())
                 t = timed(fn, x, ws)
+                totals[split] = totals.get(split, 0.0) + t
                 cells.append(f"S={split} {t:.1f}/{2 * n * k / (t * 1e-6) / 1e12:.2f}"
                              + ("" if error < 0.01 else f" (relative error {error:.4f})"))
             print(f"{name:>8} {m:>5}  " + "  ".join(cells), flush=True)
+        best = min(totals, key=totals.get)
+        if best > 1 and totals[best] < (1 - KSPLIT_MARGIN) * totals[1]:
+            counts.append(f"{name}={best}")
+        print(f"{name:>8} summed over the batches: cuBLAS {totals[1]:.1f} us, best "
+              + ("cuBLAS whole" if best == 1 else f"S={best} {totals[best]:.1f} us"))
         del ws
         torch.cuda.empty_cache()
+    setting = ",".join(counts) or "0"
+    print(f"{shape}: suggested MINIVLLM_DECODE_KSPLIT={setting}")
+    return setting
 
 
 def sweep(shape: str, batches, layers) -> None:
