@@ -790,12 +790,13 @@ def test_write_paged_kv_with_rope_matches_rope_then_write(cache, dtype, head_dim
 
 @pytest.mark.parametrize("extra", ["rope", "mrope+norm+scales"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_slices", [2, 3])
-def test_write_paged_kv_adds_partial_products_of_qkv(num_slices, dtype, extra):
+@pytest.mark.parametrize("num_slices, n, num_kv_heads", [(2, 13, 2), (3, 13, 2), (2, 1, 1)])
+def test_write_paged_kv_adds_partial_products_of_qkv(num_slices, n, num_kv_heads, dtype, extra):
     """A q|k|v product cut along K (``rope.partials``, q, k and v views of the first slice): the write leaves the
     cache and returns the queries that the whole product, the slices' sum rounded once, gives; an FP8 cache or views
-    of anything but the first slice are refused."""
-    num_heads, num_kv_heads, head_dim, n = 4, 2, 64, 13
+    of anything but the first slice are refused. One token with one KV head too (a batch-1 decode graph), whose views
+    take strides of their own on their single row and head."""
+    num_heads, head_dim = 4, 64
     _, _, _, qkv, pending = _qkv_case(7, n, num_heads, num_kv_heads, head_dim, dtype, extra)
     gen = torch.Generator().manual_seed(num_slices)
     partials = torch.stack([qkv] + [(torch.randn(qkv.shape, generator=gen) * 2).to(dtype=dtype, device=DEVICE)

@@ -601,8 +601,10 @@ def _check_partials(name: str, partials: torch.Tensor, q: torch.Tensor, k: torch
     offset = 0
     for what, t in (("q", q), ("k", k), ("v", v)):
         columns = t.shape[1] * t.shape[2]
+        # A dimension of one row or one head may have any stride (a view picks one): only a longer one's counts.
         if (t.data_ptr() != partials.data_ptr() + offset * size or t.shape[0] != partials.shape[1]
-                or t.stride(0) != partials.stride(1) or t.stride(1) != t.shape[2]):
+                or (t.shape[0] > 1 and t.stride(0) != partials.stride(1))
+                or (t.shape[1] > 1 and t.stride(1) != t.shape[2])):
             raise ValueError(f"{name}: {what} must be a view of columns {offset}..{offset + columns} of partials[0]")
         offset += columns
     if offset != width or partials.stride(2) != 1:
