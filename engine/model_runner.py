@@ -21,6 +21,7 @@ delta from there, which is every decode token. Decode graphs read the same buffe
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -171,8 +172,8 @@ class ModelRunner:
             layer.set_backend(self.backend)
         k_split = decode_k_split_summary(self.model)
         if k_split:
-            logger.info("products of steps of up to %d tokens cut along K (MINIVLLM_DECODE_KSPLIT): %s",
-                        DECODE_KSPLIT_MAX_ROWS, k_split)
+            logger.info("products of steps of up to %d tokens cut along K (MINIVLLM_DECODE_KSPLIT=%s): %s",
+                        DECODE_KSPLIT_MAX_ROWS, os.environ.get("MINIVLLM_DECODE_KSPLIT", "auto"), k_split)
         self.sampler = Sampler()
         self.kv_cache: PagedKVCache | None = None
         max_blocks = -(-max_model_len // self.block_size)

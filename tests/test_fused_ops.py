@@ -463,3 +463,29 @@ def test_decode_k_split_setting_is_checked(monkeypatch):
             layers.decode_k_slices("o", 1024)
     with pytest.raises(ValueError, match="no K-split for product 'lm_head'"):
         layers.decode_k_slices("lm_head", 1024)
+
+
+def test_decode_k_split_by_default_cuts_o_and_down_to_fill_the_gpu(monkeypatch):
+    """``auto`` (the default): on a GPU, products whose K is at least their width get the most slices (a power of
+    two up to 4) that keep ~2 x width / 128 output tiles times the slices within the SM count: the counts measured
+    best on an H100 (132 SMs) for both benchmark shapes. Nothing is cut on the CPU."""
+    from engine.models import layers
+
+    monkeypatch.delenv("MINIVLLM_DECODE_KSPLIT", raising=False)
+    sms = {"count": 132}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Props", (), {"multi_processor_count": sms["count"]})())
+    cuda = torch.device("cuda")
+    shapes = {  # product: (in, out) of Qwen3-0.6B, of Llama-3.1-8B
+        "qkv": ((1024, 4096), (4096, 6144)), "o": ((2048, 1024), (4096, 4096)),
+        "gate_up": ((1024, 6144), (4096, 28672)), "down": ((3072, 1024), (14336, 4096)),
+    }
+    counts = {p: tuple(layers.decode_k_slices(p, k, n, cuda) for k, n in pair) for p, pair in shapes.items()}
+    assert counts == {"qkv": (1, 1), "o": (4, 2), "gate_up": (1, 1), "down": (4, 2)}
+    assert layers.decode_k_slices("o", 2048, 1024, torch.device("cpu")) == 1
+    assert layers.decode_k_slices("o", 2048, 1024) == 1  # no shape and device given: whole
+    assert layers.decode_k_slices("o", 192, 64, cuda) == 1  # 2 slices of 96 columns: not multiples of 64
+    sms["count"] = 58  # a smaller GPU: the 8B's 64 tiles of o already outnumber its SMs
+    assert layers.decode_k_slices("o", 4096, 4096, cuda) == 1 and layers.decode_k_slices("o", 2048, 1024, cuda) == 2
+    monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "0")
+    assert layers.decode_k_slices("o", 2048, 1024, cuda) == 1

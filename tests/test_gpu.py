@@ -445,8 +445,9 @@ def test_steps_never_synchronize_the_stream(tmp_path):
 
 def test_decode_products_split_along_k_under_cuda_graphs_give_the_same_tokens(tmp_path, monkeypatch):
     """``MINIVLLM_DECODE_KSPLIT=2`` (q|k|v, o, gate|up and down of decode-sized steps as partial products of K's
-    slices, added by the KV-cache write, add-norm and SwiGLU kernels that read them) in CUDA-graph replays gives the
-    greedy tokens of whole products (float32)."""
+    slices, added by the KV-cache write, add-norm and SwiGLU kernels that read them) and the default ``auto`` (o and
+    down only here, whose K is at least their width) in CUDA-graph replays give the greedy tokens of whole products
+    (float32)."""
     from engine.models import layers
     from tests.helpers import SMALL_CONFIG
 
@@ -454,13 +455,14 @@ def test_decode_products_split_along_k_under_cuda_graphs_give_the_same_tokens(tm
                                       tie_word_embeddings=False)  # every K a multiple of 2 x 64
     model_dir = save_checkpoint(config, tmp_path)
     prompts = _prompts(VOCAB)
-    made = []
+    made = {}
     real_partial_products = layers.DecodeKSplit.partial_products
-    monkeypatch.setattr(layers.DecodeKSplit, "partial_products",
-                        lambda self, x: made.append(tuple(self.weight.shape)) or real_partial_products(self, x))
+    monkeypatch.setattr(layers.DecodeKSplit, "partial_products", lambda self, x: made[setting].add(
+        (tuple(self.weight.shape), self.k_slices)) or real_partial_products(self, x))
     tokens = {}
-    for setting in ("0", "2"):
+    for setting in ("0", "2", "auto"):
         monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", setting)
+        made[setting] = set()
         llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=256, num_kvcache_blocks=256)
         try:
             assert llm.engine.runner.graphs is not None
@@ -469,8 +471,11 @@ def test_decode_products_split_along_k_under_cuda_graphs_give_the_same_tokens(tm
             assert any(t.graph for t in llm.engine.step_timings)
         finally:
             llm.engine.close()
-    assert set(made) == {(256, 128), (128, 128), (512, 128), (128, 256)}, "every product should have run cut (graphs)"
-    assert tokens["2"] == tokens["0"]
+    # Weights [out, in]: q|k|v (256, 128), o (128, 128), gate|up (512, 128), down (128, 256).
+    assert made["2"] == {((256, 128), 2), ((128, 128), 2), ((512, 128), 2), ((128, 256), 2)}, "every product cut"
+    assert made["auto"] == {((128, 128), 2), ((128, 256), 4)}, "o into 2 (K of 128), down into 4"
+    assert not made["0"]
+    assert tokens["2"] == tokens["0"] and tokens["auto"] == tokens["0"]
 
 
 @pytest.mark.parametrize("ksplit", ["0", "2"])

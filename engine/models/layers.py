@@ -54,15 +54,42 @@ DECODE_KSPLIT_MAX_ROWS = 256  # decode-sized batches: the products that read the
 DECODE_KSPLIT_PRODUCTS = ("qkv", "o", "gate_up", "down")
 
 
-def decode_k_slices(product: str, in_features: int) -> int:
+DECODE_KSPLIT_AUTO_MAX = 4  # "auto" cuts K into at most this many slices
+
+
+def auto_k_slices(in_features: int, out_features: int, device: torch.device) -> int:
+    """``MINIVLLM_DECODE_KSPLIT=auto`` (the default): the slice count for a product of a [out_features, in_features]
+    weight on ``device``. On a GPU, a product whose K is at least its output's width (o and down) has few output
+    tiles at decode sizes: ~2 x out_features / 128 programs of 128 x 128 for up to 256 tokens, far fewer than the
+    SMs, each running the whole of K. It is cut into the most slices, a power of two up to
+    ``DECODE_KSPLIT_AUTO_MAX``, that keeps the programs within one per SM. Measured on an H100 (bench/RESULTS.md,
+    2026-12-05): that picks o=4, down=4 on Qwen3-0.6B and o=2, down=2 on Llama-3.1-8B, the best counts
+    ``bench/decode_gemm.py --ksplit`` found, and shortens W1's decode step by 1.1% and 1.3%; q|k|v and gate|up,
+    wider than their K, gained nothing cut. Elsewhere (CPU) nothing is cut."""
+    if device.type != "cuda" or in_features < out_features:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tiles = 2 * -(-out_features // 128)
+    slices = 1
+    while (slices < DECODE_KSPLIT_AUTO_MAX and tiles * slices * 2 <= sms
+           and in_features % (64 * slices * 2) == 0):
+        slices *= 2
+    return slices
+
+
+def decode_k_slices(product: str, in_features: int, out_features: int | None = None,
+                    device: torch.device | None = None) -> int:
     """``MINIVLLM_DECODE_KSPLIT``: how many slices of K ``product`` (one of ``DECODE_KSPLIT_PRODUCTS``) is cut into
-    for decode-sized batches (``DecodeKSplit``); 1 for none, the default. The setting is one count for every such
+    for decode-sized batches (``DecodeKSplit``); 1 for none. The setting is ``auto`` (the default:
+    ``auto_k_slices`` for the weight's shape and device; whole where those are not given), one count for every such
     product (``2``), or counts by product (``qkv=2,o=4,gate_up=2,down=4``; a product not named stays whole); 0 and 1
     mean none. A count that does not cut ``in_features`` into multiples of 64 columns leaves that product whole. An
     unknown product or a count outside 0-16 is an error."""
     if product not in DECODE_KSPLIT_PRODUCTS:
         raise ValueError(f"decode_k_slices: no K-split for product {product!r} (one of {DECODE_KSPLIT_PRODUCTS})")
-    value = os.environ.get("MINIVLLM_DECODE_KSPLIT", "0").replace(" ", "") or "0"
+    value = os.environ.get("MINIVLLM_DECODE_KSPLIT", "auto").replace(" ", "").lower() or "auto"
+    if value == "auto":
+        return 1 if out_features is None or device is None else auto_k_slices(in_features, out_features, device)
     if value.isdigit():
         counts = dict.fromkeys(DECODE_KSPLIT_PRODUCTS, value)
     else:
@@ -75,7 +102,7 @@ def decode_k_slices(product: str, in_features: int) -> int:
             counts[name] = count
     for name, count in counts.items():
         if not count.isdigit() or int(count) > 16:
-            raise ValueError(f"MINIVLLM_DECODE_KSPLIT must give slice counts from 0 to 16 (one count, or "
+            raise ValueError(f"MINIVLLM_DECODE_KSPLIT must be auto or give slice counts from 0 to 16 (one count, or "
                              f"product=count pairs such as qkv=2,o=4,gate_up=2,down=4), got {count!r} for {name}")
     slices = int(counts.get(product, "1"))
     return slices if slices > 1 and in_features % (64 * slices) == 0 else 1
@@ -116,7 +143,8 @@ class DecodeKSplit:
     def read_k_split(self, product: str | None, in_features: int) -> None:
         """Name this layer's product and read its slice count from the setting (when the model is built)."""
         self.k_split = product
-        self.k_slices = decode_k_slices(product, in_features) if product else 1
+        self.k_slices = (decode_k_slices(product, in_features, self.weight.shape[0], self.weight.device)
+                         if product else 1)
 
     def splits_along_k(self, x) -> bool:
         """Whether this layer's product of ``x`` comes back as ``PartialSums``."""
