@@ -489,3 +489,17 @@ def test_decode_k_split_by_default_cuts_o_and_down_to_fill_the_gpu(monkeypatch):
     assert layers.decode_k_slices("o", 4096, 4096, cuda) == 1 and layers.decode_k_slices("o", 2048, 1024, cuda) == 2
     monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "0")
     assert layers.decode_k_slices("o", 2048, 1024, cuda) == 1
+
+
+def test_row_parallel_products_are_not_cut_on_several_ranks(monkeypatch):
+    """With tensor parallelism o's and down's partial products are all-reduced whole, so they are never cut along K
+    (and the start-up log does not list them); one rank cuts as set."""
+    from engine import distributed
+    from engine.models import layers
+
+    monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "2")
+    assert layers.RowParallelLinear(512, 128, bias=False, k_split="down").k_slices == 2
+    monkeypatch.setattr(distributed, "_state", distributed.ParallelState(rank=1, world_size=2))
+    down = layers.RowParallelLinear(512, 128, bias=False, k_split="down")
+    assert down.weight.shape == (128, 256) and down.k_slices == 1
+    assert layers.FusedLinear(128, {"gate_proj": 256, "up_proj": 256}, bias=False, k_split="gate_up").k_slices == 2

@@ -560,7 +560,8 @@ class RowParallelLinear(DecodeKSplit, Fp8Weights, nn.Linear):
         start, local = shard_range(in_features)
         super().__init__(local, out_features, bias=bias)
         self.weight.source_range = (1, start, local)  # checkpoint columns this rank loads
-        self.read_k_split(k_split, local)
+        # With several ranks the partial products are all-reduced whole (forward_deferring_scales): never cut.
+        self.read_k_split(k_split if tp_size() == 1 else None, local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
