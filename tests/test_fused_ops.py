@@ -503,3 +503,18 @@ def test_row_parallel_products_are_not_cut_on_several_ranks(monkeypatch):
     down = layers.RowParallelLinear(512, 128, bias=False, k_split="down")
     assert down.weight.shape == (128, 256) and down.k_slices == 1
     assert layers.FusedLinear(128, {"gate_proj": 256, "up_proj": 256}, bias=False, k_split="gate_up").k_slices == 2
+
+
+def test_start_up_log_lists_only_products_that_are_cut(monkeypatch):
+    """A product with a bias or FP8 weights is never cut, whatever the setting: the start-up log leaves it out."""
+    from engine.models import layers
+
+    monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "2")
+    plain = layers.FusedLinear(128, {"gate_proj": 256, "up_proj": 256}, bias=False, k_split="gate_up")
+    biased = layers.FusedLinear(128, {"q_proj": 256, "k_proj": 64, "v_proj": 64}, bias=True, k_split="qkv")
+    fp8 = layers.RowParallelLinear(256, 128, bias=False, k_split="down")
+    fp8.weight.data = fp8.weight.data.to(torch.float8_e4m3fn)
+    model = torch.nn.ModuleList([plain, biased, fp8])
+    assert layers.decode_k_split_summary(model) == "gate_up: 2 slices"
+    x = torch.randn(3, 128)
+    assert plain.splits_along_k(x) and not biased.splits_along_k(x) and not fp8.splits_along_k(torch.randn(3, 256))

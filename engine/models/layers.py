@@ -146,10 +146,15 @@ class DecodeKSplit:
         self.k_slices = (decode_k_slices(product, in_features, self.weight.shape[0], self.weight.device)
                          if product else 1)
 
+    @property
+    def cuts_along_k(self) -> bool:
+        """Whether this layer's decode-sized products are cut (16-bit weights without a bias, slices set)."""
+        return self.k_slices > 1 and self.bias is None and not self.is_fp8
+
     def splits_along_k(self, x) -> bool:
         """Whether this layer's product of ``x`` comes back as ``PartialSums``."""
-        return (self.k_slices > 1 and self.bias is None and not self.is_fp8 and isinstance(x, torch.Tensor)
-                and x.dim() == 2 and x.shape[0] <= DECODE_KSPLIT_MAX_ROWS)
+        return (self.cuts_along_k and isinstance(x, torch.Tensor) and x.dim() == 2
+                and x.shape[0] <= DECODE_KSPLIT_MAX_ROWS)
 
     def partial_products(self, x: torch.Tensor) -> PartialSums:
         """``x @ W.T`` as the products of ``k_slices`` slices of K (``k_slice_products``)."""
@@ -161,7 +166,7 @@ def decode_k_split_summary(model: nn.Module) -> str:
     "o: 4 slices, down: 4 slices" (a product cut into different counts in different layers lists each)."""
     cuts: dict[str, set[int]] = {}
     for module in model.modules():
-        if isinstance(module, DecodeKSplit) and module.k_slices > 1:
+        if isinstance(module, DecodeKSplit) and module.cuts_along_k:
             cuts.setdefault(module.k_split, set()).add(module.k_slices)
     return ", ".join(f"{name}: {'/'.join(map(str, sorted(cuts[name])))} slices"
                      for name in DECODE_KSPLIT_PRODUCTS if name in cuts)
