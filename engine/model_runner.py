@@ -21,7 +21,6 @@ delta from there, which is every decode token. Decode graphs read the same buffe
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -37,7 +36,8 @@ from engine.distributed import broadcast_from_rank0, kv_head_range, min_over_ran
 from engine.input_batch import InputBatch
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from engine.models.layers import DECODE_KSPLIT_MAX_ROWS, Fp8Weights, decode_k_split_summary
+from engine.models.layers import (DECODE_KSPLIT_MAX_ROWS, Fp8Weights, decode_k_split_setting,
+                                  decode_k_split_summary)
 from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingTensors, build_logprobs, gather_logprobs, score_tokens
 from engine.step_buffers import StepBuffers
@@ -173,7 +173,7 @@ class ModelRunner:
         k_split = decode_k_split_summary(self.model)
         if k_split:
             logger.info("products of steps of up to %d tokens cut along K (MINIVLLM_DECODE_KSPLIT=%s): %s",
-                        DECODE_KSPLIT_MAX_ROWS, os.environ.get("MINIVLLM_DECODE_KSPLIT", "auto"), k_split)
+                        DECODE_KSPLIT_MAX_ROWS, decode_k_split_setting(), k_split)
         self.sampler = Sampler()
         self.kv_cache: PagedKVCache | None = None
         max_blocks = -(-max_model_len // self.block_size)

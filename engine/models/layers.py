@@ -77,6 +77,11 @@ def auto_k_slices(in_features: int, out_features: int, device: torch.device) -> 
     return slices
 
 
+def decode_k_split_setting() -> str:
+    """``MINIVLLM_DECODE_KSPLIT`` as read (spaces dropped, lower case), ``auto`` where unset or empty."""
+    return os.environ.get("MINIVLLM_DECODE_KSPLIT", "auto").replace(" ", "").lower() or "auto"
+
+
 def decode_k_slices(product: str, in_features: int, out_features: int | None = None,
                     device: torch.device | None = None) -> int:
     """``MINIVLLM_DECODE_KSPLIT``: how many slices of K ``product`` (one of ``DECODE_KSPLIT_PRODUCTS``) is cut into
@@ -87,7 +92,7 @@ def decode_k_slices(product: str, in_features: int, out_features: int | None = N
     unknown product or a count outside 0-16 is an error."""
     if product not in DECODE_KSPLIT_PRODUCTS:
         raise ValueError(f"decode_k_slices: no K-split for product {product!r} (one of {DECODE_KSPLIT_PRODUCTS})")
-    value = os.environ.get("MINIVLLM_DECODE_KSPLIT", "auto").replace(" ", "").lower() or "auto"
+    value = decode_k_split_setting()
     if value == "auto":
         return 1 if out_features is None or device is None else auto_k_slices(in_features, out_features, device)
     if value.isdigit():
