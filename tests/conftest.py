@@ -15,6 +15,10 @@ def pytest_configure(config):
         # Without a GPU the Triton kernels run on CPU tensors through Triton's interpreter.
         # It is chosen when a kernel is defined, so this must happen before any kernel module is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from tests.triton_interpreter import skip_nested_repatching
+
+        skip_nested_repatching()
 
 
 _deselected_gpu_tests = []
