@@ -6,9 +6,14 @@ one row a block. Here the first pass cuts each row into chunks of ``BLOCK`` colu
 writing its largest value and that value's first column; the second pass takes, per row, the first chunk holding the
 row's largest value. Ties go to the lowest column, as in torch. NaN counts as larger than any number, as in torch;
 a row holding both +inf and NaN, where torch returns the first NaN, gives the first of either here.
+
+The sampler calls ``argmax_rows``: the kernels on CUDA, torch.argmax elsewhere or with ``MINIVLLM_GREEDY_ARGMAX=torch``
+(read at each call, for comparisons).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -39,18 +44,19 @@ def _row_max_kernel(val_ptr, col_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr)
     tl.store(out_ptr + row, tl.load(col_ptr + row * num_chunks + first).to(tl.int64))
 
 
-def runs_here(logits: torch.Tensor) -> bool:
-    """Whether ``greedy_tokens`` launches the kernels for ``logits`` (else it calls torch.argmax): CUDA tensors,
-    or CPU ones under Triton's interpreter; rows contiguous; 16- or 32-bit floats."""
-    return ((logits.is_cuda or not isinstance(_chunk_max_kernel, triton.runtime.JITFunction))
-            and logits.dim() == 2 and logits.shape[0] > 0 and logits.shape[1] > 0 and logits.stride(1) == 1
+def _takes(logits: torch.Tensor) -> bool:
+    """Whether the kernels take ``logits``: 2-D, not empty, rows contiguous, 16- or 32-bit floats."""
+    return (logits.dim() == 2 and logits.shape[0] > 0 and logits.shape[1] > 0 and logits.stride(1) == 1
             and logits.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
 def greedy_tokens(logits: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` ([rows] int64) for a [rows, vocab] matrix; torch's own where the kernels don't run."""
-    if not runs_here(logits):
-        return logits.argmax(dim=-1)
+    """``logits.argmax(dim=-1)`` ([rows] int64) of a [rows, vocab] matrix through the two kernels: CUDA tensors, or
+    CPU ones under Triton's interpreter."""
+    if not _takes(logits) or not (logits.is_cuda or not isinstance(_chunk_max_kernel, triton.runtime.JITFunction)):
+        raise ValueError(f"greedy_tokens: logits must be a non-empty 2-D float tensor with contiguous rows on a CUDA "
+                         f"device, got {tuple(logits.shape)} {logits.dtype} with strides {logits.stride()} on "
+                         f"{logits.device}")
     rows, vocab = logits.shape
     num_chunks = triton.cdiv(vocab, block)
     vals = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
@@ -60,3 +66,14 @@ def greedy_tokens(logits: torch.Tensor, block: int = BLOCK, num_warps: int = NUM
                                           num_warps=num_warps)
     _row_max_kernel[(rows,)](vals, cols, out, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks), num_warps=1)
     return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """The sampler's greedy tokens: the kernels for CUDA logits they take, else (or with
+    ``MINIVLLM_GREEDY_ARGMAX=torch``) torch.argmax."""
+    setting = os.environ.get("MINIVLLM_GREEDY_ARGMAX", "kernel")
+    if setting not in ("kernel", "torch"):
+        raise ValueError(f"MINIVLLM_GREEDY_ARGMAX must be 'kernel' or 'torch', got {setting!r}")
+    if setting == "kernel" and logits.is_cuda and _takes(logits):
+        return greedy_tokens(logits)
+    return logits.argmax(dim=-1)

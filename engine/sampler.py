@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import xgrammar as xgr
 
+from engine.greedy import argmax_rows
 from engine.outputs import Logprobs
 
 
@@ -59,7 +60,7 @@ class Sampler:
             if st.bitmask is not None:  # in place, in the logits' own dtype: no float32 copy of the batch
                 xgr.apply_token_bitmask_inplace(logits, st.bitmask, vocab_size=logits.shape[-1],
                                                 indices=st.bitmask_rows)
-            return logits.argmax(dim=-1), None  # exact in any dtype: upcasting preserves the order
+            return argmax_rows(logits), None  # exact in any dtype: upcasting preserves the order
         logits = logits.float()
         # Logprobs are the model's own distribution: before grammars, biases, penalties and filters.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if st.max_num_logprobs >= 0 else None
@@ -76,7 +77,7 @@ class Sampler:
             logits = logits.index_put(st.banned, logits.new_full((), float("-inf")))  # no host-to-device copy
         if st.repetition_penalty is not None:
             logits = apply_penalties(logits, st)
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         if st.all_greedy:
             return greedy, raw_logprobs
         temperature = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))

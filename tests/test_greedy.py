@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.greedy import greedy_tokens, runs_here
+from engine.greedy import argmax_rows, greedy_tokens
 
 
 @settings(max_examples=25, deadline=None)
@@ -20,7 +20,6 @@ def test_the_tokens_are_torch_argmaxs_ties_included(rows, vocab, block, dtype, l
     gen = torch.Generator().manual_seed(seed)
     wide = torch.randint(0, levels, (rows, vocab + (5 if padded else 0)), generator=gen).to(dtype)
     logits = wide[:, :vocab]
-    assert runs_here(logits)
     assert torch.equal(greedy_tokens(logits, block=block), logits.argmax(dim=-1))
 
 
@@ -37,8 +36,15 @@ def test_infinities_and_nan(dtype):
     assert got.dtype == torch.int64
 
 
-def test_what_the_kernels_do_not_take_goes_to_torch():
-    column_major = torch.randn(300, 3).t()  # rows not contiguous
-    assert not runs_here(column_major)
-    assert torch.equal(greedy_tokens(column_major), column_major.argmax(dim=-1))
-    assert greedy_tokens(torch.empty(0, 10)).shape == (0,)
+def test_the_sampler_takes_torchs_argmax_where_the_kernels_do_not_run(monkeypatch):
+    """CPU logits (the interpreter is for tests, not for serving) and column-major ones go to torch.argmax; the
+    kernels refuse what they cannot read; a misspelt setting is an error naming it."""
+    logits = torch.randn(3, 300)
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    column_major = torch.randn(300, 3).t()
+    assert torch.equal(argmax_rows(column_major), column_major.argmax(dim=-1))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        greedy_tokens(column_major)
+    monkeypatch.setenv("MINIVLLM_GREEDY_ARGMAX", "triton")
+    with pytest.raises(ValueError, match="MINIVLLM_GREEDY_ARGMAX"):
+        argmax_rows(logits)
