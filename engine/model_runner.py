@@ -33,6 +33,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed import broadcast_from_rank0, kv_head_range, min_over_ranks, tp_rank, tp_size
+from engine.greedy import argmax_rows
 from engine.input_batch import InputBatch
 from engine.loader import load_model
 from engine.model_config import ModelConfig
@@ -359,7 +360,8 @@ class ModelRunner:
             top_p=torch.full((num_rows,), 0.9, device=self.device),
             min_p=None,
         )
-        self.sampler(logits, st)
+        self.sampler(logits, st)  # its greedy tokens of float32 logits included
+        argmax_rows(logits)  # and of the model's dtype, as greedy-only steps take them
         if getattr(self.model, "accepts_images", False):  # the largest encoder batch a step may run
             self.model.encode_images(*self.model.dummy_images(self.config.max_num_batched_tokens, self.dtype,
                                                               self.device))
