@@ -7,8 +7,9 @@ writing its largest value and that value's first column; the second pass takes, 
 row's largest value. Ties go to the lowest column, as in torch. NaN counts as larger than any number, as in torch;
 a row holding both +inf and NaN, where torch returns the first NaN, gives the first of either here.
 
-The sampler calls ``argmax_rows``: the kernels on CUDA, torch.argmax elsewhere or with ``MINIVLLM_GREEDY_ARGMAX=torch``
-(read at each call, for comparisons).
+The sampler calls ``argmax_rows``: torch.argmax by default; with ``MINIVLLM_GREEDY_ARGMAX=kernel`` the kernels on CUDA
+(read at each call, so that a benchmark can compare both in one process). The kernels become the default once a GPU
+run of ``bench/greedy_argmax.py`` and W1 shows them faster.
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ def greedy_tokens(logits: torch.Tensor, block: int = BLOCK, num_warps: int = NUM
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """The sampler's greedy tokens: the kernels for CUDA logits they take, else (or with
-    ``MINIVLLM_GREEDY_ARGMAX=torch``) torch.argmax."""
-    setting = os.environ.get("MINIVLLM_GREEDY_ARGMAX", "kernel")
+    """The sampler's greedy tokens: with ``MINIVLLM_GREEDY_ARGMAX=kernel``, the kernels for CUDA logits they take;
+    else torch.argmax."""
+    setting = os.environ.get("MINIVLLM_GREEDY_ARGMAX", "torch")
     if setting not in ("kernel", "torch"):
         raise ValueError(f"MINIVLLM_GREEDY_ARGMAX must be 'kernel' or 'torch', got {setting!r}")
     if setting == "kernel" and logits.is_cuda and _takes(logits):

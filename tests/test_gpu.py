@@ -34,13 +34,13 @@ def _greedy(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
 @pytest.mark.parametrize("vocab", [151936, 128256, 1000])
 def test_greedy_kernels_give_torch_argmax_tokens_on_bfloat16_logits(rows, vocab):
     """The sampler's two-pass argmax (``engine.greedy``) on the GPU: ties planted across chunks go to the first."""
-    from engine.greedy import argmax_rows
+    from engine.greedy import greedy_tokens
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     logits = torch.randn(rows, vocab, device="cuda", generator=gen).bfloat16()
     logits[:, -1] = logits.max(dim=-1).values
     logits[0, :] = 1.0
-    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
