@@ -37,12 +37,21 @@ def test_infinities_and_nan(dtype):
 
 
 def test_the_sampler_takes_torchs_argmax_where_the_kernels_do_not_run(monkeypatch):
-    """CPU logits (the interpreter is for tests, not for serving) and column-major ones go to torch.argmax; the
-    kernels refuse what they cannot read; a misspelt setting is an error naming it."""
+    """Even with ``MINIVLLM_GREEDY_ARGMAX=kernel``, CPU logits (the interpreter is for tests, not for serving) and
+    column-major ones go to torch.argmax, never to the kernels; the kernels refuse what they cannot read; a misspelt
+    setting is an error naming it."""
+    from engine import greedy
+
+    def no_kernels(logits, *args, **kwargs):
+        raise AssertionError("the kernels ran on CPU logits")
+
+    monkeypatch.setenv("MINIVLLM_GREEDY_ARGMAX", "kernel")
+    monkeypatch.setattr(greedy, "greedy_tokens", no_kernels)
     logits = torch.randn(3, 300)
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
     column_major = torch.randn(300, 3).t()
     assert torch.equal(argmax_rows(column_major), column_major.argmax(dim=-1))
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="contiguous rows"):
         greedy_tokens(column_major)
     monkeypatch.setenv("MINIVLLM_GREEDY_ARGMAX", "triton")
