@@ -155,10 +155,11 @@ def run_decode_case(batch_size: int, ctx: int, args, copy_gbs: float) -> dict:
 
 
 def run_mixed_decode_sweep(batch_size: int, args, copy_gbs: float) -> list[dict]:
-    """A decode batch as W1 produces it: contexts uniform in [100, 2048]. Rows in batch order vs
-    longest first, a few split counts, and a sweep of (BLOCK_N, num_warps, num_stages)."""
+    """A decode batch as W1 produces it: contexts uniform in ``--contexts`` ([100, 2048] by default). Rows in batch
+    order vs longest first, a few split counts, and a sweep of (BLOCK_N, num_warps, num_stages) tiles."""
     gen = torch.Generator().manual_seed(batch_size)
-    lens = torch.randint(100, 2049, (batch_size,), generator=gen).tolist()
+    lo, hi = args.contexts
+    lens = torch.randint(lo, hi + 1, (batch_size,), generator=gen).tolist()
     b = make_batch([(s - 1, 1) for s in lens], args, seed=batch_size)
     m = b.meta
     out = torch.empty_like(b.q)
@@ -170,20 +171,22 @@ def run_mixed_decode_sweep(batch_size: int, args, copy_gbs: float) -> list[dict]
         fn = lambda: paged_decode_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.seq_lens, b.scale, out,
                                             splits, order, tiles)
         out.fill_(float("nan"))
-        fn()
+        try:
+            fn()
+        except Exception as e:  # e.g. tiles whose buffers need more shared memory than an SM has
+            torch.cuda.synchronize()
+            print(f"B={batch_size} {label}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            return
         ms = device_ms(fn)
         rows.append(dict(kind="decode-mixed", case=f"B={batch_size} {label}", batch=batch_size, splits=splits,
                          ordered=order is not None, tiles=tiles, rel_err=rel_err(out, ref), triton_ms=ms,
-                         pct_copy=100.0 * kv_bytes(b) / ms / 1e6 / copy_gbs))
+                         context_mean=sum(lens) / len(lens), pct_copy=100.0 * kv_bytes(b) / ms / 1e6 / copy_gbs))
 
     for splits in (1, 2, 4):
         measure(f"in order, {splits} split(s)", splits, None)
         measure(f"longest first, {splits} split(s)", splits, longest_first)
-    for block_n in (32, 64, 128):
-        for warps in (4, 8):
-            for stages in (2, 3, 4):
-                measure(f"longest first, tiles {block_n}/{warps}w/{stages}s", 1, longest_first,
-                        (block_n, warps, stages))
+    for tiles in args.tiles:
+        measure(f"longest first, tiles {tiles[0]}/{tiles[1]}w/{tiles[2]}s", 1, longest_first, tiles)
     return rows
 
 
@@ -299,14 +302,21 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mixed-sweep", action="store_true",
                    help="only the mixed-length decode batches: row order, splits and tile sizes")
+    p.add_argument("--mixed-batches", default="160,256", help="--mixed-sweep: rows of each batch")
+    p.add_argument("--contexts", default="100,2048", help="--mixed-sweep: the contexts' range (uniform)")
+    p.add_argument("--tiles", help="--mixed-sweep: BLOCK_N,warps,stages settings, space-separated")
     args = p.parse_args()
+    args.contexts = tuple(int(x) for x in args.contexts.split(","))
+    args.tiles = ([tuple(int(x) for x in t.split(",")) for t in args.tiles.split()] if args.tiles else
+                  [(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)])
     if not torch.cuda.is_available():
         print("attention_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth_gbs()
     if args.mixed_sweep:
-        rows = [r for bsz in (160, 256) for r in run_mixed_decode_sweep(bsz, args, copy_gbs)]
+        batches = [int(x) for x in args.mixed_batches.split(",")]
+        rows = [r for bsz in batches for r in run_mixed_decode_sweep(bsz, args, copy_gbs)]
         print(f"copy bandwidth {copy_gbs:.0f} GB/s")
         for r in rows:
             print(f"{r['case']:>48}: {r['triton_ms'] * 1e3:8.1f} us  {r['pct_copy']:5.1f}% of copy  "

@@ -46,9 +46,10 @@ from engine.attention.triton_kernels import (  # noqa: E402
     paged_prefill_attention)
 
 VARIANTS = {  # (BLOCK_N, warps, stages, registers a thread at most[, FP8: KV heads a program])
-    "bf16": [(128, 4, 3, None), (128, 4, 3, 168), (128, 4, 3, 128), (64, 4, 3, None), (64, 4, 3, 128)],
-    "fp8": [(128, 4, 3, None, 1), (128, 4, 2, None, 1), (128, 4, 3, None, 2), (128, 4, 2, None, 2),
-            (128, 4, 2, 168, 2), (128, 4, 2, 128, 2), (64, 4, 3, None, 2), (128, 2, 2, None, 2)],
+    "bf16": [(128, 4, 2, None), (128, 4, 3, None), (128, 4, 4, None), (128, 8, 3, None), (128, 8, 4, None),
+             (64, 4, 2, None), (64, 4, 3, None), (64, 4, 4, None), (64, 8, 3, None), (256, 8, 2, None)],
+    "fp8": [(128, 4, 2, None, 1), (128, 4, 3, None, 1), (128, 4, 4, None, 1), (128, 8, 3, None, 1),
+            (64, 4, 3, None, 1), (64, 4, 4, None, 1), (128, 4, 3, None, 2), (128, 4, 2, None, 2)],
 }
 
 

@@ -55,7 +55,7 @@ ALL_REDUCE_BATCHES = (1, 8, 32, 64, 128, 192, 256)
 # (engine.models.layers), read when the model is built. MINIVLLM_GREEDY_ARGMAX=kernel: greedy rows through
 # engine.greedy's two-pass kernels instead of torch.argmax.
 LAUNCH_SETTINGS = ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH", "TORCH_BLAS_PREFER_CUBLASLT", "MINIVLLM_DECODE_KSPLIT",
-                   "MINIVLLM_GREEDY_ARGMAX")
+                   "MINIVLLM_GREEDY_ARGMAX", "MINIVLLM_DECODE_TILES")
 _ENV_AT_START = {name: os.environ.get(name) for name in LAUNCH_SETTINGS}
 
 

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend, write_kv  # noqa: E402
+from engine.attention import triton_kernels  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from kvcache.paged_cache import quantize_fp8, rotate_heads  # noqa: E402
 from engine.attention.triton_kernels import (  # noqa: E402
@@ -156,6 +157,30 @@ def test_decode_matches_reference(group, head_dim, block_size, num_splits):
     d = case.meta.num_decodes
     ref = reference(case)[:d]
     assert_matches(run_decode(case, num_splits), ref, case.padding_rows)
+
+
+def test_decode_tiles_setting_sets_unsplit_tiles_and_refuses_bad_values(monkeypatch):
+    """MINIVLLM_DECODE_TILES=BLOCK_N,warps,stages: unsplit contexts run with those tiles and give the same outputs;
+    split ones keep theirs; a malformed value is refused, naming the setting."""
+    case = make_case(33, DECODES + [PAD], 2, 2, 64, 16)
+    d = case.meta.num_decodes
+    ref = reference(case)[:d]
+    seen = []
+    original = triton_kernels._launch_decode
+
+    def spy(*args, **kwargs):
+        seen.append(triton_kernels._decode_tiles(case.q.shape[2], args[7], False))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(triton_kernels, "_launch_decode", spy)
+    monkeypatch.setenv("MINIVLLM_DECODE_TILES", "32,2,2")
+    assert_matches(run_decode(case, 1), ref, case.padding_rows)
+    assert_matches(run_decode(case, 2), ref, case.padding_rows)
+    assert seen == [(32, 2, 2), (64, 4, 3)]
+    for bad in ("128,4", "128,4,x", "100,4,3", "128,3,3", "128,4,0"):
+        monkeypatch.setenv("MINIVLLM_DECODE_TILES", bad)
+        with pytest.raises(ValueError, match="MINIVLLM_DECODE_TILES"):
+            run_decode(case, 1)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

@@ -81,23 +81,45 @@ _FP8_FUSED_ROPE_MAX_ROWS = 0
 
 
 @triton.jit
-def _tile_blocks(table_ptr, tile_start, end, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(block ids [BLOCK_N] int64, offsets within the block [BLOCK_N]) of positions ``tile_start + offs_n``.
+def _tile_page_ids(table_ptr, tile_start, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The block-table entries of the key tile at ``tile_start`` (int32, 0 past ``end``): one per block when a tile
+    spans whole blocks (``BLOCK_N`` a multiple of the block size; the decode kernels start every tile on a block
+    boundary), else one per key. ``_tile_rows`` turns them into the keys' rows.
 
-    When a tile spans whole blocks (``BLOCK_N`` a multiple of the block size; the decode kernels start
-    every tile on a block boundary) each block id is loaded once and broadcast to its keys, not once
-    per key: on the H200 that took 5% (bf16) to 11% (FP8) off the decode kernels' time. Ids past ``end``
-    read as 0.
+    Each block id is loaded once and broadcast to its keys, not once per key: on the H200 that took 5% (bf16) to
+    11% (FP8) off the decode kernels' time.
     """
     if BLOCK_N % PAGE_SIZE == 0:
         PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
         offs_p = tl.arange(0, PAGES)
         ids = tl.load(table_ptr + tile_start // PAGE_SIZE + offs_p, mask=tile_start + offs_p * PAGE_SIZE < end,
-                      other=0).to(tl.int64)
-        ids = tl.reshape(tl.broadcast_to(ids[:, None], (PAGES, PAGE_SIZE)), (BLOCK_N,))
-        return ids, offs_n % PAGE_SIZE
-    pos = tile_start + offs_n
-    return tl.load(table_ptr + pos // PAGE_SIZE, mask=pos < end, other=0).to(tl.int64), pos % PAGE_SIZE
+                      other=0)
+    else:
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        ids = tl.load(table_ptr + pos // PAGE_SIZE, mask=pos < end, other=0)
+    return ids
+
+
+@triton.jit
+def _tile_rows(ids, tile_start, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(block ids [BLOCK_N] int64, offsets within the block [BLOCK_N]) of positions ``tile_start + offs_n``, from
+    ``_tile_page_ids``'s entries."""
+    if BLOCK_N % PAGE_SIZE == 0:
+        PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+        rows = tl.reshape(tl.broadcast_to(ids.to(tl.int64)[:, None], (PAGES, PAGE_SIZE)), (BLOCK_N,))
+        in_block = offs_n % PAGE_SIZE
+    else:
+        rows = ids.to(tl.int64)
+        in_block = (tile_start + offs_n) % PAGE_SIZE
+    return rows, in_block
+
+
+@triton.jit
+def _tile_blocks(table_ptr, tile_start, end, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(block ids [BLOCK_N] int64, offsets within the block [BLOCK_N]) of positions ``tile_start + offs_n``; ids
+    past ``end`` read as 0."""
+    return _tile_rows(_tile_page_ids(table_ptr, tile_start, end, PAGE_SIZE, BLOCK_N), tile_start, offs_n,
+                      PAGE_SIZE, BLOCK_N)
 
 
 @triton.jit
@@ -202,10 +224,15 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    # A tile's block ids are loaded one tile ahead: K and V's addresses then depend on no load of their own
+    # iteration, and Triton's pipeliner gives them num_stages - 1 buffers (one, with the ids loaded in the loop:
+    # each tile's K and V were only asked for once the previous tile was done with).
+    page_ids = _tile_page_ids(table_ptr, start, end, PAGE_SIZE, BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
         valid = (pos < end) & (pos >= first_key)  # every tile holds a valid key: m_i turns finite at once
-        block_ids, in_block = _tile_blocks(table_ptr, tile_start, end, offs_n, PAGE_SIZE, BLOCK_N)
+        block_ids, in_block = _tile_rows(page_ids, tile_start, offs_n, PAGE_SIZE, BLOCK_N)
+        page_ids = _tile_page_ids(table_ptr, tile_start + BLOCK_N, end, PAGE_SIZE, BLOCK_N)
         k_rows = block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh
         k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
@@ -349,10 +376,12 @@ def _decode_split_fp8_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc_even = tl.zeros([GROUP_PAD, HALF], tl.float32)
     acc_odd = tl.zeros([GROUP_PAD, HALF], tl.float32)
+    page_ids = _tile_page_ids(table_ptr, start, end, PAGE_SIZE, BLOCK_N)  # one tile ahead, as in the bf16 kernel
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
         valid = (pos < end) & (pos >= first_key)
-        block_ids, in_block = _tile_blocks(table_ptr, tile_start, end, offs_n, PAGE_SIZE, BLOCK_N)
+        block_ids, in_block = _tile_rows(page_ids, tile_start, offs_n, PAGE_SIZE, BLOCK_N)
+        page_ids = _tile_page_ids(table_ptr, tile_start + BLOCK_N, end, PAGE_SIZE, BLOCK_N)
         # The cache strides arrive in 16-bit words (the wrapper halves them; HEAD_DIM is even). K is read
         # unmasked: a key past the end reads some slot of its block or of block 0, and its score is masked.
         k_rows = block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh
@@ -906,9 +935,25 @@ def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[in
     """
     if head_dim > 128:
         return 32, 4, 3
+    if num_splits == 1 and os.environ.get("MINIVLLM_DECODE_TILES"):
+        return _tiles_setting(os.environ["MINIVLLM_DECODE_TILES"])
     if fp8:
         return 128, 4, (2 if num_splits == 1 else 3)
     return (128 if num_splits == 1 else 64), 4, 3
+
+
+@functools.lru_cache(maxsize=8)
+def _tiles_setting(value: str) -> tuple[int, int, int]:
+    """``MINIVLLM_DECODE_TILES=BLOCK_N,warps,stages``: the decode kernel's tiles for unsplit contexts (head_dim <= 128),
+    for measuring other settings on a GPU (bench/gpu_throughput.py --env)."""
+    try:
+        block_n, warps, stages = (int(x) for x in value.split(","))
+    except ValueError:
+        raise ValueError(f"MINIVLLM_DECODE_TILES must be BLOCK_N,warps,stages (e.g. 128,4,3), got {value!r}") from None
+    if block_n not in (16, 32, 64, 128, 256) or warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 8:
+        raise ValueError(f"MINIVLLM_DECODE_TILES: BLOCK_N a power of two in [16, 256], warps one in [1, 16] and "
+                         f"stages in [1, 8], got {value!r}")
+    return block_n, warps, stages
 
 
 def _group_pad(group: int) -> int:
