@@ -53,10 +53,26 @@ VARIANTS = {  # (BLOCK_N, warps, stages, registers a thread at most[, FP8: KV he
 }
 
 
+LAYOUT = "nhd"  # --layout: how the caches lie in memory
+
+
+def _laid_out(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [..., blocks, block, kv_heads, head_dim] as the kernels take it, stored as ``LAYOUT`` says: ``nhd`` as
+    is, ``hnd`` with each KV head's keys of a block side by side (a [blocks, kv_heads, block, head_dim] tensor seen
+    through a transpose)."""
+    if LAYOUT == "nhd":
+        return t
+    stored = torch.empty(*t.shape[:-3], t.shape[-2], t.shape[-3], t.shape[-1], dtype=t.dtype, device=t.device)
+    view = stored.transpose(-3, -2)
+    view.copy_(t)
+    return view
+
+
 def paged_caches(lens: list[int], block: int, kv_heads: int, head_dim: int, gen: torch.Generator,
                  device: torch.device, max_blocks: int | None = None):
     """One layer's random bf16 K/V cache holding contexts of ``lens`` tokens in scattered blocks, the same quantized
-    to FP8: (bf16 [2, blocks, block, kv_heads, head_dim], FP8 K and V, their scales, block tables on ``device``)."""
+    to FP8: (bf16 [2, blocks, block, kv_heads, head_dim], FP8 K and V, their scales, block tables on ``device``);
+    K and V laid out as ``LAYOUT`` says (the scales stay [blocks, block, kv_heads])."""
     blocks = [-(-n // block) for n in lens]
     num_blocks = sum(blocks) + 1
     cache = torch.randn(2, num_blocks, block, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
@@ -69,20 +85,25 @@ def paged_caches(lens: list[int], block: int, kv_heads: int, head_dim: int, gen:
     fp8, scales = [], []
     for c in cache:
         values, s = quantize_fp8(c.flatten(0, 1))
-        fp8.append(values.view(c.shape))
+        fp8.append(_laid_out(values.view(c.shape)))
         scales.append(s.view(c.shape[:3]).contiguous())
-    return cache, fp8, scales, tables.to(device)
+    return _laid_out(cache), fp8, scales, tables.to(device)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, nargs="+", default=[2, 4], help="query heads per KV head")
+    parser.add_argument("--layout", choices=("nhd", "hnd"), default="nhd",
+                        help="caches as the engine keeps them (nhd: a block's tokens, each with its KV heads) or each "
+                             "KV head's tokens of a block side by side (hnd)")
     parser.add_argument("--prefill", action="store_true", help="sweep the prefill kernel instead")
     parser.add_argument("--baseline", type=Path, help="a copy of triton_kernels.py to time the FP8 decode against")
     parser.add_argument("--fp8-out", action="store_true", help="time the decode kernels' quantized output")
     parser.add_argument("--baseline-cache", choices=("fp8", "bf16"), default="fp8",
                         help="the cache --baseline times the decode kernels on")
     args = parser.parse_args()
+    global LAYOUT
+    LAYOUT = args.layout
     if args.prefill:
         return prefill_sweep(args.groups)
     if args.fp8_out:

@@ -376,12 +376,10 @@ def _decode_split_fp8_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc_even = tl.zeros([GROUP_PAD, HALF], tl.float32)
     acc_odd = tl.zeros([GROUP_PAD, HALF], tl.float32)
-    page_ids = _tile_page_ids(table_ptr, start, end, PAGE_SIZE, BLOCK_N)  # one tile ahead, as in the bf16 kernel
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
         valid = (pos < end) & (pos >= first_key)
-        block_ids, in_block = _tile_rows(page_ids, tile_start, offs_n, PAGE_SIZE, BLOCK_N)
-        page_ids = _tile_page_ids(table_ptr, tile_start + BLOCK_N, end, PAGE_SIZE, BLOCK_N)
+        block_ids, in_block = _tile_blocks(table_ptr, tile_start, end, offs_n, PAGE_SIZE, BLOCK_N)
         # The cache strides arrive in 16-bit words (the wrapper halves them; HEAD_DIM is even). K is read
         # unmasked: a key past the end reads some slot of its block or of block 0, and its score is masked.
         k_rows = block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh
