@@ -225,8 +225,8 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     # A tile's block ids are loaded one tile ahead: K and V's addresses then depend on no load of their own
-    # iteration, and Triton's pipeliner gives them num_stages - 1 buffers (one, with the ids loaded in the loop:
-    # each tile's K and V were only asked for once the previous tile was done with).
+    # iteration, and Triton's pipeliner gives them num_stages - 1 buffers (with the ids loaded in the loop it gave
+    # them one whatever the stages). _decode_tiles says which count pays.
     page_ids = _tile_page_ids(table_ptr, start, end, PAGE_SIZE, BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
@@ -930,6 +930,11 @@ def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[in
     programs fit an SM instead of three (161 registers, Triton 3.6), but the W1-like batch took 106 us against
     94 (bf16 at 168 or 128: 149 or 159 us against 130; bench/fp8_attention_sweep.py). FP8 unsplit: two pipeline
     stages, not three (Llama-3.1-8B's heads, W1-like batch: 83.4 us against 87.6).
+
+    bf16 unsplit: two stages, which give K and V one buffer each, so an SM holds two programs (on an H100, W1-like
+    batch of 151 rows: 177.9 us against 185.3 with three stages, whose second buffers leave room for one program
+    an SM, and 180.1-180.7 with 64-key tiles in three or four stages; bench/RESULTS.md, 2026-12-06). Until the
+    bf16 kernel loaded each tile's block ids a tile ahead, three stages gave one buffer too.
     """
     if head_dim > 128:
         return 32, 4, 3
@@ -937,7 +942,7 @@ def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[in
         return _tiles_setting(os.environ["MINIVLLM_DECODE_TILES"])
     if fp8:
         return 128, 4, (2 if num_splits == 1 else 3)
-    return (128 if num_splits == 1 else 64), 4, 3
+    return (128, 4, 2) if num_splits == 1 else (64, 4, 3)
 
 
 @functools.lru_cache(maxsize=8)
