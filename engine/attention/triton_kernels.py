@@ -952,10 +952,10 @@ def _tiles_setting(value: str) -> tuple[int, int, int]:
     try:
         block_n, warps, stages = (int(x) for x in value.split(","))
     except ValueError:
-        raise ValueError(f"MINIVLLM_DECODE_TILES must be BLOCK_N,warps,stages (e.g. 128,4,3), got {value!r}") from None
+        raise ValueError(f"MINIVLLM_DECODE_TILES must be BLOCK_N,warps,stages (e.g. 128,4,2), got {value!r}") from None
     if block_n not in (16, 32, 64, 128, 256) or warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 8:
-        raise ValueError(f"MINIVLLM_DECODE_TILES: BLOCK_N a power of two in [16, 256], warps one in [1, 16] and "
-                         f"stages in [1, 8], got {value!r}")
+        raise ValueError(f"MINIVLLM_DECODE_TILES: BLOCK_N one of 16, 32, 64, 128, 256, warps one of 1, 2, 4, 8, 16 "
+                         f"and stages in [1, 8], got {value!r}")
     return block_n, warps, stages
 
 
