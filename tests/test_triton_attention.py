@@ -9,9 +9,13 @@ through the wrong slot or past the end of a context changes the result.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +39,7 @@ DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRE
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU: run with TRITON_INTERPRET=1 to test the kernels on the CPU", allow_module_level=True)
 
+ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(atol=1e-4, rtol=1e-4)
 PAD = None  # a padding row of a CUDA-graph bucket: seq_len 0, its one token's slot in the null block
 
@@ -181,6 +186,23 @@ def test_decode_tiles_setting_sets_unsplit_tiles_and_refuses_bad_values(monkeypa
         monkeypatch.setenv("MINIVLLM_DECODE_TILES", bad)
         with pytest.raises(ValueError, match="MINIVLLM_DECODE_TILES"):
             run_decode(case, 1)
+
+
+def test_decode_kernel_gets_the_key_buffers_its_stages_ask_for_on_hopper():
+    """Compiled for sm_90 as a launch specializes it (bench/kernel_resources.py, in a process of its own without the
+    interpreter): three stages give the bf16 decode kernel two K/V buffers, two stages one. With each tile's block
+    ids loaded in the loop, Triton's pipeliner gave one whatever the stages."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_resources.py"), "--json",
+                          "--decode-tiles", "128,4,2", "128,4,3", "--prefill-tiles"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {(r["kernel"], tuple(r["tiles"])): r for r in json.loads(out.stdout)["rows"]}
+    assert rows[("decode bf16", (128, 4, 2))]["buffers"] == 1
+    assert rows[("decode bf16", (128, 4, 3))]["buffers"] == 2
+    one, two = rows[("decode bf16", (128, 4, 2))], rows[("decode bf16", (128, 4, 3))]
+    assert two["shared"] > one["shared"] + 60 * 1024  # a second 128 x 128 bf16 tile for K and for V
+    assert one["picked"] and one["programs_per_sm"] >= 2
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
