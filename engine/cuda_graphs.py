@@ -6,6 +6,9 @@ launches from Python. Padding rows have sequence length 0 (attention writes zero
 them) and write their K/V into the null block, so they change nothing that is read.
 Mixed and prefill steps run eagerly. An M-RoPE model's graphs read its [3, size] positions
 (``StepBuffers.model_positions``), filled before each replay like every other input.
+
+With ``greedy`` each graph also takes every row's argmax of its logits (``engine.greedy``'s kernels), which the
+sampler uses wherever nothing changes the logits first: half torch.argmax's device time, and no launches of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.attention.metadata import AttentionMetadata
+from engine.greedy import greedy_tokens
 from engine.step_buffers import StepBuffers
 
 logger = logging.getLogger("minivllm")
@@ -25,7 +29,7 @@ logger = logging.getLogger("minivllm")
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, buffers: StepBuffers, batch_sizes: list[int], block_size: int,
-                 max_seq_len: int):
+                 max_seq_len: int, greedy: bool = False):
         self.model = model
         self.buffers = buffers
         self.batch_sizes = sorted(batch_sizes)
@@ -33,6 +37,8 @@ class DecodeGraphs:
         self.max_seq_len = max_seq_len
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}  # [size, vocab] in the model dtype, written by each replay
+        self.greedy = greedy
+        self._greedy: dict[int, torch.Tensor] = {}  # [size] int64: each row's argmax of those logits
 
     @property
     def max_batch_size(self) -> int:
@@ -57,10 +63,11 @@ class DecodeGraphs:
             query_start_loc_cpu=b.query_start_loc.host[: size + 1], seq_lens_cpu=b.seq_lens.host[:size],
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         b = self.buffers
         hidden = self.model(b.input_ids.device[:size], b.model_positions(size), self.metadata(size))
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        return logits, (greedy_tokens(logits) if self.greedy else None)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -76,13 +83,17 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[size] = self._forward(size)
+                self._logits[size], tokens = self._forward(size)
+            if tokens is not None:
+                self._greedy[size] = tokens
             self._graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self._graphs),
-                    self.batch_sizes, time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s%s) in %.1f s", len(self._graphs),
+                    self.batch_sizes, ", greedy tokens taken inside" if self.greedy else "",
+                    time.perf_counter() - start)
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Run the captured step; the inputs must already be in the static buffers. Returns [size, vocab] logits."""
+    def replay(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the captured step; the inputs must already be in the static buffers. Returns the [size, vocab] logits
+        and, with ``greedy``, each row's argmax of them ([size] int64; else None)."""
         self._graphs[size].replay()
-        return self._logits[size]
+        return self._logits[size], self._greedy.get(size)

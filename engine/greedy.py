@@ -1,15 +1,19 @@
 """The greedy token of each row of a logits matrix, as ``torch.argmax(logits, dim=-1)`` gives it, in two Triton passes.
 
 A decode step of greedy rows ends with the argmax of a [rows, vocab] logits matrix (151,936 columns on Qwen3). torch's
-reduction reads it at 29-34% of the copy bandwidth at 151-256 rows on an H200. Here the first pass cuts each row into chunks of ``BLOCK`` columns, one program a chunk, each
-writing its largest value and that value's first column; the second pass takes, per row, the first chunk holding the
-row's largest value. Ties go to the lowest column, as in torch. NaN counts as larger than any number, as in torch;
-a row holding both +inf and NaN, where torch returns the first NaN, gives the first of either here.
+reduction reads it at 29-34% of the copy bandwidth at 151-256 rows on an H200. Here the first pass cuts each row into
+chunks of ``BLOCK`` columns, one program a chunk, each writing its largest value and that value's first column; the
+second pass takes, per row, the first chunk holding the row's largest value. Ties go to the lowest column, as in
+torch. NaN counts as larger than any number, as in torch; a row holding both +inf and NaN, where torch returns the
+first NaN, gives the first of either here.
 
-The sampler calls ``argmax_rows``: torch.argmax by default; with ``MINIVLLM_GREEDY_ARGMAX=kernel`` the kernels on CUDA
-(read at each call, so that a benchmark can compare both in one process). On an H200 the kernels take half the device
-time (18.9 against 37.6 us for 151 rows), but their two launches cost 74 us of host time against torch's 17, on every
-step, which is why they are not the default (bench/RESULTS.md, 2026-12-06).
+Where they run (``MINIVLLM_GREEDY_ARGMAX``; decode graphs read it when they are captured, the sampler at each call):
+``graph`` (the default) inside the decode CUDA graphs, whose replays then hand the sampler each row's argmax along
+with the logits, and torch.argmax for eager steps; ``kernel`` the kernels for eager CUDA steps too; ``torch``
+torch.argmax everywhere, after the graph. On an H200 the kernels take half torch's device time (18.9 against 37.6 us
+for 151 rows), but their two launches cost 74 us of host time against torch's 17: inside a graph that cost is gone,
+outside one it is paid on every step, which is why eager steps keep torch.argmax by default (bench/RESULTS.md,
+2026-12-06).
 """
 
 from __future__ import annotations
@@ -69,12 +73,21 @@ def greedy_tokens(logits: torch.Tensor, block: int = BLOCK, num_warps: int = NUM
     return out
 
 
+def _setting() -> str:
+    setting = os.environ.get("MINIVLLM_GREEDY_ARGMAX", "graph")
+    if setting not in ("graph", "kernel", "torch"):
+        raise ValueError(f"MINIVLLM_GREEDY_ARGMAX must be 'graph', 'kernel' or 'torch', got {setting!r}")
+    return setting
+
+
+def argmax_in_graphs() -> bool:
+    """Whether decode CUDA graphs take their rows' greedy tokens themselves (``graph`` or ``kernel``)."""
+    return _setting() != "torch"
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """The sampler's greedy tokens: with ``MINIVLLM_GREEDY_ARGMAX=kernel``, the kernels for CUDA logits they take;
     else torch.argmax."""
-    setting = os.environ.get("MINIVLLM_GREEDY_ARGMAX", "torch")
-    if setting not in ("kernel", "torch"):
-        raise ValueError(f"MINIVLLM_GREEDY_ARGMAX must be 'kernel' or 'torch', got {setting!r}")
-    if setting == "kernel" and logits.is_cuda and _takes(logits):
+    if _setting() == "kernel" and logits.is_cuda and _takes(logits):
         return greedy_tokens(logits)
     return logits.argmax(dim=-1)

@@ -33,7 +33,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed import broadcast_from_rank0, kv_head_range, min_over_ranks, tp_rank, tp_size
-from engine.greedy import argmax_rows
+from engine.greedy import argmax_in_graphs, argmax_rows
 from engine.input_batch import InputBatch
 from engine.loader import load_model
 from engine.model_config import ModelConfig
@@ -315,7 +315,7 @@ class ModelRunner:
             logger.info("CUDA graphs off: %s's experts run eagerly (the torch reference)", self.model_config.architecture)
             return
         self.graphs = DecodeGraphs(self.model, self.buffers, self.config.graph_batch_sizes(), self.block_size,
-                                   self.max_model_len)
+                                   self.max_model_len, greedy=argmax_in_graphs() and tp_rank() == 0)
         self.graphs.capture()
 
     def _profile_cuda_budget(self) -> int:
@@ -427,11 +427,14 @@ class ModelRunner:
         # wait behind it.
         st = self._sampling_tensors(inputs.sampled_rows) if len(inputs.sampled_rows) else None
         events = self._start_timing()
+        greedy = None  # each sampled row's argmax of its logits, where a graph took it
         if inputs.graph_size is not None:
-            logits = self.graphs.replay(inputs.graph_size)
+            logits, greedy = self.graphs.replay(inputs.graph_size)
             # Every row of a decode step is sampled, in order: a view instead of a gather.
             n = len(inputs.sampled_rows)
             logits = logits[:n] if inputs.samples_leading_rows else logits[inputs.logits_indices]
+            if greedy is not None:
+                greedy = greedy[:n] if inputs.samples_leading_rows else greedy[inputs.logits_indices]
         elif inputs.image_embeds is not None:
             embeds = self.model.embed_input_ids(inputs.input_ids, *inputs.image_embeds)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs_embeds=embeds)
@@ -448,7 +451,7 @@ class ModelRunner:
             if events:
                 events[1].record()
             return handle
-        handle.pending = (logits, st)
+        handle.pending = (logits, st, greedy)
         if sample:
             self.launch_sampling(handle)
         return handle
@@ -458,7 +461,7 @@ class ModelRunner:
         """Queue the sampling of a step whose forward pass is queued. ``masks``: a [sampled rows, vocab/32]
         int32 bitmask (host memory) of the tokens each constrained row's grammar allows, and those rows;
         None for no constraint."""
-        logits, st = handle.pending
+        logits, st, greedy = handle.pending
         handle.pending = None
         if masks is not None:
             bitmask = self._upload(masks[0])
@@ -466,7 +469,7 @@ class ModelRunner:
             if bitmask.shape[1] < words:  # the grammars' vocabulary is the tokenizer's: the padding ids stay out
                 bitmask = torch.nn.functional.pad(bitmask, (0, words - bitmask.shape[1]))
             st.bitmask, st.bitmask_rows = bitmask, masks[1]
-        sampled, raw_logprobs = self.sampler(logits, st)
+        sampled, raw_logprobs = self.sampler(logits, st, greedy)
         # Two pinned buffers in turn: with a step planned ahead, this copy may land while the
         # host still reads the previous step's tokens.
         self._sampled_turn ^= 1

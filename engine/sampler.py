@@ -48,15 +48,24 @@ class SamplingTensors:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, logits: torch.Tensor, st: SamplingTensors,
+                 greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sample one token per row of ``logits`` [N, vocab] (any float dtype; computed in float32).
 
+        ``greedy``: each row's argmax of these very logits [N], where it was taken already (inside a decode CUDA
+        graph); used as the greedy tokens when no grammar, bias, ban or penalty changes the logits first.
         Returns the sampled ids [N] and, when any row asked for logprobs, the raw
         log-softmax [N, vocab] of the model's distribution (before penalties and filters).
         """
+        unchanged = (st.banned is None and st.repetition_penalty is None and st.logit_bias is None
+                     and st.allowed is None and st.bitmask is None)
+        if greedy is not None and not unchanged:
+            greedy = None
         argmax_only = (st.all_greedy and st.max_num_logprobs < 0 and st.banned is None and st.repetition_penalty is None
                        and st.logit_bias is None and st.allowed is None)
         if argmax_only:
+            if greedy is not None:
+                return greedy, None
             if st.bitmask is not None:  # in place, in the logits' own dtype: no float32 copy of the batch
                 xgr.apply_token_bitmask_inplace(logits, st.bitmask, vocab_size=logits.shape[-1],
                                                 indices=st.bitmask_rows)
@@ -77,7 +86,8 @@ class Sampler:
             logits = logits.index_put(st.banned, logits.new_full((), float("-inf")))  # no host-to-device copy
         if st.repetition_penalty is not None:
             logits = apply_penalties(logits, st)
-        greedy = argmax_rows(logits)
+        if greedy is None:
+            greedy = argmax_rows(logits)
         if st.all_greedy:
             return greedy, raw_logprobs
         temperature = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))

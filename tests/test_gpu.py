@@ -43,6 +43,34 @@ def test_greedy_kernels_give_torch_argmax_tokens_on_bfloat16_logits(rows, vocab)
     assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
 
 
+def test_greedy_tokens_taken_inside_decode_graphs_match_torch_argmax_after_them(tmp_path, monkeypatch):
+    """Decode graphs that take their rows' argmax themselves (``MINIVLLM_GREEDY_ARGMAX=graph``, the default) give
+    the tokens of torch.argmax after the replay (``torch``), in bf16, for greedy rows, seeded sampled rows beside
+    them, and rows whose logits a bias or a penalty changes before the argmax."""
+    config = TINY_CONFIGS["qwen3"]()
+    model_dir = save_checkpoint(config, tmp_path)
+    prompts = _prompts(VOCAB, [5, 150, 40, 90, 12, 200, 31, 1])
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logit_bias={3: 2.0}),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3)]
+
+    def run(setting: str) -> list[list[int]]:
+        monkeypatch.setenv("MINIVLLM_GREEDY_ARGMAX", setting)
+        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=512, num_kvcache_blocks=256,
+                  max_num_batched_tokens=256)
+        try:
+            assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.greedy == (setting != "torch")
+            greedy = _greedy(llm, prompts, 24)
+            mixed = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                 [params[i % len(params)] for i in range(len(prompts))], use_tqdm=False)
+            return greedy + [o.outputs[0].token_ids for o in mixed]
+        finally:
+            llm.engine.close()
+
+    assert run("graph") == run("torch")
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_triton_with_cuda_graphs_matches_torch_eager_float32(tmp_path, async_scheduling):
     model_dir = save_tiny_model("qwen3", tmp_path)

@@ -23,6 +23,34 @@ def test_greedy_rows_take_the_argmax_and_random_rows_sample():
     assert sampled[:2].tolist() == logits[:2].argmax(-1).tolist()
 
 
+def test_greedy_tokens_taken_by_a_cuda_graph_are_used_only_where_nothing_changes_the_logits():
+    """A decode graph hands the sampler each row's argmax of its logits. Greedy rows take it when no ban, bias,
+    penalty or grammar changes the logits first (a marker value shows which tokens came from it); otherwise the
+    sampler takes the argmax of the changed logits."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
+    taken = torch.full((4,), 49)  # not the argmax of any row: it shows where the graph's tokens were used
+    sampler = Sampler()
+    st = tensors(4, temperature=0.0, all_greedy=True)
+    assert sampler(logits, st, taken)[0].tolist() == [49] * 4
+    st = tensors(4, temperature=0.0, all_greedy=True, max_num_logprobs=2)  # logprobs: the general path
+    sampled, logprobs = sampler(logits, st, taken)
+    assert sampled.tolist() == [49] * 4 and logprobs is not None
+    st = tensors(4)
+    st.temperature[:2] = 0.0
+    assert sampler(logits, st, taken)[0][:2].tolist() == [49, 49]
+    argmax = logits.argmax(-1)
+    changed = [
+        dict(banned=(torch.tensor([0]), torch.tensor([3]))),
+        dict(logit_bias=(torch.tensor([1]), torch.tensor([5]), torch.tensor([0.5]))),
+        dict(presence_penalty=torch.zeros(4), frequency_penalty=torch.zeros(4), repetition_penalty=torch.ones(4),
+             output_token_counts=torch.zeros(4, 50, dtype=torch.long)),
+        dict(bitmask=torch.full((4, 2), -1, dtype=torch.int32), bitmask_rows=[0, 1, 2, 3]),
+    ]
+    for fields in changed:  # none of them moves the argmax here: the tokens must be the logits' own
+        st = tensors(4, temperature=0.0, all_greedy=True, **fields)
+        assert sampler(logits.clone(), st, taken)[0].tolist() == argmax.tolist(), fields
+
+
 @pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=0.999)])
 def test_filters_that_keep_one_token_reduce_to_greedy(filters):
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1))
