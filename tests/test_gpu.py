@@ -44,7 +44,7 @@ def test_greedy_kernels_give_torch_argmax_tokens_on_bfloat16_logits(rows, vocab)
 
 
 def test_greedy_tokens_taken_inside_decode_graphs_match_torch_argmax_after_them(tmp_path, monkeypatch):
-    """Decode graphs that take their rows' argmax themselves (``MINIVLLM_GREEDY_ARGMAX=graph``, the default) give
+    """Decode graphs that take their rows' argmax themselves (``MINIVLLM_GREEDY_ARGMAX=graph``) give
     the tokens of torch.argmax after the replay (``torch``), in bf16, for greedy rows, seeded sampled rows beside
     them, and rows whose logits a bias or a penalty changes before the argmax."""
     config = TINY_CONFIGS["qwen3"]()
@@ -57,7 +57,7 @@ def test_greedy_tokens_taken_inside_decode_graphs_match_torch_argmax_after_them(
 
     def run(setting: str) -> list[list[int]]:
         monkeypatch.setenv("MINIVLLM_GREEDY_ARGMAX", setting)
-        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=512, num_kvcache_blocks=256,
+        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256, num_kvcache_blocks=256,
                   max_num_batched_tokens=256)
         try:
             assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.greedy == (setting != "torch")
