@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.attention.metadata import AttentionMetadata
-from engine.greedy import greedy_tokens
+from engine.greedy import greedy_tokens, takes
 from engine.step_buffers import StepBuffers
 
 logger = logging.getLogger("minivllm")
@@ -68,7 +68,7 @@ class DecodeGraphs:
         b = self.buffers
         hidden = self.model(b.input_ids.device[:size], b.model_positions(size), self.metadata(size))
         logits = self.model.compute_logits(hidden)
-        return logits, (greedy_tokens(logits) if self.greedy else None)
+        return logits, (greedy_tokens(logits) if self.greedy and takes(logits) else None)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -48,7 +48,7 @@ def _row_max_kernel(val_ptr, col_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr)
     tl.store(out_ptr + row, tl.load(col_ptr + row * num_chunks + first).to(tl.int64))
 
 
-def _takes(logits: torch.Tensor) -> bool:
+def takes(logits: torch.Tensor) -> bool:
     """Whether the kernels take ``logits``: 2-D, not empty, rows contiguous, 16- or 32-bit floats."""
     return (logits.dim() == 2 and logits.shape[0] > 0 and logits.shape[1] > 0 and logits.stride(1) == 1
             and logits.dtype in (torch.float32, torch.float16, torch.bfloat16))
@@ -57,7 +57,7 @@ def _takes(logits: torch.Tensor) -> bool:
 def greedy_tokens(logits: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` ([rows] int64) of a [rows, vocab] matrix through the two kernels: CUDA tensors, or
     CPU ones under Triton's interpreter."""
-    if not _takes(logits) or not (logits.is_cuda or not isinstance(_chunk_max_kernel, triton.runtime.JITFunction)):
+    if not takes(logits) or not (logits.is_cuda or not isinstance(_chunk_max_kernel, triton.runtime.JITFunction)):
         raise ValueError(f"greedy_tokens: logits must be a non-empty 2-D float tensor with contiguous rows on a CUDA "
                          f"device, got {tuple(logits.shape)} {logits.dtype} with strides {logits.stride()} on "
                          f"{logits.device}")
@@ -87,6 +87,6 @@ def argmax_in_graphs() -> bool:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """The sampler's greedy tokens: with ``MINIVLLM_GREEDY_ARGMAX=kernel``, the kernels for CUDA logits they take;
     else torch.argmax."""
-    if _setting() == "kernel" and logits.is_cuda and _takes(logits):
+    if _setting() == "kernel" and logits.is_cuda and takes(logits):
         return greedy_tokens(logits)
     return logits.argmax(dim=-1)
