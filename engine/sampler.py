@@ -57,13 +57,11 @@ class Sampler:
         Returns the sampled ids [N] and, when any row asked for logprobs, the raw
         log-softmax [N, vocab] of the model's distribution (before penalties and filters).
         """
-        unchanged = (st.banned is None and st.repetition_penalty is None and st.logit_bias is None
-                     and st.allowed is None and st.bitmask is None)
-        if greedy is not None and not unchanged:
-            greedy = None
-        argmax_only = (st.all_greedy and st.max_num_logprobs < 0 and st.banned is None and st.repetition_penalty is None
-                       and st.logit_bias is None and st.allowed is None)
-        if argmax_only:
+        changed = (st.banned is not None or st.repetition_penalty is not None or st.logit_bias is not None
+                   or st.allowed is not None)
+        if changed or st.bitmask is not None:
+            greedy = None  # the argmax of the logits before these changes
+        if st.all_greedy and st.max_num_logprobs < 0 and not changed:
             if greedy is not None:
                 return greedy, None
             if st.bitmask is not None:  # in place, in the logits' own dtype: no float32 copy of the batch
