@@ -52,8 +52,8 @@ ALL_REDUCE_BATCHES = (1, 8, 32, 64, 128, 192, 256)
 # What --env sets; a run's record shows them. TORCH_BLAS_PREFER_CUBLASLT=1: the bf16 products through cuBLASLt
 # (torch.backends.cuda.preferred_blas_library), whose kernel choices for decode-sized products differ from cuBLAS's.
 # MINIVLLM_DECODE_KSPLIT=auto (the default), 0, S or qkv=S,o=S,gate_up=S,down=S: decode-sized products as S slices of K
-# (engine.models.layers), read when the model is built. MINIVLLM_GREEDY_ARGMAX=torch (the default), graph or kernel:
-# where engine.greedy's two-pass kernels take greedy rows' tokens (nowhere; inside decode graphs; eager steps too).
+# (engine.models.layers), read when the model is built. MINIVLLM_GREEDY_ARGMAX=graph (the default), kernel or torch:
+# where engine.greedy's two-pass kernels take greedy rows' tokens (inside decode graphs; eager steps too; nowhere).
 # MINIVLLM_DECODE_TILES=BLOCK_N,warps,stages: the decode attention kernel's tiles for unsplit contexts.
 LAUNCH_SETTINGS = ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH", "TORCH_BLAS_PREFER_CUBLASLT", "MINIVLLM_DECODE_KSPLIT",
                    "MINIVLLM_GREEDY_ARGMAX", "MINIVLLM_DECODE_TILES")

@@ -7,7 +7,7 @@ them) and write their K/V into the null block, so they change nothing that is re
 Mixed and prefill steps run eagerly. An M-RoPE model's graphs read its [3, size] positions
 (``StepBuffers.model_positions``), filled before each replay like every other input.
 
-With ``greedy`` (``MINIVLLM_GREEDY_ARGMAX=graph``) each graph also takes every row's argmax of its logits
+With ``greedy`` (``MINIVLLM_GREEDY_ARGMAX=graph``, the default) each graph also takes every row's argmax of its logits
 (``engine.greedy``'s kernels), which the sampler uses wherever nothing changes the logits first: half torch.argmax's
 device time, and no launches of its own.
 """

@@ -8,9 +8,9 @@ torch. NaN counts as larger than any number, as in torch; a row holding both +in
 first NaN, gives the first of either here.
 
 Where they run (``MINIVLLM_GREEDY_ARGMAX``; decode graphs read it when they are captured, the sampler at each call):
-``torch`` (the default) nowhere, torch.argmax after the graph and in eager steps; ``graph`` inside the decode CUDA
-graphs, whose replays then hand the sampler each row's argmax along with the logits, with torch.argmax for eager
-steps; ``kernel`` in the graphs and in eager CUDA steps. On an H200 the kernels take half torch's device time (18.9
+``graph`` (the default) inside the decode CUDA graphs, whose replays then hand the sampler each row's argmax along
+with the logits, with torch.argmax for eager steps; ``kernel`` in the graphs and in eager CUDA steps; ``torch``
+nowhere, torch.argmax after the graph and in eager steps. On an H200 the kernels take half torch's device time (18.9
 against 37.6 us for 151 rows), but their two launches cost 74 us of host time against torch's 17: inside a graph that
 cost is gone, outside one it is paid on every step (bench/RESULTS.md, 2026-12-06).
 """
@@ -73,7 +73,7 @@ def greedy_tokens(logits: torch.Tensor, block: int = BLOCK, num_warps: int = NUM
 
 
 def _setting() -> str:
-    setting = os.environ.get("MINIVLLM_GREEDY_ARGMAX", "torch")
+    setting = os.environ.get("MINIVLLM_GREEDY_ARGMAX", "graph")
     if setting not in ("graph", "kernel", "torch"):
         raise ValueError(f"MINIVLLM_GREEDY_ARGMAX must be 'graph', 'kernel' or 'torch', got {setting!r}")
     return setting
