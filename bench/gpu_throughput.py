@@ -55,10 +55,8 @@ ALL_REDUCE_BATCHES = (1, 8, 32, 64, 128, 192, 256)
 # (engine.models.layers), read when the model is built. MINIVLLM_GREEDY_ARGMAX=graph (the default), kernel or torch:
 # where engine.greedy's two-pass kernels take greedy rows' tokens (inside decode graphs; eager steps too; nowhere).
 # MINIVLLM_DECODE_TILES=BLOCK_N,warps,stages: the decode attention kernel's tiles for unsplit contexts.
-# MINIVLLM_DECODE_ROPE=fused (the default) or apart: decode steps' rope and KV-cache write in the decode kernel or
-# in a launch of their own before it.
 LAUNCH_SETTINGS = ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH", "TORCH_BLAS_PREFER_CUBLASLT", "MINIVLLM_DECODE_KSPLIT",
-                   "MINIVLLM_GREEDY_ARGMAX", "MINIVLLM_DECODE_TILES", "MINIVLLM_DECODE_ROPE")
+                   "MINIVLLM_GREEDY_ARGMAX", "MINIVLLM_DECODE_TILES")
 _ENV_AT_START = {name: os.environ.get(name) for name in LAUNCH_SETTINGS}
 
 

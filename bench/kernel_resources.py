@@ -2,8 +2,7 @@
 
     python bench/kernel_resources.py [--arch 90] [--decode-tiles 128,4,2 64,4,3] [--prefill-tiles 64,64,4,3]
 
-Compiles the decode kernel on a bf16 cache (plain, and roping and writing the new keys itself) and on an FP8 cache
-and the prefill kernel (Qwen3-0.6B's heads: 2 query heads
+Compiles the decode kernel on a bf16 and on an FP8 cache and the prefill kernel (Qwen3-0.6B's heads: 2 query heads
 a KV head, head_dim 128, blocks of 16) with Triton's own ptxas, with the specializations a launch gets (pointers
 and strides 16-byte aligned, except the arguments the kernels keep unspecialized), and prints for each tile setting:
 shared memory, registers a thread, the buffers Triton's pipeliner gave each K/V tile (``num_stages`` asks for
@@ -54,7 +53,7 @@ def compile_kernel(fn, constexprs: dict, pointer_types: dict, arch: int, warps: 
             continue
         if name.endswith("_ptr"):
             signature[name] = pointer_types.get(name, "*i32")
-        elif name in ("qk_scale", "softcap", "eps"):
+        elif name in ("qk_scale", "softcap"):
             signature[name] = "fp32"
             continue
         else:
@@ -100,9 +99,7 @@ def programs_per_sm(shared: int, registers: int, warps: int) -> tuple[int, str]:
     return limits[limit], limit
 
 
-def decode_row(tiles: tuple[int, int, int], fp8: bool, arch: int, rope: bool = False) -> dict:
-    """The decode kernel on an FP8 or a bf16 cache; ``rope`` (bf16): the variant that norms and ropes q and the new
-    keys and writes them (``paged_decode_attention``'s ``new_kv``)."""
+def decode_row(tiles: tuple[int, int, int], fp8: bool, arch: int) -> dict:
     block_n, warps, stages = tiles
     consts = dict(HEADS, BLOCK_N=block_n, NUM_SPLITS=1, DOT_PRECISION="ieee", HAS_ORDER=True, SLIDING=False,
                   SOFTCAP=False, PDL=False, PREFETCH=False)
@@ -113,14 +110,10 @@ def decode_row(tiles: tuple[int, int, int], fp8: bool, arch: int, rope: bool = F
         types.update(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
         fn = tk._decode_split_fp8_kernel
     else:
-        consts.update(ROPE=rope, HAS_NORM=rope)
-        types.update(k_cache_ptr="*bf16", v_cache_ptr="*bf16", k_new_ptr="*bf16", v_new_ptr="*bf16",
-                     slot_mapping_ptr="*i64", positions_ptr="*i64", cos_sin_ptr="*fp32", q_weight_ptr="*bf16",
-                     k_weight_ptr="*bf16")
+        types.update(k_cache_ptr="*bf16", v_cache_ptr="*bf16")
         fn = tk._decode_split_kernel
     kernel = compile_kernel(fn, consts, types, arch, warps, stages)
-    return describe(kernel, "decode FP8" if fp8 else "decode bf16" + (" rope" if rope else ""), tiles, warps,
-                    block_n)
+    return describe(kernel, ("decode FP8" if fp8 else "decode bf16"), tiles, warps, block_n)
 
 
 def prefill_row(tiles: tuple[int, int, int, int], fp8: bool, arch: int) -> dict:
@@ -152,10 +145,10 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = p.parse_args()
     rows = []
-    for fp8, rope in ((False, False), (False, True), (True, False)):
+    for fp8 in (False, True):
         picked = tk._decode_tiles(HEADS["HEAD_DIM"], 1, fp8)
         for tiles in [tuple(int(x) for x in t.split(",")) for t in args.decode_tiles]:
-            rows.append(dict(decode_row(tiles, fp8, args.arch, rope), picked=tiles == picked))
+            rows.append(dict(decode_row(tiles, fp8, args.arch), picked=tiles == picked))
     for fp8 in (False, True):
         picked = tk._prefill_tiles(1024, HEADS["GROUP"], HEADS["HEAD_DIM"], fp8)
         for tiles in [tuple(int(x) for x in t.split(",")) for t in args.prefill_tiles]:
@@ -164,10 +157,10 @@ def main() -> int:
         print(json.dumps(dict(arch=args.arch, triton=triton.__version__, rows=rows)))
         return 0
     print(f"sm_{args.arch}, Triton {triton.__version__}; Qwen3-0.6B's heads, unsplit decode contexts")
-    print(f"{'kernel':>16} {'tiles':>16} {'shared KB':>9} {'regs':>5} {'K/V buffers':>11} {'programs an SM':>15}")
+    print(f"{'kernel':>13} {'tiles':>16} {'shared KB':>9} {'regs':>5} {'K/V buffers':>11} {'programs an SM':>15}")
     for r in rows:
         tiles = "/".join(map(str, r["tiles"]))
-        print(f"{r['kernel']:>16} {tiles:>16} {r['shared'] / 1024:9.1f} {r['registers']:5d} {r['buffers']:11d} "
+        print(f"{r['kernel']:>13} {tiles:>16} {r['shared'] / 1024:9.1f} {r['registers']:5d} {r['buffers']:11d} "
               f"{r['programs_per_sm']:5d} ({r['limited_by']}){' (picked)' if r['picked'] else ''}")
     return 0
 

@@ -340,11 +340,6 @@ def test_compile_variants_covers_every_split_count_and_tile_height():
     # 6 split counts (1..32) and prefill tiles of 16, 32 and 64 rows (group 2: 1-8, 16 and 32+ tokens).
     assert compile_variants(4, cache, cache, table, 8192) == 6 + 3
     assert compile_variants(4, cache, cache, table, 4) == 6 + 1
-    # With a rope, each split count of the decode kernel that ropes and writes the new keys too.
-    from engine.models.layers import get_rope
-
-    rope = get_rope(64, 512, 1e4).to(DEVICE).pending()
-    assert compile_variants(4, cache, cache, table, 4, rope=rope) == 2 * 6 + 1
 
 
 def test_choose_num_splits():
@@ -1007,88 +1002,3 @@ def test_tiny_qwen3_ropes_in_the_kv_write(kv_cache_dtype, tmp_path):
     for ref_step, got_step in zip(*outputs):
         for ref, got in zip(ref_step, got_step):
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-
-
-# ----------------------------------------------------------------------------------------------
-# Decode steps: the rope and the KV-cache write inside the decode kernel (``new_kv``)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("extra, head_dim, group, num_splits, window, softcap", [
-    ("rope", 64, 2, 1, 0, 0.0),
-    ("norm", 128, 4, 1, 0, 0.0),
-    ("norm", 64, 2, 3, 0, 0.0),  # split contexts: only the split holding the newest key takes it
-    ("rope", 64, 2, 4, 37, 0.0),  # a sliding window
-    ("norm", 32, 1, 2, 0, 30.0),  # soft-capped scores
-])
-def test_decode_kernel_that_ropes_and_writes_new_keys_gives_the_write_then_the_decode(dtype, extra, head_dim, group,
-                                                                                    num_splits, window, softcap):
-    """``paged_decode_attention(new_kv=...)`` on q, k and v as the q|k|v projection leaves them gives what
-    ``write_paged_kv`` with the rope followed by the decode kernel gives: the output to a rounding of the scores'
-    sums, every cache byte the same (K to a rounding where the compiler contracts the norm's sums differently), and
-    nothing written for padding rows (seq_len 0) or negative slots."""
-    num_kv_heads = 2
-    num_heads = num_kv_heads * group
-    reqs = [(0, 1), (16, 1), (36, 1), (200, 1), (95, 1), PAD, (61, 1)]
-    case = make_case(head_dim + group + num_splits, reqs, num_kv_heads, group, head_dim, 16)
-    d = case.meta.num_decodes
-    q, k, v, qkv, pending = _qkv_case(head_dim + num_splits, d, num_heads, num_kv_heads, head_dim, dtype, extra)
-    positions = (case.meta.seq_lens[:d].long() - 1).clamp_min(0)
-    pending = pending.at(positions)
-    slots = case.meta.slot_mapping[:d].clone()
-    slots[6] = -1  # a row whose new K/V go nowhere (the cache keeps what it held)
-    caches = [[c.to(dtype, copy=True) for c in (case.k_cache, case.v_cache)] for _ in range(2)]
-    qkv_before = qkv.clone()
-    outs = [torch.full((d, num_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
-    roped = write_paged_kv(k, v, *caches[0], slots, q=q, rope=pending)
-    paged_decode_attention(roped, *caches[0], case.meta.block_tables[:d], case.meta.seq_lens[:d], case.scale,
-                           outs[0], num_splits, window=window, softcap=softcap)
-    paged_decode_attention(q, *caches[1], case.meta.block_tables[:d], case.meta.seq_lens[:d], case.scale, outs[1],
-                           num_splits, window=window, softcap=softcap, new_kv=(k, v, slots, pending))
-    assert torch.equal(qkv, qkv_before), "q, k and v are read, never written"
-    assert (outs[1][case.padding_rows] == 0).all()
-    # Row 6's new key is attended from registers in the fused kernel; the write-then-decode path never stored it.
-    keep = [i for i in range(d) if i not in case.padding_rows and i != 6]
-    if dtype == torch.float32:
-        torch.testing.assert_close(outs[1][keep], outs[0][keep], atol=1e-5, rtol=1e-5)
-    else:
-        torch.testing.assert_close(outs[1][keep], outs[0][keep], atol=2e-3, rtol=2e-3)
-    null_block = slice(1, None)  # the write-then-decode path stores padding rows' K/V in the null block
-    assert torch.equal(caches[1][1][null_block], caches[0][1][null_block])
-    _assert_one_rounding(caches[1][0][null_block], caches[0][0][null_block])
-    assert torch.equal(caches[1][0][0], case.k_cache[0].to(dtype)), "padding rows write nothing"
-
-
-def test_decode_kernel_new_kv_needs_a_16_bit_cache_and_a_plain_rope():
-    case = make_case(3, [(20, 1)], 1, 2, 64, 16)
-    q, k, v, _, pending = _qkv_case(3, 1, 2, 1, 64, torch.float32, "mrope")
-    out = torch.empty_like(q)
-    args = (case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens, case.scale, out, 1)
-    with pytest.raises(ValueError, match="M-RoPE"):
-        paged_decode_attention(q, *args, new_kv=(k, v, case.meta.slot_mapping, pending))
-    q, k, v, _, pending = _qkv_case(3, 1, 2, 1, 64, torch.float32, "rope")
-    with pytest.raises(ValueError, match="int64"):
-        paged_decode_attention(q, *args, new_kv=(k, v, case.meta.slot_mapping.int(), pending))
-    with pytest.raises(ValueError, match="positions"):
-        paged_decode_attention(q, *args, new_kv=(k, v, case.meta.slot_mapping, pending.at(pending.positions[:0])))
-
-
-def test_backend_ropes_in_the_decode_kernel_only_where_asked(monkeypatch):
-    """Decode-only steps with a rope on a 16-bit cache run the fused decode kernel (``MINIVLLM_DECODE_ROPE=fused``,
-    the default) and give what ``apart`` gives; a bad setting is an error naming it."""
-    case = make_case(21, [(61, 1), (200, 1), (5, 1), PAD], 2, 2, 64, 16)
-    d = case.meta.num_decodes
-    q, k, v, _, pending = _qkv_case(21, d, 4, 2, 64, torch.float32, "norm")
-    pending = pending.at((case.meta.seq_lens.long() - 1).clamp_min(0))
-    outs = {}
-    for setting in ("apart", "fused"):
-        monkeypatch.setenv("MINIVLLM_DECODE_ROPE", setting)
-        assert triton_kernels.fuses_decode_rope(pending, None) == (setting == "fused")
-        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-        outs[setting] = TritonAttentionBackend().forward(q, k, v, k_cache, v_cache, case.meta, case.scale,
-                                                         rope=pending)
-    keep = [i for i in range(d) if i not in case.padding_rows]
-    torch.testing.assert_close(outs["fused"][keep], outs["apart"][keep], atol=1e-5, rtol=1e-5)
-    monkeypatch.setenv("MINIVLLM_DECODE_ROPE", "on")
-    with pytest.raises(ValueError, match="MINIVLLM_DECODE_ROPE"):
-        triton_kernels.fuses_decode_rope(pending, None)

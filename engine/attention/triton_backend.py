@@ -9,7 +9,6 @@ from engine.attention.triton_kernels import (
     choose_num_splits,
     compile_variants,
     compile_write_variants,
-    fuses_decode_rope,
     num_sms,
     paged_decode_attention,
     paged_prefill_attention,
@@ -46,8 +45,7 @@ class TritonAttentionBackend:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, num_heads, head_dim]
         """The attention output. With a ``rope``, q and k are roped (and q|k|v's column scales applied) as K and V are
         written to the cache (``write_paged_kv``: one launch on a 16-bit cache, the rope kernel and the write on an
-        FP8 one); the attention kernels read the q it returns. In decode-only steps on a 16-bit cache the decode
-        kernel does that write and rope itself (``fuses_decode_rope``; ``paged_decode_attention``'s ``new_kv``). With ``fp8_out``, on a decode-only step whose
+        FP8 one); the attention kernels read the q it returns. With ``fp8_out``, on a decode-only step whose
         contexts are split (a few dozen rows or fewer) and whose heads are as wide as an FP8 projection's activation
         group (128), the output quantized by the decode kernels' merge as that projection takes it: (float8 values
         [rows padded to 4, num_heads * head_dim], float32 scales, one per token and head, token-major;
@@ -56,15 +54,10 @@ class TritonAttentionBackend:
         decode-only steps the decode kernels ask the L2 for it as they finish (``engine.l2_prefetch``)."""
         num_tokens = meta.slot_mapping.shape[0]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # K (roped) and V into the cache, and the queries to attend with: roped and, as an FP8 cache holds K
+        # rotated, rotated alike (kvcache.paged_cache).
+        q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q, rope=rope)
         d = meta.num_decodes
-        new_kv = None
-        if d == meta.num_reqs == num_tokens and fuses_decode_rope(rope, kv_scales):
-            # A decode-only step: the decode kernel ropes q and the new keys and writes K and V itself.
-            new_kv = (k[:d], v[:d], meta.slot_mapping[:d], rope.at(rope.positions[:d]))
-        else:
-            # K (roped) and V into the cache, and the queries to attend with: roped and, as an FP8 cache holds K
-            # rotated, rotated alike (kvcache.paged_cache).
-            q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q, rope=rope)
         quantized = None
         if d > 0:
             # The split count follows the table's capacity, not this step's lengths: under a CUDA graph
@@ -78,7 +71,7 @@ class TritonAttentionBackend:
             paged_decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
                                    out[:d], num_splits, order, window=window, kv_scales=kv_scales,
                                    softcap=softcap, fp8_out=quantized,
-                                   prefetch=prefetch if meta.num_reqs == d else None, new_kv=new_kv)
+                                   prefetch=prefetch if meta.num_reqs == d else None)
         if meta.num_reqs > d:
             # Decode rows come first, one token each, so the prefill tokens start at row d.
             n = meta.num_reqs
@@ -101,7 +94,7 @@ class TritonAttentionBackend:
         (FP8 q|k|v products that may leave their column scales to it) also with those."""
         fp8_out = fp8_out and k_cache.shape[3] == ACTIVATION_GROUP
         variants = sum(compile_variants(num_heads, k_cache, v_cache, block_tables, max_query_len, w, kv_scales,
-                                        dtype, softcap, fp8_out, rope) for w in windows)
+                                        dtype, softcap, fp8_out) for w in windows)
         return variants + compile_write_variants(num_heads, k_cache, v_cache, max_query_len, kv_scales, dtype, rope,
                                                  column_scales)
 

@@ -189,32 +189,7 @@ def _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_
         tl.store(part_lse_ptr + (seq * NUM_HEADS + heads) * NUM_SPLITS + split, lse, mask=head_mask)
 
 
-@triton.jit
-def _rope_tables(positions_ptr, cos_sin_ptr, row, stride_p, stride_c, dtype_ptr, HALF: tl.constexpr):
-    """(cos, sin) [1, HALF] float32 of row ``row``'s position, rounded to ``dtype_ptr``'s element type as the rope
-    kernel rounds them (``fused_ops._rope_kernel``)."""
-    offs = tl.arange(0, HALF)
-    table_row = cos_sin_ptr + tl.load(positions_ptr + row * stride_p).to(tl.int64) * stride_c
-    cos = _round(tl.load(table_row + offs), dtype_ptr)[None, :]
-    sin = _round(tl.load(table_row + HALF + offs), dtype_ptr)[None, :]
-    return cos, sin
-
-
-@triton.jit
-def _norm_rope_rows(x1, x2, weight_ptr, cos, sin, eps, dtype_ptr, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Rows given as their halves (float32 [rows, HEAD_DIM / 2]) after Qwen3's per-head RMSNorm (``HAS_NORM``) and
-    rope, each result rounded to ``dtype_ptr``'s element type: ``fused_ops._norm_rope_heads``'s arithmetic."""
-    if HAS_NORM:
-        offs = tl.arange(0, HEAD_DIM // 2)
-        w1 = tl.load(weight_ptr + offs).to(tl.float32)[None, :]
-        w2 = tl.load(weight_ptr + HEAD_DIM // 2 + offs).to(tl.float32)[None, :]
-        x1, x2 = _norm_halves(x1, x2, w1, w2, eps, dtype_ptr, HEAD_DIM)
-    o1, o2 = _rope_halves(x1, x2, cos, sin, dtype_ptr)
-    return _round(o1, dtype_ptr), _round(o2, dtype_ptr)
-
-
-@_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window",
-                           "positions_ptr", "slot_mapping_ptr", "stride_p")
+@_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window")
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, prefetch_ptr,
@@ -225,18 +200,8 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
-    # The new keys' rope and write (ROPE), passed by name:
-    k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, eps,
-    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_p, stride_c, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    """Decode attention on a cache in the query's dtype (the scale pointers and strides are unused).
-
-    ``ROPE``: q, ``k_new`` and ``v_new`` ([rows, heads, HEAD_DIM]) are the q|k|v projection's rows as it left
-    them, and the newest key of each row (position seq_len - 1) is not in the cache yet. The kernel norms
-    (``HAS_NORM``, Qwen3) and ropes q and the new key at the row's position (``positions``, ``cos_sin``) as the
-    rope kernel would, attends over the new key from registers and then over the cached keys, and the program
-    whose range holds the new key stores it and its V in the row's slot (``slot_mapping``; negative: no store):
-    the KV-cache write and the rope kernel in the decode launch itself, one launch a layer fewer."""
+    """Decode attention on a cache in the query's dtype (the scale pointers and strides are unused)."""
     pdl.wait(PDL)
     seq = tl.program_id(0)
     if HAS_ORDER:
@@ -253,46 +218,12 @@ def _decode_split_kernel(
     seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_context_len)
     first_key, start, end = _split_range(seq_len, window, split, SLIDING, PAGE_SIZE, BLOCK_N, NUM_SPLITS)
 
-    if ROPE:
-        HALF: tl.constexpr = HEAD_DIM // 2
-        offs_h = tl.arange(0, HALF)
-        q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_h[None, :]
-        q1 = tl.load(q_rows, mask=head_mask[:, None], other=0.0).to(tl.float32)  # [GROUP_PAD, HALF]
-        q2 = tl.load(q_rows + HALF, mask=head_mask[:, None], other=0.0).to(tl.float32)
-        cos, sin = _rope_tables(positions_ptr, cos_sin_ptr, seq, stride_p, stride_c, q_ptr, HALF)
-        q1, q2 = _norm_rope_rows(q1, q2, q_weight_ptr, cos, sin, eps, q_ptr, HAS_NORM, HEAD_DIM)
-        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (GROUP_PAD, HEAD_DIM)).to(q_ptr.dtype.element_ty)
-    else:
-        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=head_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=head_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
     table_ptr = block_tables_ptr + seq * stride_bt
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    if ROPE:
-        # The newest key comes from registers, first (its halves and q's die before the loop), and goes into its
-        # slot; the cached range ends before it.
-        has_new = (start < end) & (end == seq_len)
-        end = tl.where(has_new, end - 1, end)
-        if has_new:
-            k_row = k_new_ptr + seq * stride_knb + kv_head * stride_knh + offs_h[None, :]
-            k1 = tl.load(k_row).to(tl.float32)  # [1, HALF]
-            k2 = tl.load(k_row + HALF).to(tl.float32)
-            k1, k2 = _norm_rope_rows(k1, k2, k_weight_ptr, cos, sin, eps, q_ptr, HAS_NORM, HEAD_DIM)
-            v_new = tl.load(v_new_ptr + seq * stride_vnb + kv_head * stride_vnh + offs_d)  # [HEAD_DIM]
-            m_i = (tl.sum(q1 * k1, 1) + tl.sum(q2 * k2, 1)) * qk_scale  # [GROUP_PAD]: its score, the max so far
-            if SOFTCAP:
-                m_i = _soft_cap(m_i, softcap)
-            l_i = tl.full([GROUP_PAD], 1.0, tl.float32)  # its weight exp2(score - max) = 1
-            acc = tl.broadcast_to(v_new.to(tl.float32)[None, :], (GROUP_PAD, HEAD_DIM))
-            slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
-            if slot >= 0:
-                k_dst = (k_cache_ptr + (slot // PAGE_SIZE) * stride_kb + (slot % PAGE_SIZE) * stride_ks
-                         + kv_head * stride_kh + offs_h[None, :])
-                tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty))
-                tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty))
-                tl.store(v_cache_ptr + (slot // PAGE_SIZE) * stride_vb + (slot % PAGE_SIZE) * stride_vs
-                         + kv_head * stride_vh + offs_d, v_new)
     # A tile's block ids are loaded one tile ahead: K and V's addresses then depend on no load of their own
     # iteration, and Triton's pipeliner gives them num_stages - 1 buffers (with the ids loaded in the loop it gave
     # them one whatever the stages). _decode_tiles says which count pays.
@@ -1245,7 +1176,6 @@ def paged_decode_attention(
     softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
     fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (values, scales): the output quantized instead
     prefetch: torch.Tensor | None = None,  # the next product's weight, asked of the L2 at the end (l2_prefetch)
-    new_kv: tuple | None = None,  # (k, v, slot_mapping, rope): the new keys written here, see below
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole cached context (flash-decoding).
 
@@ -1261,13 +1191,6 @@ def paged_decode_attention(
     rows >= num_seqs), instead of into ``out``: the rows rounded to ``out``'s dtype, then each head's absolute
     maximum mapped to 448, exactly what ``fp8_kernels.quantize_rows`` makes of ``out``. Rows past ``num_seqs``
     get zeros. Unsplit, the decode kernel quantizing its own rows was slower than a separate pass (bench/RESULTS.md).
-
-    ``new_kv`` = (k, v, slot_mapping, rope), a 16-bit cache only: the KV-cache write and the rope in this launch
-    (``fuses_decode_rope``). q, k and v ([num_seqs, heads, head_dim] rows of any stride, head_dim contiguous) are
-    then as the q|k|v projection left them; each row's newest key (position seq_len - 1, not in the cache yet)
-    and q are normed (Qwen3) and roped at ``rope.positions`` as ``write_paged_kv`` would, the new key and its V
-    are stored in the row's slot (``slot_mapping`` [num_seqs] int64; negative: none), and attention takes the
-    new key from registers: what ``write_paged_kv(k, v, ..., q=q, rope=rope)`` followed by this call gives.
     """
     _check_attention_args("paged_decode_attention", q, k_cache, v_cache, block_tables, seq_lens, out, kv_scales)
     _check_scale("paged_decode_attention", scale)
@@ -1294,47 +1217,9 @@ def paged_decode_attention(
             values[num_seqs:].zero_()
             scales[num_seqs:].fill_(torch.finfo(torch.float32).tiny)
     fp8 = kv_scales is not None
-    if new_kv is not None:
-        _check_new_kv(q, k_cache, kv_scales, new_kv)
     k_pairs = fp8 and _fp8_ptx(q) and _k_word_pairs(q.device.index or 0, head_dim)
     return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, order, tiles, window,
-                          kv_scales, softcap, k_pairs, fp8_out, prefetch, new_kv)
-
-
-def fuses_decode_rope(rope, kv_scales) -> bool:
-    """Whether a decode-only step's KV-cache write and rope run inside the decode launch (``paged_decode_attention``'s
-    ``new_kv``): a 16-bit cache, a rope with plain positions (not M-RoPE), nothing left of the q|k|v product to
-    apply (column scales, partial products), and ``MINIVLLM_DECODE_ROPE`` ``fused`` (the default) rather than
-    ``apart`` (the rope kernel writing the cache, then the decode kernel). Read at each call: a CUDA graph keeps
-    what its capture read."""
-    setting = os.environ.get("MINIVLLM_DECODE_ROPE", "fused")
-    if setting not in ("fused", "apart"):
-        raise ValueError(f"MINIVLLM_DECODE_ROPE must be 'fused' or 'apart', got {setting!r}")
-    return (setting == "fused" and rope is not None and kv_scales is None and rope.mrope_section is None
-            and rope.column_scales is None and rope.partials is None)
-
-
-def _check_new_kv(q: torch.Tensor, k_cache: torch.Tensor, kv_scales, new_kv) -> None:
-    def fail(msg: str) -> None:
-        raise ValueError(f"paged_decode_attention: new_kv: {msg}")
-
-    k, v, slot_mapping, rope = new_kv
-    num_seqs, _, head_dim = q.shape
-    if kv_scales is not None:
-        fail("the new keys are written by the decode kernel on a 16-bit cache only")
-    if rope is None or rope.mrope_section is not None or rope.column_scales is not None or rope.partials is not None:
-        fail("needs a rope with plain positions (not M-RoPE) and nothing left of the q|k|v product to apply (column "
-             "scales, partial products)")
-    for name, t in (("k", k), ("v", v)):
-        if (t.dim() != 3 or t.shape[0] < num_seqs or tuple(t.shape[1:]) != tuple(k_cache.shape[2:])
-                or t.stride(2) != 1 or t.dtype != q.dtype or t.device != q.device):
-            fail(f"{name} must be [>= {num_seqs}, {k_cache.shape[2]}, {head_dim}] {q.dtype} on {q.device} with "
-                 f"contiguous heads, got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_seqs or slot_mapping.dtype != torch.int64:
-        fail(f"slot_mapping must be [>= {num_seqs}] int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
-    # The rope kernels' own checks: positions [num_seqs] of q's rows, the table, the norms' weights.
-    check_rope_inputs("paged_decode_attention", rope.positions, q, k, rope.cos_sin_cache, rope.q_weight,
-                      rope.k_weight, None)
+                          kv_scales, softcap, k_pairs, fp8_out, prefetch)
 
 
 def _check_fp8_out(q: torch.Tensor, fp8_out) -> None:
@@ -1353,9 +1238,9 @@ def _check_fp8_out(q: torch.Tensor, fp8_out) -> None:
 
 
 def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, order, tiles, window,
-                   kv_scales, softcap, k_pairs: bool, fp8_out=None, prefetch=None, new_kv=None) -> torch.Tensor:
+                   kv_scales, softcap, k_pairs: bool, fp8_out=None, prefetch=None) -> torch.Tensor:
     """The decode kernel (and the merge) on checked arguments; ``k_pairs``: an FP8 cache's K converted as word
-    pairs (``_fp8_word_pairs_to_f16``); ``prefetch`` and ``new_kv`` as in ``paged_decode_attention``."""
+    pairs (``_fp8_word_pairs_to_f16``); ``prefetch`` as in ``paged_decode_attention``."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_context_len = block_tables.shape[1] * block_size
@@ -1382,19 +1267,6 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
     heads_first = fp8 and num_splits == 1 and num_seqs <= _MAX_GRID_Y
     dtype_arg = {"DOT_DTYPE": _dot_dtype(q.dtype, True), "PTX": _fp8_ptx(q), "K_PAIRS": k_pairs,
                  "KV_HEADS": kv_heads, "HEADS_FIRST": heads_first} if fp8 else {}
-    if not fp8:  # the new keys' write and rope (new_kv), or placeholders for the pointers nothing reads
-        k_new, v_new, slots, rope = new_kv or (q, q, seq_lens, None)
-        has_norm = rope is not None and rope.q_weight is not None
-        dtype_arg = {
-            "k_new_ptr": k_new, "v_new_ptr": v_new, "slot_mapping_ptr": slots,
-            "positions_ptr": rope.positions if rope is not None else seq_lens, "stride_p": (
-                rope.positions.stride(0) if rope is not None else 0),
-            "cos_sin_ptr": rope.cos_sin_cache if rope is not None else q,
-            "q_weight_ptr": rope.q_weight if has_norm else q, "k_weight_ptr": rope.k_weight if has_norm else q,
-            "eps": float(rope.eps) if rope is not None else 0.0,
-            "stride_knb": k_new.stride(0), "stride_knh": k_new.stride(1), "stride_vnb": v_new.stride(0),
-            "stride_vnh": v_new.stride(1), "stride_c": rope.cos_sin_cache.stride(0) if rope is not None else 0,
-            "ROPE": rope is not None, "HAS_NORM": has_norm}
     grid = (num_seqs, num_kv_heads // kv_heads, num_splits)
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     if fp8:  # the FP8 kernel reads the caches as 16-bit words
@@ -1639,11 +1511,9 @@ def write_paged_kv(
 
 def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      max_query_len: int, window: int = 0, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     dtype: torch.dtype | None = None, softcap: float = 0.0, fp8_out: bool = False,
-                     rope=None) -> int:
+                     dtype: torch.dtype | None = None, softcap: float = 0.0, fp8_out: bool = False) -> int:
     """Compile every kernel variant a step can pick (each split count, each prefill tile height; with
-    ``fp8_out`` the merge's quantized output too; with the layers' ``rope`` where ``fuses_decode_rope``, the decode
-    kernel that ropes and writes the new keys too) now, so that no step waits for a compile mid-run.
+    ``fp8_out`` the merge's quantized output too) now, so that no step waits for a compile mid-run.
     ``block_tables`` should be the caller's own table buffer, so that its row stride matches the steps'
     tables. Returns how many variants ran; once Triton's on-disk cache holds them this takes well under a
     second.
@@ -1656,19 +1526,10 @@ def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tenso
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)  # position 0 of the block the row names
     order = torch.zeros(1, dtype=torch.int32, device=device)
     query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    new_kv = None
-    if fuses_decode_rope(rope, kv_scales):
-        kv = torch.zeros(1, *k_cache.shape[2:], dtype=q.dtype, device=device)
-        new_kv = (kv, kv, torch.full((1,), -1, dtype=torch.int64, device=device),
-                  rope.at(torch.zeros(1, dtype=torch.int64, device=device)))
     num_splits, variants = 1, 0
     while num_splits <= MAX_NUM_SPLITS:
         paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits, order, window=window,
                                kv_scales=kv_scales, softcap=softcap)
-        if new_kv is not None:
-            paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits, order, window=window,
-                                   softcap=softcap, new_kv=new_kv)
-            variants += 1
         if fp8_out and num_splits > 1:
             quantized = (torch.empty(4, num_heads * head_dim, dtype=FP8_DTYPE, device=device),
                          torch.empty(num_heads, 4, dtype=torch.float32, device=device).t())
