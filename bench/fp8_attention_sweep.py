@@ -4,7 +4,7 @@ numbers in bench/RESULTS.md).
     python bench/fp8_attention_sweep.py [--groups 2 4] [--prefill]
 
 A W1-like decode batch on the Qwen3-0.6B attention shape (8 KV heads, head_dim 128; 2 query heads per KV head,
-4 for Llama-3.1-8B): 151 rows with contexts uniform in [200, 1400], one layer's cache; then 8 and 32 rows, whose
+4 for Llama-3.1-8B): 151 rows with contexts uniform in [200, 1400] (``--contexts LO,HI``), one layer's cache; then 8 and 32 rows, whose
 contexts get split. Each variant is timed as decode steps run it, 20 launches replayed from a CUDA graph, and
 printed with the bytes per second it reads (K/V, and the FP8 scales). A variant is (BLOCK_N keys, warps, pipeline
 stages, registers per thread at most); the one the engine picks is marked. ``--prefill`` times the prefill kernel
@@ -54,6 +54,7 @@ VARIANTS = {  # (BLOCK_N, warps, stages, registers a thread at most[, FP8: KV he
 
 
 LAYOUT = "nhd"  # --layout: how the caches lie in memory
+CONTEXTS = (200, 1400)  # --contexts: the decode batch's context lengths, uniform in [LO, HI)
 
 
 def _laid_out(t: torch.Tensor) -> torch.Tensor:
@@ -101,9 +102,16 @@ def main() -> None:
     parser.add_argument("--fp8-out", action="store_true", help="time the decode kernels' quantized output")
     parser.add_argument("--baseline-cache", choices=("fp8", "bf16"), default="fp8",
                         help="the cache --baseline times the decode kernels on")
+    parser.add_argument("--contexts", default="200,1400",
+                        help="LO,HI: the decode batch's context lengths, uniform in [LO, HI)")
     args = parser.parse_args()
-    global LAYOUT
+    global LAYOUT, CONTEXTS
     LAYOUT = args.layout
+    try:
+        CONTEXTS = tuple(int(x) for x in args.contexts.split(","))
+        assert len(CONTEXTS) == 2 and 1 <= CONTEXTS[0] < CONTEXTS[1] <= 4096
+    except (ValueError, AssertionError):
+        parser.error(f"--contexts takes LO,HI with 1 <= LO < HI <= 4096, got {args.contexts!r}")
     if args.prefill:
         return prefill_sweep(args.groups)
     if args.fp8_out:
@@ -147,7 +155,7 @@ def decode_batch(device: torch.device):
     capacity in tokens)."""
     gen = torch.Generator().manual_seed(0)
     rows, kv_heads, head_dim, block = 151, 8, 128, 16
-    lens = torch.randint(200, 1400, (rows,), generator=gen).tolist()
+    lens = torch.randint(*CONTEXTS, (rows,), generator=gen).tolist()
     max_blocks = 4096 // block
     cache, fp8, scales, tables = paged_caches(lens, block, kv_heads, head_dim, gen, device, max_blocks)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)

@@ -207,7 +207,7 @@ def _decode_split_kernel(
     if HAS_ORDER:
         seq = tl.load(order_ptr + seq)  # longest contexts first, so that short ones fill the tail
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    split = tl.program_id(2) if NUM_SPLITS > 1 else 0  # a constant when unsplit: the first tile starts at key 0
     offs_g = tl.arange(0, GROUP_PAD)  # query heads of this KV head, padded for tl.dot
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
@@ -227,7 +227,11 @@ def _decode_split_kernel(
     # A tile's block ids are loaded one tile ahead: K and V's addresses then depend on no load of their own
     # iteration, and Triton's pipeliner gives them num_stages - 1 buffers (with the ids loaded in the loop it gave
     # them one whatever the stages). _decode_tiles says which count pays.
-    page_ids = _tile_page_ids(table_ptr, start, end, PAGE_SIZE, BLOCK_N)
+    # Unsplit without a window the first tile starts at key 0, so its block ids are read within the table's row
+    # rather than up to the context's end: their load need not wait for the row's length, only for the row.
+    # (Ids past the end name blocks whose keys the loop masks, never read.)
+    first_ids_end = max_context_len if NUM_SPLITS == 1 and not SLIDING else end
+    page_ids = _tile_page_ids(table_ptr, start, first_ids_end, PAGE_SIZE, BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
         valid = (pos < end) & (pos >= first_key)  # every tile holds a valid key: m_i turns finite at once
