@@ -3,13 +3,13 @@ numbers in bench/RESULTS.md).
 
     python bench/fp8_attention_sweep.py [--groups 2 4] [--prefill]
 
-A W1-like decode batch on the Qwen3-0.6B attention shape (8 KV heads, head_dim 128; 2 query heads per KV head,
-4 for Llama-3.1-8B): 151 rows with contexts uniform in [200, 1400] (``--contexts LO,HI`` for others), one layer's
-cache; then 8 and 32 rows, whose contexts get split. Each variant is timed as decode steps run it, 20 launches
-replayed from a CUDA graph, and printed with the bytes per second it reads (K/V, and the FP8 scales). A variant is (BLOCK_N keys, warps, pipeline
-stages, registers per thread at most); the one the engine picks is marked. ``--prefill`` times the prefill kernel
-instead, on a W1-like prefill step: fresh prompts of uniform lengths in [100, 1024], 16,384 tokens in all, across
-(BLOCK_M rows, BLOCK_N keys, warps, stages).
+A W1-like decode batch on the Qwen3-0.6B attention shape (8 KV heads, head_dim 128; 2 query heads per KV head, 4 for
+Llama-3.1-8B): 151 rows with contexts uniform in [200, 1400] (``--contexts LO,HI`` for others), one layer's cache;
+then 8 and 32 rows, whose contexts get split. Each variant is timed as decode steps run it, 20 launches replayed
+from a CUDA graph, and printed with the bytes per second it reads (K/V, and the FP8 scales). A variant is (BLOCK_N
+keys, warps, pipeline stages, registers per thread at most); the one the engine picks is marked. ``--prefill`` times
+the prefill kernel instead, on a W1-like prefill step: fresh prompts of uniform lengths in [100, 1024], 16,384
+tokens in all, across (BLOCK_M rows, BLOCK_N keys, warps, stages).
 
     python bench/fp8_attention_sweep.py --baseline old_triton_kernels.py
 
