@@ -109,8 +109,9 @@ def main() -> None:
     LAYOUT = args.layout
     try:
         CONTEXTS = tuple(int(x) for x in args.contexts.split(","))
-        assert len(CONTEXTS) == 2 and 1 <= CONTEXTS[0] < CONTEXTS[1] <= 4096
-    except (ValueError, AssertionError):
+    except ValueError:
+        CONTEXTS = ()
+    if len(CONTEXTS) != 2 or not 1 <= CONTEXTS[0] < CONTEXTS[1] <= 4096:
         parser.error(f"--contexts takes LO,HI with 1 <= LO < HI <= 4096, got {args.contexts!r}")
     if args.prefill:
         return prefill_sweep(args.groups)
