@@ -57,7 +57,6 @@ class DecodeGraphs:
             slot_mapping=b.slot_mapping.device[:size],
             query_start_loc=b.query_start_loc.device[: size + 1],
             seq_lens=b.seq_lens.device[:size],
-            decode_order=b.decode_order.device[:size],
             block_tables=b.block_tables.device[:size],
             num_reqs=size, num_decodes=size, num_decode_tokens=size, max_query_len=1,
             max_seq_len=self.max_seq_len, block_size=self.block_size,

@@ -103,7 +103,6 @@ class StepShape:
     padded: int  # rows, with a graph's padding
     padded_tokens: int
     width: int  # block-table columns read
-    num_decode_rows: int
     graph_size: int  # 0: eager
     max_query_len: int
     max_seq_len: int
@@ -643,7 +642,10 @@ class ModelRunner:
         req_ids = list(sched.num_scheduled_tokens)
         rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         counts = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        order = np.argsort(counts > 1, kind="stable")  # decodes (one new token) first
+        # Decodes (one new token) first, longest context first: the decode kernels start one program per row (and
+        # KV head) in row order, so the long contexts start first and the short ones fill the tail, and no
+        # program has to look its row up.
+        order = np.lexsort((-(b.num_computed[rows] + counts), counts > 1))
         rows, counts = rows[order], counts[order]
         num_reqs, num_tokens = len(rows), int(counts.sum())
         num_decodes = int(np.count_nonzero(counts == 1))
@@ -684,10 +686,8 @@ class ModelRunner:
         if buf.mrope_positions is not None:  # M-RoPE: the model reads three positions per token
             self._fill_mrope_positions(rows, counts, ends, positions, token_rows, padded_tokens)
 
-        num_decode_rows = padded if graph_size is not None else num_decodes  # padding rows: length 0, last
-        buf.decode_order.np[:num_decode_rows] = np.argsort(-buf.seq_lens.np[:num_decode_rows], kind="stable")
         shape = StepShape(num_reqs=num_reqs, num_decodes=num_decodes, padded=padded, padded_tokens=padded_tokens,
-                          width=width, num_decode_rows=num_decode_rows, graph_size=graph_size or 0,
+                          width=width, graph_size=graph_size or 0,
                           max_query_len=int(counts.max()), max_seq_len=max_seq_len, num_logits=len(sampled))
         if self.followers is not None:  # the other tensor-parallel ranks run the same step
             self.followers.send(shape, buf, prompt_lp.token_ids_host if prompt_lp is not None else None,
@@ -733,7 +733,6 @@ class ModelRunner:
             num_decode_tokens=padded if graph else shape.num_decodes,
             max_query_len=shape.max_query_len, max_seq_len=shape.max_seq_len, block_size=self.block_size,
             query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu,
-            decode_order=buf.decode_order.copy_to_device(shape.num_decode_rows) if shape.num_decode_rows else None,
         )
         input_ids = buf.input_ids.copy_to_device(padded_tokens)
         positions = buf.model_positions_to_device(padded_tokens)

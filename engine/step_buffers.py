@@ -47,7 +47,6 @@ class StepBuffers:
         self.query_start_loc = HostDeviceBuffer((max_num_reqs + 1,), torch.int32, device)
         self.block_tables = HostDeviceBuffer((max_num_reqs, max_blocks_per_req), torch.int32, device)
         self.logits_indices = HostDeviceBuffer((max_num_reqs,), torch.int64, device)
-        self.decode_order = HostDeviceBuffer((max_num_reqs,), torch.int32, device)
 
     def model_positions_to_device(self, num_tokens: int) -> torch.Tensor:
         """Copy the positions the model reads of the first ``num_tokens`` tokens to the device; return the device

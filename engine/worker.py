@@ -59,7 +59,7 @@ class StepChannel:
         parts = [buf.positions.np[: shape.padded_tokens], buf.slot_mapping.np[: shape.padded_tokens],
                  buf.seq_lens.np[: shape.padded], buf.query_start_loc.np[: shape.padded + 1],
                  buf.block_tables.np[: shape.padded, : shape.width].reshape(-1),
-                 buf.decode_order.np[: shape.num_decode_rows], buf.logits_indices.np[: shape.num_logits]]
+                 buf.logits_indices.np[: shape.num_logits]]
         if num_lp:
             parts.append(prompt_lp_indices)
         if block_copies:
@@ -88,7 +88,7 @@ class StepChannel:
         n = len(dataclasses.fields(StepShape))
         shape = StepShape(*header[3 : 3 + n])
         sizes = [shape.padded_tokens, shape.padded_tokens, shape.padded, shape.padded + 1,
-                 shape.padded * shape.width, shape.num_decode_rows, shape.num_logits, num_lp, 2 * num_copies]
+                 shape.padded * shape.width, shape.num_logits, num_lp, 2 * num_copies]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         dist.broadcast(payload, src=0, group=self.group)
         values = np.split(payload.numpy(), np.cumsum(sizes)[:-1])
@@ -97,10 +97,9 @@ class StepChannel:
         buf.seq_lens.np[: shape.padded] = values[2]
         buf.query_start_loc.np[: shape.padded + 1] = values[3]
         buf.block_tables.np[: shape.padded, : shape.width] = values[4].reshape(shape.padded, shape.width)
-        buf.decode_order.np[: shape.num_decode_rows] = values[5]
-        buf.logits_indices.np[: shape.num_logits] = values[6]
-        copies = [tuple(pair) for pair in values[8].reshape(-1, 2).tolist()]
-        return shape, values[7], copies
+        buf.logits_indices.np[: shape.num_logits] = values[5]
+        copies = [tuple(pair) for pair in values[7].reshape(-1, 2).tolist()]
+        return shape, values[6], copies
 
 
 def follow(runner) -> None:

@@ -217,6 +217,28 @@ def check_aborts_while_a_step_is_in_flight(llm: LLM, prompts, expected) -> None:
     eng.kv_manager.check_invariants()
 
 
+def test_decode_rows_reach_the_model_longest_context_first(llama_dir):
+    """Each step lays out its decode rows longest context first, then the prefill rows (the decode kernels start
+    their programs in row order); the tokens stay HF's."""
+    prompts = make_prompts(VOCAB, lens=[40, 70, 25, 90, 55, 33, 61, 48])
+    llm = LLM(str(llama_dir), max_model_len=256, max_num_batched_tokens=64, num_kvcache_blocks=128)
+    runner = llm.engine.runner
+    steps = []
+    device_inputs = runner.device_inputs
+
+    def recording(shape):
+        lens = runner.buffers.seq_lens.np[: shape.num_reqs].tolist()
+        steps.append((lens[: shape.num_decodes], lens[shape.num_decodes :]))
+        return device_inputs(shape)
+
+    runner.device_inputs = recording
+    assert run(llm, prompts, greedy(16)) == hf_greedy(llama_dir, prompts, 16)
+    assert all(decodes == sorted(decodes, reverse=True) for decodes, _ in steps)
+    # Steps where the order had something to do: mixed lengths, and decodes next to a prefill chunk.
+    assert any(len(set(decodes)) > 2 for decodes, _ in steps)
+    assert any(decodes and prefills for decodes, prefills in steps)
+
+
 def test_overlapped_steps_give_the_same_tokens_under_preemption_and_aborts(llama_dir):
     """Queueing the next step before returning outputs (the CUDA default) changes no token."""
     prompts = make_prompts(VOCAB, lens=[40, 70, 25, 90, 55, 33, 61, 48])

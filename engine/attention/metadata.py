@@ -32,16 +32,15 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
     # Host-side values, known when the batch is built (no device sync needed).
     num_reqs: int
-    num_decodes: int  # the first num_decodes requests have query length 1
+    # The first num_decodes requests have query length 1, longest context first: the model runner lays them out
+    # so, and the decode kernels start their programs in row order (so that the short contexts fill the tail).
+    num_decodes: int
     num_decode_tokens: int  # == num_decodes; kept for readability at call sites
     max_query_len: int
     max_seq_len: int
     block_size: int
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, on the CPU
     seq_lens_cpu: torch.Tensor  # [num_reqs] int32, on the CPU
-    # [num_decodes] int32 on the device: the decode rows by context length, longest first (None: in order).
-    # Kernels that give each row its own program start the long ones first, so the short ones fill the tail.
-    decode_order: torch.Tensor | None = None
 
     @property
     def num_prefills(self) -> int:

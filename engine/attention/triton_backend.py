@@ -67,9 +67,8 @@ class TritonAttentionBackend:
             if fp8_out and num_splits > 1 and _quantizes_output(q, meta, num_tokens):
                 quantized = empty_quantized(num_tokens, q.shape[1] * q.shape[2], q.shape[2], q.device,
                                             cublas_layout=True)
-            order = meta.decode_order[:d] if meta.decode_order is not None else None
             paged_decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
-                                   out[:d], num_splits, order, window=window, kv_scales=kv_scales,
+                                   out[:d], num_splits, window=window, kv_scales=kv_scales,
                                    softcap=softcap, fp8_out=quantized,
                                    prefetch=prefetch if meta.num_reqs == d else None)
         if meta.num_reqs > d:

@@ -1184,10 +1184,11 @@ def paged_decode_attention(
     """Attention of one new token per sequence over its whole cached context (flash-decoding).
 
     ``num_splits`` pieces of each context run in parallel and are merged by a second kernel
-    (``None``: chosen by ``choose_num_splits`` from the table's capacity). ``order`` is the
-    order in which rows are handed to the GPU's schedulers: longest first keeps a batch of
-    mixed lengths from ending on one long context. A sequence of length 0 (padding) gets
-    zeros. Returns ``out``.
+    (``None``: chosen by ``choose_num_splits`` from the table's capacity). Programs are handed
+    to the GPU's schedulers in row order, or in ``order``'s where one is given: longest first
+    keeps a batch of mixed lengths from ending on one long context. The model runner lays its
+    rows out longest first and passes none (a program then needs no load to find its row). A
+    sequence of length 0 (padding) gets zeros. Returns ``out``.
 
     ``fp8_out`` (split contexts only: the merge kernel writes it): the output is written quantized, as an FP8
     projection takes its input (``engine.models.fp8``), into float8_e4m3 ``values`` [rows, num_heads * head_dim]
