@@ -189,20 +189,6 @@ def _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_
         tl.store(part_lse_ptr + (seq * NUM_HEADS + heads) * NUM_SPLITS + split, lse, mask=head_mask)
 
 
-@triton.jit
-def _prefetch_rows(ptrs, mask, ROW_BYTES: tl.constexpr):
-    """Ask the L2 for the ``ROW_BYTES`` bytes (a multiple of 16, 16-byte aligned) at each of ``ptrs`` where ``mask``
-    holds: one bulk prefetch each (sm_90). A hint: no result depends on it."""
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred p;
-        setp.ne.u32 p, $2, 0;
-        @p cp.async.bulk.prefetch.L2.global [$1], $3;
-        mov.u32 $0, 0;
-        }""", constraints="=r,l,r,r", args=[ptrs, mask.to(tl.int32), tl.full(ptrs.shape, ROW_BYTES, tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)
-
-
 @_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window")
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
@@ -215,12 +201,8 @@ def _decode_split_kernel(
     HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    """Decode attention on a cache in the query's dtype (the scale pointers and strides are unused).
-
-    With ``PDL``, a program may be dispatched while the kernel before it (the rope and KV write) still runs. Until
-    it waits for that kernel it reads only what the step's inputs hold (lengths, block tables) and asks the L2 for
-    its first tile of keys and values (``_prefetch_rows``): a hint, which that kernel's writes (the new token's K
-    and V) keep coherent. Everything it reads to compute comes after the wait."""
+    """Decode attention on a cache in the query's dtype (the scale pointers and strides are unused)."""
+    pdl.wait(PDL)
     seq = tl.program_id(0)
     if HAS_ORDER:
         seq = tl.load(order_ptr + seq)  # longest contexts first, so that short ones fill the tail
@@ -235,6 +217,9 @@ def _decode_split_kernel(
     # The clamp keeps a bad length from reading past the block table's row.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_context_len)
     first_key, start, end = _split_range(seq_len, window, split, SLIDING, PAGE_SIZE, BLOCK_N, NUM_SPLITS)
+
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=head_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
     table_ptr = block_tables_ptr + seq * stride_bt
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -247,17 +232,6 @@ def _decode_split_kernel(
     # (Ids past the end name blocks whose keys the loop masks, never read.)
     first_ids_end = max_context_len if NUM_SPLITS == 1 and not SLIDING else end
     page_ids = _tile_page_ids(table_ptr, start, first_ids_end, PAGE_SIZE, BLOCK_N)
-    if PDL > 0:
-        pos = start + offs_n
-        block_ids, in_block = _tile_rows(page_ids, start, offs_n, PAGE_SIZE, BLOCK_N)
-        first = (pos < end) & (pos >= first_key)
-        _prefetch_rows(k_cache_ptr + block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh, first,
-                       HEAD_DIM * k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        _prefetch_rows(v_cache_ptr + block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh, first,
-                       HEAD_DIM * v_cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    pdl.wait(PDL)
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=head_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
         valid = (pos < end) & (pos >= first_key)  # every tile holds a valid key: m_i turns finite at once
