@@ -5,7 +5,8 @@ numbers in bench/RESULTS.md).
 
 A W1-like decode batch on the Qwen3-0.6B attention shape (8 KV heads, head_dim 128; 2 query heads per KV head, 4 for
 Llama-3.1-8B): 151 rows with contexts uniform in [200, 1400] (``--contexts LO,HI`` for others), one layer's cache;
-then 8 and 32 rows, whose contexts get split. Each variant is timed as decode steps run it, 20 launches replayed
+then the first 8 and 32 of them, whose contexts get split. Each batch is laid out longest context first, as the
+model runner lays out decode rows. Each variant is timed as decode steps run it, 20 launches replayed
 from a CUDA graph, and printed with the bytes per second it reads (K/V, and the FP8 scales). A variant is (BLOCK_N
 keys, warps, pipeline stages, registers per thread at most); the one the engine picks is marked. ``--prefill`` times
 the prefill kernel instead, on a W1-like prefill step: fresh prompts of uniform lengths in [100, 1024], 16,384
@@ -130,7 +131,7 @@ def main() -> None:
     if args.baseline:
         return against_baseline(args.groups, args.baseline, args.baseline_cache)
     device = torch.device("cuda")
-    lens, cache, fp8, scales, tables, seq_lens, order, capacity = decode_batch(device)
+    lens, cache, fp8, scales, tables, seq_lens, _, capacity = decode_batch(device)
     rows, kv_heads, head_dim = len(lens), cache.shape[3], cache.shape[4]
     sms = num_sms(device)
 
@@ -142,7 +143,7 @@ def main() -> None:
             kv_scales = None if kind == "bf16" else tuple(scales)
             bytes_per_token = kv_heads * (2 * head_dim * (2 if kind == "bf16" else 1) + (0 if kind == "bf16" else 8))
             for n_rows in (rows, 8, 32):
-                sub = slice(0, n_rows)
+                qs, ts, ls = longest_first(n_rows, q, tables, seq_lens)
                 tokens = sum(lens[:n_rows])
                 splits = choose_num_splits(n_rows, kv_heads, capacity, sms)
                 picked = (*_decode_tiles(head_dim, splits, kind == "fp8"), None)  # no register limit
@@ -151,8 +152,7 @@ def main() -> None:
                 for tiles in VARIANTS[kind] if n_rows == rows else [picked]:
                     try:
                         us = graph_time(lambda: paged_decode_attention(
-                            q[sub], k, v, tables[sub], seq_lens[sub], 0.088, out[sub], splits,
-                            order if n_rows == rows else None, tiles=tiles, kv_scales=kv_scales)) * 1e6
+                            qs, k, v, ts, ls, 0.088, out[:n_rows], splits, tiles=tiles, kv_scales=kv_scales)) * 1e6
                     except Exception as error:  # e.g. a tile that does not fit the shared memory
                         print(f"group {group} {kind} {n_rows} rows {tiles}: {type(error).__name__}: {error}")
                         continue
@@ -162,16 +162,24 @@ def main() -> None:
 
 
 def decode_batch(device: torch.device):
-    """The W1-like decode batch: (context lengths, bf16 cache, FP8 K/V, scales, tables, seq_lens, order, table
-    capacity in tokens)."""
+    """The W1-like decode batch, its rows in the order drawn: (context lengths, bf16 cache, FP8 K/V, scales, tables,
+    seq_lens, order (the rows longest first), table capacity in tokens). ``longest_first`` lays a batch out as the
+    model runner does."""
     gen = torch.Generator().manual_seed(0)
     rows, kv_heads, head_dim, block = 151, 8, 128, 16
     lens = torch.randint(*CONTEXTS, (rows,), generator=gen).tolist()
     max_blocks = 4096 // block
     cache, fp8, scales, tables = paged_caches(lens, block, kv_heads, head_dim, gen, device, max_blocks)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    order = torch.argsort(seq_lens, descending=True).to(torch.int32)
+    order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
     return lens, cache, fp8, scales, tables, seq_lens, order, max_blocks * block
+
+
+def longest_first(n_rows: int, q: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor):
+    """The batch's first ``n_rows`` rows (queries, block tables, lengths) laid out longest context first, as the
+    model runner lays out a step's decode rows: the kernels then take them in row order."""
+    by_length = torch.argsort(seq_lens[:n_rows], descending=True, stable=True)
+    return q[by_length].contiguous(), tables[by_length].contiguous(), seq_lens[by_length].contiguous()
 
 
 def load_module(path: Path):
@@ -188,7 +196,7 @@ def quantized_output(groups: list[int], baseline_path: Path | None) -> None:
 
     baseline = load_module(baseline_path) if baseline_path else None
     device = torch.device("cuda")
-    lens, cache, fp8, scales, tables, seq_lens, order, capacity = decode_batch(device)
+    lens, cache, fp8, scales, tables, seq_lens, _, capacity = decode_batch(device)
     kv_heads, head_dim = cache.shape[3], cache.shape[4]
     for group in groups:
         q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
@@ -196,25 +204,22 @@ def quantized_output(groups: list[int], baseline_path: Path | None) -> None:
             k, v = (cache[0], cache[1]) if kind == "bf16" else (fp8[0], fp8[1])
             kv_scales = None if kind == "bf16" else tuple(scales)
             for n_rows in (len(lens), 8, 32):
-                sub = slice(0, n_rows)
+                qs, ts, ls = longest_first(n_rows, q, tables, seq_lens)
                 splits = choose_num_splits(n_rows, kv_heads, capacity, num_sms(device))
-                out = torch.empty_like(q[sub])
+                out = torch.empty_like(qs)
                 # As many rows as sequences: the engine's CUDA graphs take multiples of 4 and need no padding rows.
                 quantized = (torch.empty(n_rows, out[0].numel(), dtype=torch.float8_e4m3fn, device=device),
                              torch.empty(out.shape[1], n_rows, dtype=torch.float32, device=device).t())
-                rows_order = order if n_rows == len(lens) else None
 
                 def plain():
-                    current.paged_decode_attention(q[sub], k, v, tables[sub], seq_lens[sub], 0.088, out, splits,
-                                                   rows_order, kv_scales=kv_scales)
+                    current.paged_decode_attention(qs, k, v, ts, ls, 0.088, out, splits, kv_scales=kv_scales)
                     quantize_rows(out.view(n_rows, -1), head_dim, cublas_layout=True)
 
                 runs = {"plain + quantize_rows": plain}
                 for name, module in (("fp8_out", current), ("baseline fp8_out", baseline)):
                     if module is not None and (splits > 1 or module is baseline):  # the merge writes fp8_out
                         runs[name] = lambda module=module: module.paged_decode_attention(
-                            q[sub], k, v, tables[sub], seq_lens[sub], 0.088, out, splits, rows_order,
-                            kv_scales=kv_scales, fp8_out=quantized)
+                            qs, k, v, ts, ls, 0.088, out, splits, kv_scales=kv_scales, fp8_out=quantized)
                 for name, run in list(runs.items()) * 2:
                     print(f"group {group} {kind:4s} {n_rows:3d} rows, {splits:2d} splits, {name:22s} "
                           f"{graph_time(run) * 1e6:7.1f} us", flush=True)
@@ -227,20 +232,19 @@ def against_baseline(groups: list[int], path: Path, cache_kind: str = "fp8") -> 
 
     baseline = load_module(path)
     device = torch.device("cuda")
-    lens, cache, fp8, scales, tables, seq_lens, order, capacity = decode_batch(device)
+    lens, cache, fp8, scales, tables, seq_lens, _, capacity = decode_batch(device)
     kv_heads, head_dim = cache.shape[3], cache.shape[4]
     kc, vc, ks = (cache[0], cache[1], None) if cache_kind == "bf16" else (fp8[0], fp8[1], tuple(scales))
     for group in groups:
         q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
         for n_rows in (len(lens), 8, 32):
-            sub = slice(0, n_rows)
+            qs, ts, ls = longest_first(n_rows, q, tables, seq_lens)
             splits = choose_num_splits(n_rows, kv_heads, capacity, num_sms(device))
             outs = {}
             for name, module in (("baseline", baseline), ("current", current)) * 2:
-                out = torch.empty_like(q[sub])
-                run = lambda: module.paged_decode_attention(  # noqa: E731
-                    q[sub], kc, vc, tables[sub], seq_lens[sub], 0.088, out, splits,
-                    order if n_rows == len(lens) else None, kv_scales=ks)
+                out = torch.empty_like(qs)
+                run = lambda: module.paged_decode_attention(qs, kc, vc, ts, ls, 0.088, out, splits,  # noqa: E731
+                                                            kv_scales=ks)
                 us = graph_time(run) * 1e6
                 run()
                 outs[name] = out.float()
@@ -262,8 +266,7 @@ def sorted_rows(groups: list[int]) -> None:
         for kind in ("bf16", "fp8"):
             k, v, kv_scales = (cache[0], cache[1], None) if kind == "bf16" else (fp8[0], fp8[1], tuple(scales))
             layouts = {"order array": (q, tables, seq_lens, order),
-                       "rows sorted": (q[by_length].contiguous(), tables[by_length].contiguous(),
-                                       seq_lens[by_length].contiguous(), None)}
+                       "rows sorted": (*longest_first(rows, q, tables, seq_lens), None)}
             outs = {}
             for name, (qq, tt, ll, oo) in list(layouts.items()) * 2:
                 out = torch.empty_like(qq)
