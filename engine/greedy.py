@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.intmath import cdiv, next_power_of_2
+
 BLOCK = 4096  # columns a first-pass program reads: 8 KB of bfloat16
 NUM_WARPS = 4
 
@@ -62,13 +64,13 @@ def greedy_tokens(logits: torch.Tensor, block: int = BLOCK, num_warps: int = NUM
                          f"device, got {tuple(logits.shape)} {logits.dtype} with strides {logits.stride()} on "
                          f"{logits.device}")
     rows, vocab = logits.shape
-    num_chunks = triton.cdiv(vocab, block)
+    num_chunks = cdiv(vocab, block)
     vals = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     cols = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     _chunk_max_kernel[(rows, num_chunks)](logits, logits.stride(0), vocab, vals, cols, num_chunks, BLOCK=block,
                                           num_warps=num_warps)
-    _row_max_kernel[(rows,)](vals, cols, out, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks), num_warps=1)
+    _row_max_kernel[(rows,)](vals, cols, out, num_chunks, CHUNKS=next_power_of_2(num_chunks), num_warps=1)
     return out
 
 

@@ -518,3 +518,18 @@ def test_start_up_log_lists_only_products_that_are_cut(monkeypatch):
     assert layers.decode_k_split_summary(model) == "gate_up: 2 slices"
     x = torch.randn(3, 128)
     assert plain.splits_along_k(x) and not biased.splits_along_k(x) and not fp8.splits_along_k(torch.randn(3, 256))
+
+def test_host_integer_helpers_match_tritons():
+    """The launch-sizing helpers give what triton.cdiv and triton.next_power_of_2 give, on every size a launch meets
+    (0 included), including sizes handed over as numpy integers."""
+    import numpy as np
+    import triton
+
+    from engine.intmath import cdiv, next_power_of_2
+
+    sizes = list(range(0, 4200)) + [2**k + d for k in range(12, 32) for d in (-1, 0, 1)]
+    for n in sizes:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for b in (1, 3, 16, 64, 128, 1000):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
+    assert next_power_of_2(np.int64(300)) == 512 and cdiv(np.int64(300), 128) == 3

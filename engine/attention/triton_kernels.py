@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from engine import l2_prefetch, pdl
+from engine.intmath import cdiv, next_power_of_2
 from engine.models.fused_ops import (
     _norm_halves, _rope_halves, _round, check_rope_inputs, rotary_into_cache, rotary_with_column_scales)
 from kvcache.paged_cache import FP8_DTYPE, rotates_keys
@@ -918,9 +919,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm
     num_programs = max(num_seqs * num_kv_heads, 1)
     if num_programs >= 2 * sm_count:
         return 1
-    wanted = triton.cdiv(2 * sm_count, num_programs)
+    wanted = cdiv(2 * sm_count, num_programs)
     useful = max(max_context_len // MIN_TOKENS_PER_SPLIT, 1)
-    return min(triton.next_power_of_2(min(wanted, useful)), MAX_NUM_SPLITS)
+    return min(next_power_of_2(min(wanted, useful)), MAX_NUM_SPLITS)
 
 
 def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[int, int, int]:
@@ -965,7 +966,7 @@ def _tiles_setting(value: str) -> tuple[int, int, int]:
 
 def _group_pad(group: int) -> int:
     """Rows of the decode kernels' dots for ``group`` query heads a KV head: tl.dot takes 16 at the least."""
-    return max(16, triton.next_power_of_2(group))
+    return max(16, next_power_of_2(group))
 
 
 def _decode_kv_heads(group: int, num_kv_heads: int, num_splits: int) -> int:
@@ -1297,7 +1298,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, fp8_values, fp8_scales, fetch_ptr, out.stride(0), out.stride(1), *fp8_strides,
             fetch_bytes, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), FP8_OUT=fp8_out is not None, num_warps=4,
+            SPLITS_PAD=next_power_of_2(num_splits), FP8_OUT=fp8_out is not None, num_warps=4,
             PREFETCH=fetch is not None, **pdl.launch_args(q),
         )
     return out
@@ -1311,8 +1312,8 @@ def _prefill_tiles(max_query_len: int, group: int, head_dim: int, fp8: bool = Fa
     128 x 128. An FP8 cache takes 128-key tiles at 64 rows: 302 us against 335 with 64 keys (group 2; group 4: 571
     against 625; bench/fp8_attention_sweep.py --prefill).
     """
-    block_m = min(64, max(16, triton.next_power_of_2(max(max_query_len, 1) * group)))
-    block_m = max(block_m, triton.next_power_of_2(group))  # at least one token per tile
+    block_m = min(64, max(16, next_power_of_2(max(max_query_len, 1) * group)))
+    block_m = max(block_m, next_power_of_2(group))  # at least one token per tile
     if head_dim <= 128:
         return block_m, (128 if fp8 and block_m == 64 else 64), 4, 3
     return block_m, 32, 4, 2
@@ -1487,15 +1488,15 @@ def write_paged_kv(
             rope_args = (slot_mapping, placeholder, placeholder, placeholder,
                          column_scales if column_scales is not None else placeholder, 0.0)
             rope_strides_args = (0, 0, 0)
-        q_heads_pad = max(triton.next_power_of_2(q_heads), 16 // tokens)
-        _write_kv_fp8_kernel[(triton.cdiv(rows, tokens), 2 if split_q else 1)](
+        q_heads_pad = max(next_power_of_2(q_heads), 16 // tokens)
+        _write_kv_fp8_kernel[(cdiv(rows, tokens), 2 if split_q else 1)](
             k, v, k_cache, v_cache, kv_scales[0], kv_scales[1], slot_mapping, placeholder,
             q_out if queries else k, *rope_args, num_tokens, rows, k.stride(0), k.stride(1), v.stride(0),
             *(q.stride()[:2] if queries else (0, 0)), *(q_out.stride()[:2] if queries else (0, 0)),
             *rope_strides_args,
-            NUM_KV_HEADS=row_shape[0], HEADS_PAD=max(triton.next_power_of_2(row_shape[0]), min_rows),
-            HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-            HALF_PAD=triton.next_power_of_2(max(head_dim // 2, 1)), NUM_Q_HEADS=q_heads,
+            NUM_KV_HEADS=row_shape[0], HEADS_PAD=max(next_power_of_2(row_shape[0]), min_rows),
+            HEAD_DIM=head_dim, D_PAD=next_power_of_2(head_dim),
+            HALF_PAD=next_power_of_2(max(head_dim // 2, 1)), NUM_Q_HEADS=q_heads,
             Q_HEADS_PAD=q_heads_pad, TOKENS=tokens, ROTATE=rotate,
             QUERIES=queries, SPLIT_Q=split_q, ROPE=rope is not None, HAS_NORM=has_norm,
             MROPE=rope is not None and rope.mrope_section is not None, SECTION_1=section_1, SECTION_2=section_2,
@@ -1509,7 +1510,7 @@ def write_paged_kv(
     row = row_shape[0] * row_shape[1]
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-        ROW=row, ROW_PAD=triton.next_power_of_2(row), num_warps=4, **pdl.launch_args(k),
+        ROW=row, ROW_PAD=next_power_of_2(row), num_warps=4, **pdl.launch_args(k),
     )
     return q_out
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from engine import pdl
+from engine.intmath import cdiv, next_power_of_2
 from kvcache.paged_cache import FP8_DTYPE
 
 
@@ -68,7 +69,7 @@ def empty_quantized(m: int, k: int, group: int, device: torch.device,
     """Room for ``m`` rows of ``k`` quantized activations: float8 values and float32 scales, one per row and
     ``group`` columns; with ``cublas_layout`` the rows padded to a multiple of 4 and the scales a transposed
     view (token-major), as cuBLAS's 1 x 128 block scaling takes them."""
-    num_groups = triton.cdiv(k, group)
+    num_groups = cdiv(k, group)
     rows = -(-m // 4) * 4 if cublas_layout else m
     values = torch.empty((rows, k), dtype=FP8_DTYPE, device=device)
     if cublas_layout:
@@ -86,20 +87,20 @@ def quantize_rows(x: torch.Tensor, group: int | None = None,
         raise ValueError(f"quantize_rows: x must be a 2-D tensor contiguous in its rows, got {tuple(x.shape)}")
     m, k = x.shape
     group_size = k if group is None else group
-    num_groups = triton.cdiv(k, group_size)
+    num_groups = cdiv(k, group_size)
     values, scales = empty_quantized(m, k, group_size, x.device, cublas_layout)
     rows = values.shape[0]
     if not m:
         return values, scales
-    if group is not None and group == triton.next_power_of_2(group) and group <= 1024:
-        per_program = max(1, min(triton.next_power_of_2(num_groups), 2048 // group))
-        _quantize_groups_kernel[(rows, triton.cdiv(num_groups, per_program))](
+    if group is not None and group == next_power_of_2(group) and group <= 1024:
+        per_program = max(1, min(next_power_of_2(num_groups), 2048 // group))
+        _quantize_groups_kernel[(rows, cdiv(num_groups, per_program))](
             x, values, scales, m, k, num_groups, x.stride(0), values.stride(0), scales.stride(0), scales.stride(1),
             GROUP=group, GROUPS_PER_PROGRAM=per_program, num_warps=4, **pdl.launch_args(x))
     elif cublas_layout:
         raise ValueError("quantize_rows: the cuBLAS layout needs a power-of-two group")
     else:
-        block = min(triton.next_power_of_2(group_size), 1024)
+        block = min(next_power_of_2(group_size), 1024)
         _quantize_rows_kernel[(m, num_groups)](x, values, scales, k, group_size, num_groups, x.stride(0),
                                                values.stride(0), BLOCK=block, num_warps=4, **pdl.launch_args(x))
     return values, scales
@@ -182,11 +183,11 @@ def matmul_config(m: int, n: int, k: int, num_sms: int) -> MatmulConfig:
     if m > 256:
         return MatmulConfig(64, 128, 1, 4, 3)
     if m <= 64:
-        block_m, block_n = max(16, triton.next_power_of_2(m)), 64
+        block_m, block_n = max(16, next_power_of_2(m)), 64
     else:
         block_m, block_n = 32, 128
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    groups = triton.cdiv(k, GROUP)
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    groups = cdiv(k, GROUP)
     split = 1
     while tiles * split < 1.8 * num_sms and groups // (split * 2) >= 4:
         split *= 2
@@ -203,18 +204,18 @@ def scaled_matmul(a: torch.Tensor, a_scales: torch.Tensor, weight: torch.Tensor,
     n = weight.shape[0]
     if block is not None and (block[1] != GROUP or block[0] % 16):
         raise ValueError(f"scaled_matmul: weight blocks of {block} are not supported (columns must be {GROUP})")
-    if a_scales.shape != (m, triton.cdiv(k, GROUP)) or a_scales.stride(1) != 1:
+    if a_scales.shape != (m, cdiv(k, GROUP)) or a_scales.stride(1) != 1:
         raise ValueError(f"scaled_matmul: activation scales {tuple(a_scales.shape)}, expected one per row and "
-                         f"{GROUP} columns {(m, triton.cdiv(k, GROUP))}")
+                         f"{GROUP} columns {(m, cdiv(k, GROUP))}")
     cfg = config or matmul_config(m, n, k, _num_sms(a.device))
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    groups = triton.cdiv(k, GROUP)
-    groups_per_split = triton.cdiv(groups, cfg.split)
-    split = triton.cdiv(groups, groups_per_split)
+    groups = cdiv(k, GROUP)
+    groups_per_split = cdiv(groups, cfg.split)
+    split = cdiv(groups, groups_per_split)
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    grid = (cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), split)
     _scaled_matmul_kernel[grid](a, a_scales, weight, w_scales, target, m, n, k, groups_per_split,
                                 a.stride(0), weight.stride(0), n, m * n, a_scales.stride(0),
                                 w_scales.stride(0) if block is not None else 0,
@@ -231,7 +232,7 @@ def sum_splits(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     ``out``'s dtype."""
     numel = out.numel()
     block = 1024
-    _sum_splits_kernel[(triton.cdiv(numel, block),)](parts, out, numel, parts.shape[0], numel, BLOCK=block,
+    _sum_splits_kernel[(cdiv(numel, block),)](parts, out, numel, parts.shape[0], numel, BLOCK=block,
                                                      num_warps=4)
     return out
 
@@ -259,7 +260,7 @@ def scale_columns_(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     m, n = x.shape
     if m:
         block_m, block_n = 16, 256
-        _scale_columns_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        _scale_columns_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
             x, scales.contiguous(), m, n, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
             **pdl.launch_args(x))
     return x

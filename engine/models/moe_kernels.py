@@ -53,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.intmath import cdiv, next_power_of_2
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -195,7 +197,7 @@ def choose_blocks(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEBl
 
 def _routing_block(num_pairs: int) -> int:
     """The routing kernels' ``BLOCK``: pairs scanned per iteration (a compile-time size, so a few variants)."""
-    return min(max(triton.next_power_of_2(num_pairs), 128), 1024)
+    return min(max(next_power_of_2(num_pairs), 128), 1024)
 
 
 def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int) -> int:
@@ -218,7 +220,7 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int) ->
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static bound on the padded length of ``align_routing``'s layout, a whole number of blocks."""
     bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return triton.cdiv(bound, block_m) * block_m
+    return cdiv(bound, block_m) * block_m
 
 
 def align_routing(top_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +242,7 @@ def align_routing(top_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
     block = _routing_block(num_pairs)
     _count_kernel[(num_experts,)](ids, counts, num_pairs, BLOCK=block, num_warps=4)
     _align_kernel[(num_experts,)](ids, counts, sorted_pairs, block_experts, num_pairs, num_experts, num_rows,
-                                  BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts), BLOCK=block,
+                                  BLOCK_M=block_m, E_PAD=next_power_of_2(num_experts), BLOCK=block,
                                   num_warps=4)
     return sorted_pairs, block_experts
 
@@ -257,7 +259,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _launch(a, w, out, sorted_pairs, block_experts, routing, num_pairs, n, a_row_div, gate_up, blocks):
     """One grouped GEMM over every block of the layout: ``out[pair, :n]`` from ``a[pair // a_row_div]``."""
-    grid = (block_experts.shape[0], triton.cdiv(n, blocks.block_n))
+    grid = (block_experts.shape[0], cdiv(n, blocks.block_n))
     _grouped_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_experts, routing if routing is not None else out, num_pairs, n, a.shape[1],
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
