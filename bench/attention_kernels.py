@@ -155,21 +155,22 @@ def run_decode_case(batch_size: int, ctx: int, args, copy_gbs: float) -> dict:
 
 
 def run_mixed_decode_sweep(batch_size: int, args, copy_gbs: float) -> list[dict]:
-    """A decode batch as W1 produces it: contexts uniform in ``--contexts`` ([100, 2048] by default). Rows in batch
-    order vs longest first, a few split counts, and a sweep of (BLOCK_N, num_warps, num_stages) tiles."""
+    """A decode batch as W1 produces it: contexts uniform in ``--contexts`` ([100, 2048] by default). Rows in the
+    order drawn vs laid out longest first (as the model runner lays them out), a few split counts, and a sweep of
+    (BLOCK_N, num_warps, num_stages) tiles."""
     gen = torch.Generator().manual_seed(batch_size)
     lo, hi = args.contexts
     lens = torch.randint(lo, hi + 1, (batch_size,), generator=gen).tolist()
-    b = make_batch([(s - 1, 1) for s in lens], args, seed=batch_size)
-    m = b.meta
-    out = torch.empty_like(b.q)
-    longest_first = torch.argsort(m.seq_lens, descending=True, stable=True).to(torch.int32)
-    ref = reference(b)
+    batches = {ordered: make_batch([(s - 1, 1) for s in (sorted(lens, reverse=True) if ordered else lens)], args,
+                                   seed=batch_size) for ordered in (False, True)}
+    refs = {ordered: reference(b) for ordered, b in batches.items()}
     rows = []
 
-    def measure(label: str, splits: int, order, tiles=None) -> None:
+    def measure(label: str, splits: int, ordered: bool, tiles=None) -> None:
+        b, ref = batches[ordered], refs[ordered]
+        m, out = b.meta, torch.empty_like(b.q)
         fn = lambda: paged_decode_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.seq_lens, b.scale, out,
-                                            splits, order, tiles)
+                                            splits, tiles)
         out.fill_(float("nan"))
         try:
             fn()
@@ -179,14 +180,14 @@ def run_mixed_decode_sweep(batch_size: int, args, copy_gbs: float) -> list[dict]
             return
         ms = device_ms(fn)
         rows.append(dict(kind="decode-mixed", case=f"B={batch_size} {label}", batch=batch_size, splits=splits,
-                         ordered=order is not None, tiles=tiles, rel_err=rel_err(out, ref), triton_ms=ms,
+                         ordered=ordered, tiles=tiles, rel_err=rel_err(out, ref), triton_ms=ms,
                          context_mean=sum(lens) / len(lens), pct_copy=100.0 * kv_bytes(b) / ms / 1e6 / copy_gbs))
 
     for splits in (1, 2, 4):
-        measure(f"in order, {splits} split(s)", splits, None)
-        measure(f"longest first, {splits} split(s)", splits, longest_first)
+        measure(f"in order, {splits} split(s)", splits, False)
+        measure(f"longest first, {splits} split(s)", splits, True)
     for tiles in args.tiles:
-        measure(f"longest first, tiles {tiles[0]}/{tiles[1]}w/{tiles[2]}s", 1, longest_first, tiles)
+        measure(f"longest first, tiles {tiles[0]}/{tiles[1]}w/{tiles[2]}s", 1, True, tiles)
     return rows
 
 

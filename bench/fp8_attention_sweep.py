@@ -19,12 +19,6 @@ engine/attention/triton_kernels.py from another commit, e.g. ``git show HEAD~1:e
 alternating, in one process, and prints how far their outputs are apart; ``--baseline-cache bf16`` does the
 same for the decode kernel on a bf16 cache.
 
-    python bench/fp8_attention_sweep.py --sorted-rows [--contexts LO,HI]
-
-times the decode kernels (bf16 and FP8 caches, the engine's tiles) on the W1-like batch in the order it was drawn,
-reading it longest first through an ``order`` array, against the same rows laid out longest first with no
-``order``: what the kernels' first load (the row a program takes) costs. Alternating, each twice.
-
     python bench/fp8_attention_sweep.py --fp8-out [--baseline old_triton_kernels.py]
 
 times the decode kernels (bf16 and FP8 caches) writing their output quantized for an FP8 o_proj (``fp8_out``,
@@ -109,8 +103,6 @@ def main() -> None:
     parser.add_argument("--fp8-out", action="store_true", help="time the decode kernels' quantized output")
     parser.add_argument("--baseline-cache", choices=("fp8", "bf16"), default="fp8",
                         help="the cache --baseline times the decode kernels on")
-    parser.add_argument("--sorted-rows", action="store_true",
-                        help="time rows read through an order array against rows laid out longest first")
     parser.add_argument("--contexts", default="200,1400",
                         help="LO,HI: the decode batch's context lengths, uniform in [LO, HI)")
     args = parser.parse_args()
@@ -126,12 +118,10 @@ def main() -> None:
         return prefill_sweep(args.groups)
     if args.fp8_out:
         return quantized_output(args.groups, args.baseline)
-    if args.sorted_rows:
-        return sorted_rows(args.groups)
     if args.baseline:
         return against_baseline(args.groups, args.baseline, args.baseline_cache)
     device = torch.device("cuda")
-    lens, cache, fp8, scales, tables, seq_lens, _, capacity = decode_batch(device)
+    lens, cache, fp8, scales, tables, seq_lens, capacity = decode_batch(device)
     rows, kv_heads, head_dim = len(lens), cache.shape[3], cache.shape[4]
     sms = num_sms(device)
 
@@ -163,16 +153,14 @@ def main() -> None:
 
 def decode_batch(device: torch.device):
     """The W1-like decode batch, its rows in the order drawn: (context lengths, bf16 cache, FP8 K/V, scales, tables,
-    seq_lens, order (the rows longest first), table capacity in tokens). ``longest_first`` lays a batch out as the
-    model runner does."""
+    seq_lens, table capacity in tokens). ``longest_first`` lays a batch out as the model runner does."""
     gen = torch.Generator().manual_seed(0)
     rows, kv_heads, head_dim, block = 151, 8, 128, 16
     lens = torch.randint(*CONTEXTS, (rows,), generator=gen).tolist()
     max_blocks = 4096 // block
     cache, fp8, scales, tables = paged_caches(lens, block, kv_heads, head_dim, gen, device, max_blocks)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
-    return lens, cache, fp8, scales, tables, seq_lens, order, max_blocks * block
+    return lens, cache, fp8, scales, tables, seq_lens, max_blocks * block
 
 
 def longest_first(n_rows: int, q: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor):
@@ -196,7 +184,7 @@ def quantized_output(groups: list[int], baseline_path: Path | None) -> None:
 
     baseline = load_module(baseline_path) if baseline_path else None
     device = torch.device("cuda")
-    lens, cache, fp8, scales, tables, seq_lens, _, capacity = decode_batch(device)
+    lens, cache, fp8, scales, tables, seq_lens, capacity = decode_batch(device)
     kv_heads, head_dim = cache.shape[3], cache.shape[4]
     for group in groups:
         q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
@@ -232,7 +220,7 @@ def against_baseline(groups: list[int], path: Path, cache_kind: str = "fp8") -> 
 
     baseline = load_module(path)
     device = torch.device("cuda")
-    lens, cache, fp8, scales, tables, seq_lens, _, capacity = decode_batch(device)
+    lens, cache, fp8, scales, tables, seq_lens, capacity = decode_batch(device)
     kv_heads, head_dim = cache.shape[3], cache.shape[4]
     kc, vc, ks = (cache[0], cache[1], None) if cache_kind == "bf16" else (fp8[0], fp8[1], tuple(scales))
     for group in groups:
@@ -250,34 +238,6 @@ def against_baseline(groups: list[int], path: Path, cache_kind: str = "fp8") -> 
                 outs[name] = out.float()
                 print(f"group {group} {n_rows:3d} rows, {splits:2d} splits, {name:8s} {us:7.1f} us", flush=True)
             print(f"    largest difference between the two: {(outs['current'] - outs['baseline']).abs().max():.4f}")
-
-
-def sorted_rows(groups: list[int]) -> None:
-    """The decode kernels on the W1-like batch: rows read longest first through ``order`` against the same rows
-    gathered longest first (queries, block tables, lengths), read in place; each twice, alternating."""
-    device = torch.device("cuda")
-    lens, cache, fp8, scales, tables, seq_lens, order, capacity = decode_batch(device)
-    kv_heads, head_dim = cache.shape[3], cache.shape[4]
-    rows = len(lens)
-    splits = choose_num_splits(rows, kv_heads, capacity, num_sms(device))
-    by_length = order.long()
-    for group in groups:
-        q = torch.randn(rows, kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
-        for kind in ("bf16", "fp8"):
-            k, v, kv_scales = (cache[0], cache[1], None) if kind == "bf16" else (fp8[0], fp8[1], tuple(scales))
-            layouts = {"order array": (q, tables, seq_lens, order),
-                       "rows sorted": (*longest_first(rows, q, tables, seq_lens), None)}
-            outs = {}
-            for name, (qq, tt, ll, oo) in list(layouts.items()) * 2:
-                out = torch.empty_like(qq)
-                run = lambda: paged_decode_attention(qq, k, v, tt, ll, 0.088, out, splits, oo,  # noqa: E731
-                                                     kv_scales=kv_scales)
-                us = graph_time(run) * 1e6
-                run()
-                got = out.float()  # in the drawn order
-                outs[name] = got if oo is not None else torch.empty_like(got).index_copy_(0, by_length, got)
-                print(f"group {group} {kind:4s} {rows} rows, {splits} splits, {name:12s} {us:7.1f} us", flush=True)
-            print(f"    largest difference between the two: {(outs['order array'] - outs['rows sorted']).abs().max():.4f}")
 
 
 PREFILL_VARIANTS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 3),

@@ -101,7 +101,7 @@ def programs_per_sm(shared: int, registers: int, warps: int) -> tuple[int, str]:
 
 def decode_row(tiles: tuple[int, int, int], fp8: bool, arch: int) -> dict:
     block_n, warps, stages = tiles
-    consts = dict(HEADS, BLOCK_N=block_n, NUM_SPLITS=1, DOT_PRECISION="ieee", HAS_ORDER=False, SLIDING=False,
+    consts = dict(HEADS, BLOCK_N=block_n, NUM_SPLITS=1, DOT_PRECISION="ieee", SLIDING=False,
                   SOFTCAP=False, PDL=False, PREFETCH=False)
     types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
              "prefetch_ptr": "*bf16", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}

@@ -645,8 +645,9 @@ class ModelRunner:
         # Decodes (one new token) first, longest context first: the decode kernels start one program per row (and
         # KV head) in row order, so the long contexts start first and the short ones fill the tail, and no
         # program has to look its row up.
-        order = np.lexsort((-(b.num_computed[rows] + counts), counts > 1))
-        rows, counts = rows[order], counts[order]
+        seq_lens = b.num_computed[rows] + counts  # context length after this step
+        order = np.lexsort((-seq_lens, counts > 1))
+        rows, counts, seq_lens = rows[order], counts[order], seq_lens[order]
         num_reqs, num_tokens = len(rows), int(counts.sum())
         num_decodes = int(np.count_nonzero(counts == 1))
 
@@ -654,7 +655,6 @@ class ModelRunner:
         token_req = np.repeat(np.arange(num_reqs), counts)  # [num_tokens] batch index of each token
         positions = b.num_computed[rows][token_req] + np.arange(num_tokens) - (ends - counts)[token_req]
         token_rows = rows[token_req]
-        seq_lens = b.num_computed[rows] + counts
         max_seq_len = int(seq_lens.max())
         width = -(-max_seq_len // bs)  # block-table columns this step reads
         # A request gets a token when this step computes the last of its known tokens.

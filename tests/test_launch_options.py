@@ -149,9 +149,9 @@ def test_decode_attention_asks_for_o_weight_after_its_output_is_stored():
     """Compiled for sm_90: decode attention's programs prefetch the output projection's weight at their end, after
     the last store of their output (the KV they read would evict lines fetched earlier)."""
     cons = dict(NUM_HEADS=16, GROUP=2, GROUP_PAD=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, NUM_SPLITS=1,
-                DOT_PRECISION="tf32", HAS_ORDER=True, SLIDING=False, SOFTCAP=False, PDL=0, PREFETCH=True)
+                DOT_PRECISION="tf32", SLIDING=False, SOFTCAP=False, PDL=0, PREFETCH=True)
     types = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-             "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "order_ptr": "*i32", "prefetch_ptr": "*u8",
+             "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "prefetch_ptr": "*u8",
              "qk_scale": "fp32", "softcap": "fp32", "prefetch_bytes": "i64"}
     lines, _ = _sm90_ptx_lines("engine.attention.triton_kernels:_decode_split_kernel", cons, types, {})
     fetches = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line]

@@ -122,11 +122,11 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, padding_rows: list[int]
         assert (out[padding_rows] == 0).all(), "a seq_len 0 row must come out as zeros"
 
 
-def run_decode(case: Case, num_splits: int | None, order: torch.Tensor | None = None) -> torch.Tensor:
+def run_decode(case: Case, num_splits: int | None) -> torch.Tensor:
     d = case.meta.num_decodes
     out = torch.full_like(case.q[:d], float("nan"))
     paged_decode_attention(case.q[:d], case.k_cache, case.v_cache, case.meta.block_tables[:d],
-                           case.meta.seq_lens[:d], case.scale, out, num_splits, order)
+                           case.meta.seq_lens[:d], case.scale, out, num_splits)
     return out
 
 
@@ -206,16 +206,22 @@ def test_decode_kernel_gets_the_key_buffers_its_stages_ask_for_on_hopper():
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_row_order_changes_only_the_launch_order(num_splits):
-    """Rows handed out through an order array, longest first or in any other order, give the outputs of rows
-    read in place."""
+def test_decode_rows_in_any_layout_give_their_own_outputs(num_splits):
+    """The model runner lays out each step's rows longest context first, so a request's row moves from step to
+    step: laid out longest first or shuffled, each row gets the output it gets in place."""
     case = make_case(21, DECODES + [PAD, PAD], 2, 4, 64, 16)
-    d = case.meta.num_decodes
+    d, m = case.meta.num_decodes, case.meta
     ref = reference(case)[:d]
-    longest_first = torch.argsort(case.meta.seq_lens_cpu[:d], descending=True, stable=True).to(torch.int32)
-    shuffled = torch.randperm(d, generator=torch.Generator().manual_seed(3)).to(torch.int32)
-    for order in (longest_first, shuffled):
-        assert_matches(run_decode(case, num_splits, order.to(DEVICE)), ref, case.padding_rows)
+    longest_first = torch.argsort(m.seq_lens_cpu[:d], descending=True, stable=True)
+    shuffled = torch.randperm(d, generator=torch.Generator().manual_seed(3))
+    for perm in (longest_first, shuffled):
+        rows = perm.to(DEVICE)
+        out = torch.full_like(case.q[:d], float("nan"))
+        paged_decode_attention(case.q[:d][rows].contiguous(), case.k_cache, case.v_cache,
+                               m.block_tables[:d][rows].contiguous(), m.seq_lens[:d][rows].contiguous(), case.scale,
+                               out, num_splits)
+        padding = [i for i, r in enumerate(perm.tolist()) if r in case.padding_rows]
+        assert_matches(out, ref[perm.to(ref.device)], padding)
 
 
 @pytest.mark.parametrize("num_kv_heads, head_dim", [(2, 64), (1, 128), (3, 32)])
@@ -371,8 +377,6 @@ def _bad_decode_calls(case: Case):
         ("table rows", dict(block_tables=case.meta.block_tables[:1], seq_lens=case.meta.seq_lens[:1])),
         ("q strides", dict(q=q.transpose(1, 2).contiguous().transpose(1, 2))),
         ("num_splits", dict(num_splits=0)),
-        ("order dtype", dict(order=torch.arange(d, device=q.device))),
-        ("order shape", dict(order=torch.arange(d + 1, dtype=torch.int32, device=q.device))),
         ("scale", dict(scale=float("nan"))),
     ]
     return good, bad

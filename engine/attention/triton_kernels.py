@@ -190,23 +190,21 @@ def _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_
         tl.store(part_lse_ptr + (seq * NUM_HEADS + heads) * NUM_SPLITS + split, lse, mask=head_mask)
 
 
-@_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window")
+@_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "max_context_len", "window")
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, prefetch_ptr,
     qk_scale, max_context_len, window, softcap,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, prefetch_bytes,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
     """Decode attention on a cache in the query's dtype (the scale pointers and strides are unused)."""
     pdl.wait(PDL)
-    seq = tl.program_id(0)
-    if HAS_ORDER:
-        seq = tl.load(order_ptr + seq)  # longest contexts first, so that short ones fill the tail
+    seq = tl.program_id(0)  # rows come longest context first, so that short ones fill the tail
     kv_head = tl.program_id(1)
     split = tl.program_id(2) if NUM_SPLITS > 1 else 0  # a constant when unsplit: the first tile starts at key 0
     offs_g = tl.arange(0, GROUP_PAD)  # query heads of this KV head, padded for tl.dot
@@ -300,16 +298,16 @@ def _fp8_word_pairs_to_f16(words):
         }""", constraints="=r,=r,r", args=[words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
 
-@_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "order_ptr", "max_context_len", "window")
+@_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "max_context_len", "window")
 def _decode_split_fp8_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, prefetch_ptr,
     qk_scale, max_context_len, window, softcap,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, prefetch_bytes,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ORDER: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PTX: tl.constexpr, K_PAIRS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_FIRST: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
@@ -351,8 +349,6 @@ def _decode_split_fp8_kernel(
     HALF: tl.constexpr = HEAD_DIM // 2
     V_LIFT: tl.constexpr = 256.0
     seq = tl.program_id(1 if HEADS_FIRST else 0)
-    if HAS_ORDER:
-        seq = tl.load(order_ptr + seq)
     kv_head = tl.program_id(0 if HEADS_FIRST else 1) * KV_HEADS  # the program's first KV head
     split = tl.program_id(2)
     offs_g = tl.arange(0, GROUP_PAD)
@@ -1050,7 +1046,7 @@ def _word_pairs_hold(device_index: int, head_dim: int) -> bool:
     lens = torch.tensor([64, 37, 5], dtype=torch.int32, device=device)
     want, got = torch.empty_like(q), torch.empty_like(q)
     for out, pairs in ((want, False), (got, True)):
-        _launch_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, out, 1, None, None, 0, scales, 0.0,
+        _launch_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, out, 1, None, 0, scales, 0.0,
                        pairs)
     ok = bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2))
     if not ok:
@@ -1174,7 +1170,6 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written in full
     num_splits: int | None = None,
-    order: torch.Tensor | None = None,  # [num_seqs] int32: a permutation of the rows, longest context first
     tiles: tuple | None = None,  # (BLOCK_N, warps, stages[, max registers a thread[, FP8: KV heads a program]]): sweeps
     window: int = 0,  # a sliding window: only the last ``window`` keys; 0: the whole context
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's (k_scales, v_scales)
@@ -1186,9 +1181,8 @@ def paged_decode_attention(
 
     ``num_splits`` pieces of each context run in parallel and are merged by a second kernel
     (``None``: chosen by ``choose_num_splits`` from the table's capacity). Programs are handed
-    to the GPU's schedulers in row order, or in ``order``'s where one is given: longest first
-    keeps a batch of mixed lengths from ending on one long context. The model runner lays its
-    rows out longest first and passes none (a program then needs no load to find its row). A
+    to the GPU's schedulers in row order, so rows laid out longest context first (as the model
+    runner lays them out) keep a batch of mixed lengths from ending on one long context. A
     sequence of length 0 (padding) gets zeros. Returns ``out``.
 
     ``fp8_out`` (split contexts only: the merge kernel writes it): the output is written quantized, as an FP8
@@ -1203,9 +1197,6 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"paged_decode_attention: {block_tables.shape[0]} block table rows for {num_seqs} queries")
-    if order is not None and (order.shape != (num_seqs,) or order.dtype != torch.int32 or order.device != q.device):
-        raise ValueError(f"paged_decode_attention: order must be int32 of shape ({num_seqs},) on {q.device}, got "
-                         f"{tuple(order.shape)} {order.dtype} on {order.device}")
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_context_len = block_tables.shape[1] * block_size
     if num_splits is None:
@@ -1224,7 +1215,7 @@ def paged_decode_attention(
             scales[num_seqs:].fill_(torch.finfo(torch.float32).tiny)
     fp8 = kv_scales is not None
     k_pairs = fp8 and _fp8_ptx(q) and _k_word_pairs(q.device.index or 0, head_dim)
-    return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, order, tiles, window,
+    return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, tiles, window,
                           kv_scales, softcap, k_pairs, fp8_out, prefetch)
 
 
@@ -1243,7 +1234,7 @@ def _check_fp8_out(q: torch.Tensor, fp8_out) -> None:
                          f"{tuple(scales.shape)} strides {scales.stride()}")
 
 
-def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, order, tiles, window,
+def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, tiles, window,
                    kv_scales, softcap, k_pairs: bool, fp8_out=None, prefetch=None) -> torch.Tensor:
     """The decode kernel (and the merge) on checked arguments; ``k_pairs``: an FP8 cache's K converted as word
     pairs (``_fp8_word_pairs_to_f16``); ``prefetch`` as in ``paged_decode_attention``."""
@@ -1282,13 +1273,13 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
     fetch = l2_prefetch.target(prefetch, q, num_seqs)
     fetch_ptr, fetch_bytes = fetch or (q, 0)
     kernel[(grid[1], grid[0], grid[2]) if heads_first else grid](
-        q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         *scale_ptrs, fetch_ptr, scale if softcap else scale * LOG2_E, max_context_len, window, float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *cache_strides, *scale_strides,
         fetch_bytes, PREFETCH=fetch is not None and num_splits == 1, NUM_HEADS=num_heads, GROUP=group,
         GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim,
         PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION=_dot_precision(q.dtype), HAS_ORDER=order is not None, SLIDING=window > 0,
+        DOT_PRECISION=_dot_precision(q.dtype), SLIDING=window > 0,
         SOFTCAP=bool(softcap), **dtype_arg, num_warps=num_warps, num_stages=num_stages, **launch_options,
         **pdl.launch_args(q),
     )
@@ -1530,16 +1521,15 @@ def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tenso
     q = torch.zeros(1, num_heads, head_dim, dtype=dtype or k_cache.dtype, device=device)
     out = torch.empty_like(q)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)  # position 0 of the block the row names
-    order = torch.zeros(1, dtype=torch.int32, device=device)
     query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
     num_splits, variants = 1, 0
     while num_splits <= MAX_NUM_SPLITS:
-        paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits, order, window=window,
+        paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits, window=window,
                                kv_scales=kv_scales, softcap=softcap)
         if fp8_out and num_splits > 1:
             quantized = (torch.empty(4, num_heads * head_dim, dtype=FP8_DTYPE, device=device),
                          torch.empty(num_heads, 4, dtype=torch.float32, device=device).t())
-            paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits, order,
+            paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 1.0, out, num_splits,
                                    window=window, kv_scales=kv_scales, softcap=softcap, fp8_out=quantized)
             variants += 1
         num_splits, variants = num_splits * 2, variants + 1
