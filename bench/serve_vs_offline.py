@@ -24,6 +24,7 @@ import math
 import multiprocessing
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for minivllm serve (repeatable)")
+    p.add_argument("--server-variant", action="append", default=[], metavar="FLAGS",
+                   help="after the first server, one more with these extra flags (e.g. '--cuda-graph-max-tokens 0'), "
+                        "loaded the same way at the same arrival rates (repeatable)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", BENCH / "out")))
     return p
 
@@ -133,7 +137,7 @@ def engine_kwargs(args) -> dict:
 class Server:
     """``minivllm serve`` with the offline run's engine settings, on a free port, logging to a file."""
 
-    def __init__(self, args, model_dir: str, log_path: Path):
+    def __init__(self, args, model_dir: str, log_path: Path, extra_args: list[str] = ()):
         import socket
 
         with socket.socket() as sock:
@@ -144,7 +148,7 @@ class Server:
                "--model", model_dir, "--log-level", "warning"]
         for key, value in engine_kwargs(args).items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
-        cmd += args.server_arg
+        cmd += args.server_arg + list(extra_args)
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=BENCH.parent, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -331,33 +335,39 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {offline['tok_s']:.0f} tok/s", flush=True)
 
     requests = [SampleRequest(prompt=p, prompt_len=len(p), output_len=n) for p, n in zip(prompts, output_lens)]
-    server = Server(args, model_dir, args.out / "server.log")
-    runs: dict[str, dict] = {}
-    try:
-        server.wait_healthy()
-        name = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
-        print(f"HTTP: {num_clients} client processes", flush=True)
-        runs["all at once"] = http_run(server, name, requests, [0.0] * len(requests), num_clients)
-        capacity_rps = len(requests) / runs["all at once"]["duration_s"]
-        for fraction in args.rates:
-            rate = fraction * capacity_rps
-            offsets = poisson_offsets(len(requests), rate, seed=workload.seed + 1)
-            runs[f"Poisson {fraction:.0%} ({rate:.1f} req/s)"] = http_run(server, name, requests, offsets, num_clients)
-        single = SampleRequest(prompt=prompts[0], prompt_len=len(prompts[0]), output_len=args.single_tokens)
-        runs["one stream"] = http_run(server, name, [single], [0.0], 1)
-    finally:
-        server_rc = server.stop()
+    single = SampleRequest(prompt=prompts[0], prompt_len=len(prompts[0]), output_len=args.single_tokens)
+    variants: dict[str, dict[str, dict]] = {}
+    server_rc, capacity_rps = 0, None
+    for i, flags in enumerate([""] + args.server_variant):
+        server = Server(args, model_dir, args.out / f"server{i or ''}.log", shlex.split(flags))
+        runs = variants[flags] = {}
+        try:
+            server.wait_healthy()
+            name = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            print(f"HTTP{' with ' + flags if flags else ''}: {num_clients} client processes", flush=True)
+            runs["all at once"] = http_run(server, name, requests, [0.0] * len(requests), num_clients)
+            # Every server meets the arrival rates the first one's burst set.
+            capacity_rps = capacity_rps or len(requests) / runs["all at once"]["duration_s"]
+            for fraction in args.rates:
+                rate = fraction * capacity_rps
+                offsets = poisson_offsets(len(requests), rate, seed=workload.seed + 1)
+                runs[f"Poisson {fraction:.0%} ({rate:.1f} req/s)"] = http_run(server, name, requests, offsets,
+                                                                             num_clients)
+            runs["one stream"] = http_run(server, name, [single], [0.0], 1)
+        finally:
+            server_rc = server.stop() or server_rc
+    runs = variants.pop("")
 
     record = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": git_commit(), "model": label,
               "tokenizer": args.tokenizer, "workload": workload.__dict__, "num_requests": len(prompts),
               "machine": torch.cuda.get_device_name() if on_cuda else f"{platform.machine()} CPU, "
               f"{os.cpu_count()} cores", "client_processes": num_clients, "offline": offline, "http": runs,
-              "server_exit_code": server_rc}
+              "http_variants": variants, "server_exit_code": server_rc}
     path = args.out / f"serve_vs_offline_{label}_{workload.name}.json"
     path.write_text(json.dumps(record, indent=2))
     print(report(record))
     print(f"record: {path}")
-    failed = sum(r["failed"] for r in runs.values())
+    failed = sum(r["failed"] for runs_ in [runs, *variants.values()] for r in runs_.values())
     return 1 if failed or server_rc != 0 else 0
 
 
@@ -368,12 +378,14 @@ def report(record: dict) -> str:
              f"{'TPOT p50 / p99 ms':>19}  {'ITL p50 / p99 ms':>18}",
              f"{'LLM.generate, all at once':<34} {off['tok_s']:>10.0f} {'1.00':>10}  "
              f"{_pair(off['ttft_ms']):>19}  {_pair(off['tpot_ms']):>19}  {'':>18}"]
-    for name, run in record["http"].items():
-        if name == "one stream":
-            continue
-        ratio = f"{run['tok_s'] / off['tok_s']:.2f}" if name == "all at once" else ""
-        lines.append(f"{'HTTP, ' + name:<34} {run['tok_s']:>10.0f} {ratio:>10}  {_pair(run['ttft_ms']):>19}  "
-                     f"{_pair(run['tpot_ms']):>19}  {_pair(run['itl_ms']):>18}")
+    variants = {"": record["http"], **record.get("http_variants", {})}
+    for flags, runs in variants.items():
+        if flags:
+            lines.append(f"with {flags}:")
+        for name, run in runs.items():
+            ratio = f"{run['tok_s'] / off['tok_s']:.2f}" if name == "all at once" else ""
+            lines.append(f"{'HTTP, ' + name:<34} {run['tok_s']:>10.0f} {ratio:>10}  {_pair(run['ttft_ms']):>19}  "
+                         f"{_pair(run['tpot_ms']):>19}  {_pair(run['itl_ms']):>18}")
     one = record["http"]["one stream"]
     lines.append(f"decode step, offline median: {off['decode_step_ms_median']:.2f} ms at batch "
                  f"{off['decode_batch_median']:.0f}; HTTP TPOT p50 / that: "
@@ -384,14 +396,16 @@ def report(record: dict) -> str:
                  f"({one['tpot_ms']['p50'] / off['single_decode_step_ms_median']:.2f}x the step)")
     lines.append("server side (ms, bucket bounds): TTFT p50/p99, queue p99, output delay p50/p99, "
                  "processing p50/p99 per step; CPU cores busy: API server, engine core, clients")
-    for name, run in record["http"].items():
+    for name, run in ((f"{flags + ': ' if flags else ''}{name}", run) for flags, runs in variants.items()
+                      for name, run in runs.items()):
         side, cpu = run["server_side_ms"], run["cpu_cores_busy"]
         ttft, queue, delay, proc = (side[k] for k in ("time_to_first_token", "request_queue_time",
                                                       "engine_output_delay", "output_processing"))
         lines.append(f"  {name:<32} {ttft.get('p50', 0):g}/{ttft.get('p99', 0):g}  {queue.get('p99', 0):g}  "
                      f"{delay.get('p50', 0):g}/{delay.get('p99', 0):g}  {proc.get('p50', 0):g}/{proc.get('p99', 0):g}"
                      f"   cpu {cpu['api_server']:.2f} / {cpu['engine_core']:.2f} / {cpu['clients']:.2f}")
-    for name, run in record["http"].items():
+    for name, run in ((f"{flags + ': ' if flags else ''}{name}", run) for flags, runs in variants.items()
+                      for name, run in runs.items()):
         if run["failed"]:
             lines.append(f"{name}: {run['failed']} failed, e.g. {run['errors']}")
     return "\n".join(lines)

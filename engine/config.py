@@ -64,6 +64,9 @@ class EngineConfig:
     # steps they run in.
     async_scheduling: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # empty: 1, 2, 4, 8, 16, 24, ... max_num_seqs
+    # Steps that mix decodes with prefill chunks (and decode batches past the largest decode graph) replay a CUDA
+    # graph up to this many tokens (``graph_token_sizes``); larger steps run eagerly. 0: all of them do.
+    cuda_graph_max_tokens: int = 2048
     # Tensor parallelism (engine/distributed.py, engine/worker.py): one process per rank, this one rank 0.
     tensor_parallel_size: int = 1
     # Several machines: each runs tensor_parallel_size / nnodes ranks; node 0 runs the engine (rank 0), the
@@ -112,6 +115,8 @@ class EngineConfig:
                  f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                  f"max_model_len ({self.max_model_len}) so that every prompt fits in one step")
         need(all(b >= 1 for b in self.cuda_graph_batch_sizes), "cuda_graph_batch_sizes must be positive")
+        need(self.cuda_graph_max_tokens >= 0, f"cuda_graph_max_tokens must be non-negative, got "
+                                              f"{self.cuda_graph_max_tokens}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         need(self.nnodes >= 1 and self.tensor_parallel_size % self.nnodes == 0,
              f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes ({self.nnodes})")
@@ -170,3 +175,16 @@ class EngineConfig:
             return sorted(set(min(b, self.max_num_seqs) for b in self.cuda_graph_batch_sizes))
         sizes = [1, 2, 4, 8] + list(range(16, self.max_num_seqs + 1, 16))
         return sorted(set(s for s in sizes if s <= self.max_num_seqs) | {self.max_num_seqs})
+
+    def graph_token_sizes(self) -> list[int]:
+        """Token counts of the mixed-step CUDA graphs (``engine.cuda_graphs.MixedGraphs``): a step is padded up to
+        the next one, by at most a quarter of its tokens past 64 (steps of 16 tokens up to 128, then of a quarter
+        of the power of two below), up to ``cuda_graph_max_tokens`` and the step's token budget."""
+        limit = min(self.cuda_graph_max_tokens, self.max_num_batched_tokens)
+        sizes, size = [], 16
+        while size <= limit:
+            sizes.append(size)
+            size += max(16, (1 << (size.bit_length() - 1)) // 4)
+        if limit > 0 and (not sizes or sizes[-1] < limit):
+            sizes.append(limit)
+        return sizes

@@ -1,11 +1,19 @@
-"""CUDA graphs for decode steps, one per bucketed batch size.
+"""CUDA graphs for the steps of a running engine: decode steps, one graph per bucketed batch size, and mixed steps
+(decodes with prefill chunks), one per bucketed token count.
 
 A decode-only step of ``n`` requests is padded to the next captured size and replayed:
 the whole forward pass and the logits are one graph launch instead of hundreds of kernel
 launches from Python. Padding rows have sequence length 0 (attention writes zeros for
 them) and write their K/V into the null block, so they change nothing that is read.
-Mixed and prefill steps run eagerly. An M-RoPE model's graphs read its [3, size] positions
+An M-RoPE model's graphs read its [3, size] positions
 (``StepBuffers.model_positions``), filled before each replay like every other input.
+
+A mixed step of ``t`` tokens is padded to the next captured token count ``size`` and its requests to
+``min(size, max_num_seqs)`` rows (``MixedGraphs``). Which rows are decodes is not known when the graph is
+captured, so attention runs both kernels over every row, each told on the device which rows are its own
+(``AttentionMetadata.decode_seq_lens``). Eagerly such a step costs the host several milliseconds of launches
+(a small model's decode step takes less on the device); replayed, its tokens wait no longer than a decode
+step's. Steps with images or prompt logprobs, and steps past the largest size, run eagerly.
 
 With ``greedy`` (``MINIVLLM_GREEDY_ARGMAX=graph``, the default) each graph also takes every row's argmax of its logits
 (``engine.greedy``'s kernels), which the sampler uses wherever nothing changes the logits first: half torch.argmax's
@@ -28,27 +36,94 @@ from engine.step_buffers import StepBuffers
 logger = logging.getLogger("minivllm")
 
 
-class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, buffers: StepBuffers, batch_sizes: list[int], block_size: int,
+class _StepGraphs:
+    """One captured graph per size, over the static step buffers: what the two kinds share."""
+
+    kind = ""
+
+    def __init__(self, model: torch.nn.Module, buffers: StepBuffers, sizes: list[int], block_size: int,
                  max_seq_len: int, greedy: bool = False):
         self.model = model
         self.buffers = buffers
-        self.batch_sizes = sorted(batch_sizes)
+        self.sizes = sorted(sizes)
         self.block_size = block_size
         self.max_seq_len = max_seq_len
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}  # [size, vocab] in the model dtype, written by each replay
+        self._logits: dict[int, torch.Tensor] = {}  # [rows, vocab] in the model dtype, written by each replay
         self.greedy = greedy
-        self._greedy: dict[int, torch.Tensor] = {}  # [size] int64: each row's argmax of those logits
+        self._greedy: dict[int, torch.Tensor] = {}  # [rows] int64: each row's argmax of those logits
+        self.replays = 0
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        raise NotImplementedError
+
+    def _hidden_rows(self, size: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows of the hidden states whose logits the graph computes."""
+        raise NotImplementedError
+
+    def _prepare_buffers(self) -> None:
+        """Give the static buffers contents every size can run on while it is warmed up and captured."""
+        raise NotImplementedError
+
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b = self.buffers
+        hidden = self.model(b.input_ids.device[:size], b.model_positions(size), self.metadata(size))
+        logits = self.model.compute_logits(self._hidden_rows(size, hidden))
+        return logits, (greedy_tokens(logits) if self.greedy and takes(logits) else None)
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> None:
+        """Capture every size, largest first so later graphs reuse the first one's memory (``pool``: a graph pool
+        to share with other graphs, captured after these if smaller)."""
+        start = time.perf_counter()
+        self._prepare_buffers()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        for size in tqdm(sorted(self.sizes, reverse=True), desc=f"capturing {self.kind} CUDA graphs", unit="graph"):
+            for _ in range(2):  # compile and warm up outside the capture
+                self._forward(size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[size], tokens = self._forward(size)
+            if tokens is not None:
+                self._greedy[size] = tokens
+            self._graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d %s CUDA graphs (%s %s%s) in %.1f s", len(self._graphs), self.kind, self._unit,
+                    self.sizes, ", greedy tokens taken inside" if self.greedy else "", time.perf_counter() - start)
+
+    _unit = "sizes"
+
+    def replay(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the captured step; the inputs must already be in the static buffers. Returns the logits and, with
+        ``greedy``, each row's argmax of them (int64; else None)."""
+        self.replays += 1
+        self._graphs[size].replay()
+        return self._logits[size], self._greedy.get(size)
+
+
+class DecodeGraphs(_StepGraphs):
+    """Decode-only steps: ``size`` requests of one token each; logits for every row."""
+
+    kind = "decode"
+    _unit = "batch sizes"
+
+    def __init__(self, model: torch.nn.Module, buffers: StepBuffers, batch_sizes: list[int], block_size: int,
+                 max_seq_len: int, greedy: bool = False):
+        super().__init__(model, buffers, batch_sizes, block_size, max_seq_len, greedy)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return self.sizes
 
     @property
     def max_batch_size(self) -> int:
-        return self.batch_sizes[-1]
+        return self.sizes[-1]
 
     def padded_size(self, num_reqs: int) -> int | None:
         """The captured size a decode batch of ``num_reqs`` runs at, or None if it is too large."""
-        i = bisect.bisect_left(self.batch_sizes, num_reqs)
-        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+        i = bisect.bisect_left(self.sizes, num_reqs)
+        return self.sizes[i] if i < len(self.sizes) else None
 
     def metadata(self, size: int) -> AttentionMetadata:
         """Decode metadata over the static device buffers (host copies are unused by graph-safe backends)."""
@@ -63,37 +138,68 @@ class DecodeGraphs:
             query_start_loc_cpu=b.query_start_loc.host[: size + 1], seq_lens_cpu=b.seq_lens.host[:size],
         )
 
-    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b = self.buffers
-        hidden = self.model(b.input_ids.device[:size], b.model_positions(size), self.metadata(size))
-        logits = self.model.compute_logits(hidden)
-        return logits, (greedy_tokens(logits) if self.greedy and takes(logits) else None)
+    def _hidden_rows(self, size: int, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first so later graphs reuse the first one's memory pool."""
-        start = time.perf_counter()
+    def _prepare_buffers(self) -> None:
         b = self.buffers
         b.query_start_loc.np[:] = range(len(b.query_start_loc.np))
         b.query_start_loc.copy_to_device(len(b.query_start_loc.np))
-        pool = torch.cuda.graph_pool_handle()
-        for size in tqdm(sorted(self.batch_sizes, reverse=True), desc="capturing CUDA graphs", unit="graph"):
-            for _ in range(2):  # compile and warm up outside the capture
-                self._forward(size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._logits[size], tokens = self._forward(size)
-            if tokens is not None:
-                self._greedy[size] = tokens
-            self._graphs[size] = graph
-        torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes %s%s) in %.1f s", len(self._graphs),
-                    self.batch_sizes, ", greedy tokens taken inside" if self.greedy else "",
-                    time.perf_counter() - start)
 
-    def replay(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the captured step; the inputs must already be in the static buffers. Returns the [size, vocab] logits
-        and, with ``greedy``, each row's argmax of them ([size] int64; else None)."""
-        self._graphs[size].replay()
-        return self._logits[size], self._greedy.get(size)
+
+class MixedGraphs(_StepGraphs):
+    """Steps of up to ``size`` tokens of any kind, in ``rows(size)`` requests (padding ones have no tokens); logits
+    for the tokens ``logits_indices`` names, the sampled ones first (padding entries name token 0). Replayed, the
+    first rows of the logits are the step's sampled rows, in order."""
+
+    kind = "mixed-step"
+    _unit = "token counts"
+
+    def __init__(self, model: torch.nn.Module, buffers: StepBuffers, token_sizes: list[int], max_num_reqs: int,
+                 block_size: int, max_seq_len: int, greedy: bool = False):
+        super().__init__(model, buffers, token_sizes, block_size, max_seq_len, greedy)
+        self.max_num_reqs = max_num_reqs
+
+    def rows(self, size: int) -> int:
+        """Requests a graph of ``size`` tokens takes: as many as a step of that many tokens can have."""
+        return min(size, self.max_num_reqs)
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The captured token count a step of ``num_tokens`` tokens runs at, or None if it is too large. Its requests
+        always fit: a step has no more requests than tokens, nor than ``max_num_reqs``."""
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        b, rows = self.buffers, self.rows(size)
+        return AttentionMetadata(
+            slot_mapping=b.slot_mapping.device[:size],
+            query_start_loc=b.query_start_loc.device[: rows + 1],
+            seq_lens=b.seq_lens.device[:rows],
+            block_tables=b.block_tables.device[:rows],
+            # The prefill kernel's tiles follow max_query_len: the largest a step of this size may need.
+            num_reqs=rows, num_decodes=0, num_decode_tokens=0, max_query_len=size,
+            max_seq_len=self.max_seq_len, block_size=self.block_size,
+            query_start_loc_cpu=b.query_start_loc.host[: rows + 1], seq_lens_cpu=b.seq_lens.host[:rows],
+            decode_seq_lens=b.decode_seq_lens.device[:rows],
+        )
+
+    def _hidden_rows(self, size: int, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[self.buffers.logits_indices.device[: self.rows(size)]]
+
+    def _prepare_buffers(self) -> None:
+        # No tokens in any request, every slot in the null block: the warm-up runs write nothing that is read.
+        b = self.buffers
+        for buf in (b.input_ids, b.positions, b.slot_mapping, b.seq_lens, b.query_start_loc, b.decode_seq_lens,
+                    b.logits_indices) + ((b.mrope_positions,) if b.mrope_positions is not None else ()):
+            buf.np[...] = 0
+            buf.device.zero_()
+
+    def run(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the graph of ``size``; where none was captured (the CPU), run the same forward pass on the same
+        buffers eagerly."""
+        if size in self._graphs:
+            return self.replay(size)
+        self.replays += 1
+        with torch.inference_mode():
+            return self._forward(size)

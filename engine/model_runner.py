@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ConfigError, EngineConfig
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, MixedGraphs
 from engine.distributed import broadcast_from_rank0, kv_head_range, min_over_ranks, tp_rank, tp_size
 from engine.greedy import argmax_in_graphs, argmax_rows
 from engine.input_batch import InputBatch
@@ -83,6 +83,7 @@ class StepInputs:
     sampled_request_ids: list[str]  # requests that get a token, in logits order
     sampled_rows: np.ndarray  # [num_sampled] their InputBatch rows
     graph_size: int | None = None  # the captured decode graph to replay, if any
+    mixed_size: int | None = None  # else the captured mixed-step graph (its token count), if any
     samples_leading_rows: bool = False  # logits_indices == 0..num_sampled-1
     # Tokens whose id a step in flight is still sampling: their batch positions and requests.
     placeholder_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -103,7 +104,8 @@ class StepShape:
     padded: int  # rows, with a graph's padding
     padded_tokens: int
     width: int  # block-table columns read
-    graph_size: int  # 0: eager
+    graph_size: int  # the decode graph replayed; 0: none
+    mixed_size: int  # the mixed-step graph replayed (its token count); 0: none (with no decode graph: eager)
     max_query_len: int
     max_seq_len: int
     num_logits: int  # rows whose logits the step computes (the sampled ones)
@@ -182,6 +184,7 @@ class ModelRunner:
         self.buffers = StepBuffers(max_tokens, config.max_num_seqs, max_blocks, self.device,
                                    mrope=model_config.mrope_section is not None)
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         # Encoded images, by content hash: [image tokens, hidden] each (the scheduler decides what stays).
         self.encoder_cache: dict[str, torch.Tensor] = {}
         pin = self.device.type == "cuda"
@@ -306,16 +309,24 @@ class ModelRunner:
         logger.info("fused-MoE kernels: %d variants ready in %.1f s", n, time.perf_counter() - start)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture decode graphs (CUDA with a graph-safe backend, unless ``enforce_eager``)."""
+        """Capture mixed-step and decode graphs (CUDA with a graph-safe backend, unless ``enforce_eager``), into one
+        memory pool: a step replays one graph at a time."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
             logger.info("CUDA graphs off: every step runs eagerly")
             return
         if not getattr(self.model, "supports_cuda_graphs", True):
             logger.info("CUDA graphs off: %s's experts run eagerly (the torch reference)", self.model_config.architecture)
             return
+        greedy = argmax_in_graphs() and tp_rank() == 0
+        pool = torch.cuda.graph_pool_handle()
+        token_sizes = self.config.graph_token_sizes()
+        if token_sizes:  # the larger graphs first, so that the decode graphs reuse their memory
+            self.mixed_graphs = MixedGraphs(self.model, self.buffers, token_sizes, self.config.max_num_seqs,
+                                            self.block_size, self.max_model_len, greedy=greedy)
+            self.mixed_graphs.capture(pool)
         self.graphs = DecodeGraphs(self.model, self.buffers, self.config.graph_batch_sizes(), self.block_size,
-                                   self.max_model_len, greedy=argmax_in_graphs() and tp_rank() == 0)
-        self.graphs.capture()
+                                   self.max_model_len, greedy=greedy)
+        self.graphs.capture(pool)
 
     def _profile_cuda_budget(self) -> int:
         """Run the largest step with a scratch cache; return the bytes left for the KV pool."""
@@ -434,6 +445,10 @@ class ModelRunner:
             logits = logits[:n] if inputs.samples_leading_rows else logits[inputs.logits_indices]
             if greedy is not None:
                 greedy = greedy[:n] if inputs.samples_leading_rows else greedy[inputs.logits_indices]
+        elif inputs.mixed_size is not None:
+            logits, greedy = self.mixed_graphs.run(inputs.mixed_size)
+            n = len(inputs.sampled_rows)  # the graph's first rows of logits are the sampled rows'
+            logits, greedy = logits[:n], (greedy[:n] if greedy is not None else None)
         elif inputs.image_embeds is not None:
             embeds = self.model.embed_input_ids(inputs.input_ids, *inputs.image_embeds)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs_embeds=embeds)
@@ -542,7 +557,8 @@ class ModelRunner:
         if events:
             events[1].synchronize()
             device_s = events[0].elapsed_time(events[1]) / 1e3
-        self.last_timing = (launched, synced, device_s, inputs.graph_size is not None, int(inputs.meta.num_reqs))
+        graph = inputs.graph_size is not None or inputs.mixed_size is not None
+        self.last_timing = (launched, synced, device_s, graph, int(inputs.meta.num_reqs))
 
     def _encode_images(self, images: list) -> None:
         """Run the vision encoder (and projector) on the step's new images and keep each image's embeddings in
@@ -667,8 +683,13 @@ class ModelRunner:
         image_embeds = self._gather_image_embeds(rows, counts, ends) if b.mm_inputs else None
         eager = prompt_lp is not None or image_embeds is not None
         graph_size = None if eager else self._graph_size(num_reqs, num_decodes)
-        padded = graph_size or num_reqs
-        padded_tokens = graph_size or num_tokens
+        mixed_size = None
+        if not eager and graph_size is None and self.mixed_graphs is not None:
+            mixed_size = self.mixed_graphs.padded_size(num_tokens)
+        if mixed_size is not None:
+            padded, padded_tokens = self.mixed_graphs.rows(mixed_size), mixed_size
+        else:
+            padded, padded_tokens = graph_size or num_reqs, graph_size or num_tokens
         buf.input_ids.np[:num_tokens] = b.token_ids[token_rows, positions]
         buf.positions.np[:num_tokens] = positions
         buf.slot_mapping.np[:num_tokens] = b.block_table[token_rows, positions // bs] * bs + positions % bs
@@ -682,13 +703,22 @@ class ModelRunner:
             for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
                 getattr(buf, name).np[num_reqs:padded] = 0
             buf.query_start_loc.np[num_reqs + 1 : padded + 1] = ends[-1]
+        if mixed_size is not None:
+            # Padding tokens: token 0 at position 0, slot 0 of the null block; padding requests: no tokens, length 0;
+            # logits rows past the sampled ones: token 0's.
+            for name in ("input_ids", "positions", "slot_mapping"):
+                getattr(buf, name).np[num_tokens:padded_tokens] = 0
+            buf.seq_lens.np[num_reqs:padded] = 0
+            buf.query_start_loc.np[num_reqs + 1 : padded + 1] = num_tokens
+            buf.logits_indices.np[len(sampled):padded] = 0
 
         if buf.mrope_positions is not None:  # M-RoPE: the model reads three positions per token
             self._fill_mrope_positions(rows, counts, ends, positions, token_rows, padded_tokens)
 
         shape = StepShape(num_reqs=num_reqs, num_decodes=num_decodes, padded=padded, padded_tokens=padded_tokens,
-                          width=width, graph_size=graph_size or 0,
-                          max_query_len=int(counts.max()), max_seq_len=max_seq_len, num_logits=len(sampled))
+                          width=width, graph_size=graph_size or 0, mixed_size=mixed_size or 0,
+                          max_query_len=int(counts.max()), max_seq_len=max_seq_len,
+                          num_logits=padded if mixed_size is not None else len(sampled))
         if self.followers is not None:  # the other tensor-parallel ranks run the same step
             self.followers.send(shape, buf, prompt_lp.token_ids_host if prompt_lp is not None else None,
                                 sched.block_copies)
@@ -701,6 +731,7 @@ class ModelRunner:
             sampled_request_ids=[req_ids[order[i]] for i in sampled.tolist()],
             sampled_rows=rows[sampled],
             graph_size=graph_size,
+            mixed_size=mixed_size,
             samples_leading_rows=bool(graph_size is not None and len(sampled) and sampled[-1] == len(sampled) - 1),
             prompt_logprobs=prompt_lp,
             image_embeds=image_embeds,
@@ -720,7 +751,11 @@ class ModelRunner:
         """The step's inputs on the device from the host buffers: (input ids, positions, attention metadata,
         logits indices). Rank 0 fills the buffers from its batch; the other ranks from rank 0's message."""
         buf, padded, padded_tokens, width = self.buffers, shape.padded, shape.padded_tokens, shape.width
-        graph = shape.graph_size > 0
+        graph = shape.graph_size > 0 or shape.mixed_size > 0
+        if shape.mixed_size:  # which rows are decodes, for the graph's attention (AttentionMetadata.decode_seq_lens)
+            single = np.diff(buf.query_start_loc.np[: padded + 1]) == 1
+            buf.decode_seq_lens.np[:padded] = np.where(single, buf.seq_lens.np[:padded], 0)
+            buf.decode_seq_lens.copy_to_device(padded)
         seq_lens_cpu = buf.seq_lens.host[:padded].clone()
         qsl_cpu = buf.query_start_loc.host[: padded + 1].clone()
         meta = AttentionMetadata(

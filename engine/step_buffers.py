@@ -44,6 +44,8 @@ class StepBuffers:
         self.mrope_positions = HostDeviceBuffer((3, max_num_tokens), torch.int64, device) if mrope else None
         self.slot_mapping = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
         self.seq_lens = HostDeviceBuffer((max_num_reqs,), torch.int32, device)
+        # A mixed step's CUDA graph: each row's seq_len if it is a decode, else 0 (AttentionMetadata.decode_seq_lens).
+        self.decode_seq_lens = HostDeviceBuffer((max_num_reqs,), torch.int32, device)
         self.query_start_loc = HostDeviceBuffer((max_num_reqs + 1,), torch.int32, device)
         self.block_tables = HostDeviceBuffer((max_num_reqs, max_blocks_per_req), torch.int32, device)
         self.logits_indices = HostDeviceBuffer((max_num_reqs,), torch.int64, device)

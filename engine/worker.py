@@ -120,6 +120,9 @@ def follow(runner) -> None:
             if shape.graph_size:
                 runner.graphs.replay(shape.graph_size)
                 continue
+            if shape.mixed_size:
+                runner.mixed_graphs.run(shape.mixed_size)
+                continue
             hidden = runner.model(input_ids, positions, meta)
             if shape.num_logits:
                 runner.model.compute_logits(hidden[logits_indices])

@@ -162,6 +162,9 @@ def _add_scheduler_args(group) -> None:
     group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
                        choices=["auto", "torch", "triton"], help="auto: triton on CUDA, torch elsewhere")
     group.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    group.add_argument("--cuda-graph-max-tokens", type=int, default=_DEFAULTS["cuda_graph_max_tokens"],
+                       help="steps that mix decodes with prefill chunks replay a CUDA graph up to this many tokens "
+                            "(padded to the next captured size); larger steps run eagerly; 0: all of them do")
     group.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
                        help="queue the next step on the device before handing out this step's tokens; "
                             "default: on with CUDA, off on the CPU")
@@ -283,6 +286,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         overlap_steps=args.overlap_steps, async_scheduling=args.async_scheduling, max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, distributed_timeout_s=args.distributed_timeout,

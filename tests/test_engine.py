@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
+from engine.cuda_graphs import MixedGraphs
 from engine.llm_engine import RequestError
 from tests.helpers import VOCAB, save_tiny_model
 
@@ -237,6 +238,35 @@ def test_decode_rows_reach_the_model_longest_context_first(llama_dir):
     # Steps where the order had something to do: mixed lengths, and decodes next to a prefill chunk.
     assert any(len(set(decodes)) > 2 for decodes, _ in steps)
     assert any(decodes and prefills for decodes, prefills in steps)
+
+
+@pytest.mark.parametrize("planned_ahead", [False, True])
+def test_steps_laid_out_as_a_mixed_step_graph_give_hf_tokens(llama_dir, planned_ahead):
+    """Every step through the layout a mixed-step CUDA graph replays (``MixedGraphs``, run eagerly where nothing is
+    captured): tokens padded to the next captured count, requests padded with empty ones, the decodes known only
+    on the device, logits of the sampled rows first. With chunked prefill, preemption and, planned ahead, tokens
+    fed from the step in flight: HF's tokens."""
+    prompts = make_prompts(VOCAB, lens=[40, 70, 25, 90, 55, 33, 61, 48])
+    llm = LLM(str(llama_dir), max_model_len=256, max_num_batched_tokens=64, num_kvcache_blocks=21,
+              overlap_steps=planned_ahead, async_scheduling=planned_ahead)
+    runner, config = llm.engine.runner, llm.engine.config
+    runner.mixed_graphs = MixedGraphs(runner.model, runner.buffers, config.graph_token_sizes(), config.max_num_seqs,
+                                      runner.block_size, runner.max_model_len)
+    shapes = []
+    device_inputs = runner.device_inputs
+
+    def recording(shape):
+        shapes.append((shape, int(runner.buffers.query_start_loc.np[shape.num_reqs])))
+        return device_inputs(shape)
+
+    runner.device_inputs = recording
+    assert run(llm, prompts, greedy(24)) == hf_greedy(llama_dir, prompts, 24)
+    assert llm.engine.stats().num_preemptions > 0
+    assert runner.mixed_graphs.replays == len(shapes) and all(s.mixed_size for s, _ in shapes)
+    assert any(s.padded_tokens > tokens for s, tokens in shapes), "padding tokens"
+    shapes = [s for s, _ in shapes]
+    assert any(0 < s.num_decodes < s.num_reqs for s in shapes), "decodes next to prefill chunks"
+    assert any(s.padded > s.num_reqs for s in shapes), "padding requests"
 
 
 def test_overlapped_steps_give_the_same_tokens_under_preemption_and_aborts(llama_dir):

@@ -86,6 +86,32 @@ def test_triton_with_cuda_graphs_matches_torch_eager_float32(tmp_path, async_sch
     assert got == _greedy(reference, prompts, 40)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_mixed_steps_replay_graphs_with_the_tokens_of_eager_steps(tmp_path, async_scheduling):
+    """With a 64-token step budget prompts are cut into chunks that share steps with decodes: every such step
+    replays a mixed-step graph, every decode-only step a decode graph, and the tokens are torch eager's (float32),
+    greedy and seeded; no block is left held."""
+    model_dir = save_tiny_model("qwen3", tmp_path)
+    prompts = _prompts(VOCAB)
+    common = dict(device="cuda", dtype="float32", max_model_len=256, num_kvcache_blocks=256,
+                  max_num_batched_tokens=64)
+    fast = LLM(str(model_dir), attention_backend="triton", async_scheduling=async_scheduling, **common)
+    mixed = fast.engine.runner.mixed_graphs
+    assert mixed is not None and mixed.sizes == [16, 32, 48, 64]
+    reference = LLM(str(model_dir), attention_backend="torch", enforce_eager=True, **common)
+    seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
+    fast.engine.measure_steps(True)
+    got = _greedy(fast, prompts, 40)
+    got_seeded = [o.outputs[0].token_ids for o in fast.generate([{"prompt_token_ids": p} for p in prompts], seeded,
+                                                                  use_tqdm=False)]
+    assert mixed.replays > 10 and fast.engine.runner.graphs.replays > 10
+    assert all(t.graph for t in fast.engine.step_timings), "every step fits a graph"
+    assert got == _greedy(reference, prompts, 40)
+    assert got_seeded == [o.outputs[0].token_ids for o in reference.generate(
+        [{"prompt_token_ids": p} for p in prompts], seeded, use_tqdm=False)]
+    assert fast.engine.kv_manager.get_stats().num_used_blocks == 0
+
+
 def test_fp8_kv_cache_and_weights_on_cuda_match_the_torch_reference(tmp_path):
     """Triton attention on an FP8 cache with CUDA graphs, and FP8 linears through the Triton scaled matmul (per
     channel and block scales, K split or not), give the CPU reference's arithmetic: the same quantized values,

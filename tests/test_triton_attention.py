@@ -337,6 +337,60 @@ def test_backend_decode_only_with_padding_rows():
     assert_matches(out, reference(case), case.padding_rows)
 
 
+def as_captured(case: Case, extra_tokens: int, extra_reqs: int, seed: int) -> tuple[Case, int]:
+    """The case laid out as a mixed step's CUDA graph sees it (engine/cuda_graphs.py, ``MixedGraphs``): padding
+    tokens past the last request's (slot 0), padding requests with no tokens whose table rows hold stale block ids,
+    no host-side count of decodes, and each row's decode length on the device. Returns it and the real token count."""
+    gen = torch.Generator().manual_seed(seed)
+    m = case.meta
+    n, r = m.slot_mapping.shape[0], m.num_reqs
+    nb = case.k_cache.shape[0]
+
+    def pad(x):
+        return torch.cat([x, torch.randn((extra_tokens, *x.shape[1:]), generator=gen).to(x)])
+
+    qsl = torch.cat([m.query_start_loc_cpu, torch.full((extra_reqs,), n, dtype=torch.int32)])
+    seq_lens = torch.cat([m.seq_lens_cpu, torch.zeros(extra_reqs, dtype=torch.int32)])
+    stale = torch.randint(1, nb, (extra_reqs, m.block_tables.shape[1]), generator=gen, dtype=torch.int32)
+    decode_lens = torch.where(qsl.diff() == 1, seq_lens, 0)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat([m.slot_mapping, torch.zeros(extra_tokens, dtype=torch.int64, device=DEVICE)]),
+        query_start_loc=qsl.to(DEVICE), seq_lens=seq_lens.to(DEVICE),
+        block_tables=torch.cat([m.block_tables, stale.to(DEVICE)]),
+        num_reqs=r + extra_reqs, num_decodes=0, num_decode_tokens=0, max_query_len=n + extra_tokens,
+        max_seq_len=m.max_seq_len, block_size=m.block_size, query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+        decode_seq_lens=decode_lens.to(DEVICE),
+    )
+    return Case(pad(case.q), pad(case.k), pad(case.v), case.k_cache, case.v_cache, meta, case.scale, []), n
+
+
+@pytest.mark.parametrize("extra_tokens, extra_reqs", [(0, 0), (13, 4), (40, 40)])
+def test_mixed_step_as_captured_matches_the_step_itself(extra_tokens, extra_reqs):
+    """Both backends give a mixed step laid out as its CUDA graph sees it the outputs of the step itself (the
+    decode kernel with splits included), and zeros in the padding tokens' rows, which the Triton backend fills
+    after the decode kernel wrote zeros over some prefill tokens' rows."""
+    case = make_case(21, [(330, 1), (95, 1), (16, 1)] + MIXED[2:], 2, 4, 64, 16)
+    ref = reference(case)
+    captured, n = as_captured(case, extra_tokens, extra_reqs, 22)
+    assert captured.q.shape[0] >= captured.meta.num_reqs  # the decode kernel reads one token a row
+    for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+        k_cache, v_cache = captured.k_cache.clone(), captured.v_cache.clone()
+        out = backend.forward(captured.q, captured.k, captured.v, k_cache, v_cache, captured.meta, captured.scale)
+        torch.testing.assert_close(out[:n], ref, **TOL)
+        assert (out[n:] == 0).all(), backend.name
+
+
+def test_prefill_kernel_can_leave_decodes_alone():
+    case = make_case(23, MIXED, 2, 4, 64, 16)
+    m = case.meta
+    out = torch.full_like(case.q, float("nan"))
+    paged_prefill_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.query_start_loc, m.seq_lens,
+                            m.max_query_len, case.scale, out, skip_single=True)
+    d = m.num_decodes
+    assert out[:d].isnan().all(), "the rows of one-token requests are not written"
+    torch.testing.assert_close(out[d:], reference(case)[d:], **TOL)
+
+
 def test_compile_variants_covers_every_split_count_and_tile_height():
     cache = torch.zeros(3, 16, 2, 64, device=DEVICE)
     table = torch.zeros(4, 8, dtype=torch.int32, device=DEVICE)

@@ -90,7 +90,7 @@ class TorchAttentionBackend:
             q, k, v = rope.apply(q, k, v)
         num_tokens = meta.slot_mapping.shape[0]
         write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping, kv_scales)
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q)  # rows of padding tokens (past the last request's) stay zero
         if kv_scales is not None:  # an FP8 cache holds K rotated: the queries turn the same way
             q = rotate_heads(q).to(q.dtype)
         if meta.num_decodes > 0:
@@ -98,8 +98,12 @@ class TorchAttentionBackend:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, window, kv_scales, softcap)
         starts = meta.query_start_loc_cpu.tolist()
         seq_lens = meta.seq_lens_cpu.tolist()
+        # Every other request, one at a time; in a mixed step's CUDA graph (``meta.decode_seq_lens``) that is every
+        # request, decodes included, as this path serves them alike. Padding requests have no tokens.
         for i in range(meta.num_decodes, meta.num_reqs):
             lo, hi = starts[i], starts[i + 1]
+            if hi == lo:
+                continue
             out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, meta.block_tables[i], seq_lens[i], scale, window,
                                        kv_scales, softcap)
         return out

@@ -53,6 +53,8 @@ class TritonAttentionBackend:
         in the decode kernel was slower than the projection's own pass (bench/RESULTS.md). ``prefetch``: in
         decode-only steps the decode kernels ask the L2 for it as they finish (``engine.l2_prefetch``)."""
         num_tokens = meta.slot_mapping.shape[0]
+        if meta.decode_seq_lens is not None:
+            return self._mixed_graph_step(q, k, v, k_cache, v_cache, meta, scale, window, kv_scales, softcap, rope)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         # K (roped) and V into the cache, and the queries to attend with: roped and, as an FP8 cache holds K
         # rotated, rotated alike (kvcache.paged_cache).
@@ -81,6 +83,25 @@ class TritonAttentionBackend:
         if num_tokens < q.shape[0]:
             out[num_tokens:].zero_()  # padding rows beyond the batch: finite, like a seq_len 0 row
         return out if quantized is None else quantized  # ``out`` then only gave the rounding dtype
+
+    @staticmethod
+    def _mixed_graph_step(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int, kv_scales,
+                          softcap: float, rope) -> torch.Tensor:
+        """A step whose rows are only known on the device (``meta.decode_seq_lens``, a mixed step's CUDA graph):
+        the decode kernel over every row, a row that is not a decode having length 0 there (so its output row, which
+        is then some prefill token's, gets zeros); then the prefill kernel over every request but the decodes,
+        which writes those rows. Rows of padding tokens stay zero."""
+        n = meta.num_reqs
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        q = write_paged_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, q=q, rope=rope)
+        max_context_len = meta.block_tables.shape[1] * k_cache.shape[1]
+        num_splits = choose_num_splits(n, k_cache.shape[2], max_context_len, num_sms(q.device))
+        paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables, meta.decode_seq_lens, scale, out[:n],
+                               num_splits, window=window, kv_scales=kv_scales, softcap=softcap)
+        paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                meta.max_query_len, scale, out, window=window, kv_scales=kv_scales, softcap=softcap,
+                                skip_single=True)
+        return out
 
     def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, max_query_len: int, windows: tuple[int, ...] = (0,),

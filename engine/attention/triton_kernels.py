@@ -820,14 +820,15 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, PDL: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, SKIP_SINGLE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Prefill attention; the dots run in ``DOT_DTYPE``: q's dtype, or float16 for 16-bit queries on an FP8
     cache (float8_e4m3 converts to float16 in one instruction, to bfloat16 in three: 12.9 ms against 14.2 ms in
     a 16k-token prefill step on Qwen3-0.6B's shape, H200; bf16 on a bf16 cache takes 7.5 ms), with V's scales on
     its rows as in the decode kernel. ``HEADS_FIRST``: the grid's first axis runs over the KV heads, so the heads
     of one tile of tokens are scheduled side by side and read the same cache pages (a W1-like 16k-token step on
-    the H200, 8 KV heads: 3.8-7% faster on a bf16 cache, 2-4% on an FP8 one)."""
+    the H200, 8 KV heads: 3.8-7% faster on a bf16 cache, 2-4% on an FP8 one). ``SKIP_SINGLE``: requests of one
+    new token are left alone (the decode kernel serves them)."""
     pdl.wait(PDL)
     tile = tl.program_id(1 if HEADS_FIRST else 0)
     kv_head = tl.program_id(0 if HEADS_FIRST else 1)
@@ -836,7 +837,10 @@ def _prefill_kernel(
     q_start = tl.load(query_start_loc_ptr + req) - q_base
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_base - q_start
     first_tok = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q  # this tile's first token within the request
-    if first_tok < q_len:  # spare tiles past the request's tokens do nothing
+    live = first_tok < q_len  # spare tiles past the request's tokens do nothing
+    if SKIP_SINGLE:
+        live = live & (q_len > 1)
+    if live:
         seq_len = tl.load(seq_lens_ptr + req)
         ctx_len = seq_len - q_len  # tokens cached before this step's
 
@@ -1324,6 +1328,7 @@ def paged_prefill_attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's (k_scales, v_scales)
     softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
     tiles: tuple[int, int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, num_warps, num_stages), for tuning sweeps
+    skip_single: bool = False,  # leave requests of one new token (decodes) alone: their rows of ``out`` too
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their cached context and themselves.
 
@@ -1365,7 +1370,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), SLIDING=window > 0, FP8=kv_scales is not None,
         SOFTCAP=bool(softcap), DOT_DTYPE=_dot_dtype(q.dtype, kv_scales is not None), HEADS_FIRST=heads_first,
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(q),
+        SKIP_SINGLE=skip_single, num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(q),
     )
     return out
 
