@@ -104,7 +104,7 @@ def test_mixed_steps_replay_graphs_with_the_tokens_of_eager_steps(tmp_path, asyn
     got = _greedy(fast, prompts, 40)
     got_seeded = [o.outputs[0].token_ids for o in fast.generate([{"prompt_token_ids": p} for p in prompts], seeded,
                                                                   use_tqdm=False)]
-    assert mixed.replays > 10 and fast.engine.runner.graphs.replays > 10
+    assert mixed.replays >= 7 and fast.engine.runner.graphs.replays > 10  # 434 prompt tokens, 64 a step
     assert all(t.graph for t in fast.engine.step_timings), "every step fits a graph"
     assert got == _greedy(reference, prompts, 40)
     assert got_seeded == [o.outputs[0].token_ids for o in reference.generate(
