@@ -90,7 +90,7 @@ class TorchAttentionBackend:
             q, k, v = rope.apply(q, k, v)
         num_tokens = meta.slot_mapping.shape[0]
         write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping, kv_scales)
-        out = torch.zeros_like(q)  # rows of padding tokens (past the last request's) stay zero
+        out = torch.empty_like(q)
         if kv_scales is not None:  # an FP8 cache holds K rotated: the queries turn the same way
             q = rotate_heads(q).to(q.dtype)
         if meta.num_decodes > 0:
@@ -106,6 +106,7 @@ class TorchAttentionBackend:
                 continue
             out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, meta.block_tables[i], seq_lens[i], scale, window,
                                        kv_scales, softcap)
+        out[starts[meta.num_reqs]:].zero_()  # padding tokens past the last request's
         return out
 
     @staticmethod
