@@ -483,6 +483,7 @@ class LLMEngine:
             visual_blocks=self.kv_manager.pool.visual_blocks(),
             num_waiting_for_grammar=sum(1 for r in self.scheduler.waiting if not r.ready),
             encoder=self.scheduler.encoder_cache.stats() if self.scheduler.encoder_cache is not None else None,
+            num_steps_by_kind=dict(self.runner.num_steps_by_kind),
         )
 
 

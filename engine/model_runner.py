@@ -198,6 +198,8 @@ class ModelRunner:
 
             self.followers = StepChannel()
         self.measure_steps = False  # record host/device time per step (benchmarks)
+        # Forward passes launched, by how they ran (the engine's metrics report them).
+        self.num_steps_by_kind = {"decode_graph": 0, "mixed_graph": 0, "eager": 0}
         self.last_timing: tuple | None = None
         logger.info("model runner: %s on %s, %s attention backend", self.dtype, self.device, self.backend.name)
 
@@ -438,6 +440,9 @@ class ModelRunner:
         st = self._sampling_tensors(inputs.sampled_rows) if len(inputs.sampled_rows) else None
         events = self._start_timing()
         greedy = None  # each sampled row's argmax of its logits, where a graph took it
+        kind = ("decode_graph" if inputs.graph_size is not None else
+                "mixed_graph" if inputs.mixed_size is not None else "eager")
+        self.num_steps_by_kind[kind] += 1
         if inputs.graph_size is not None:
             logits, greedy = self.graphs.replay(inputs.graph_size)
             # Every row of a decode step is sampled, in order: a view instead of a gather.

@@ -142,3 +142,5 @@ class EngineStats:
     # int8 [num_blocks], BlockPool.visual_blocks(): 1 for the blocks holding image tokens.
     visual_blocks: np.ndarray | None = field(default=None, compare=False, repr=False)
     encoder: EncoderCacheStats | None = None  # a model that takes images: its encoder cache
+    # Forward passes run so far, by how: "decode_graph", "mixed_graph" (engine/cuda_graphs.py) or "eager".
+    num_steps_by_kind: dict[str, int] = field(default_factory=dict)

@@ -82,6 +82,13 @@ class EngineStatsCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        steps = CounterMetricFamily(PREFIX + "engine_steps", "Forward passes, by how they ran: a captured decode "
+                                    "graph, a captured mixed-step graph (decodes with prefill chunks), or eagerly "
+                                    "(larger steps, steps with images or prompt logprobs, the CPU, --enforce-eager).",
+                                    labels=["kind"])
+        for kind, value in stats.num_steps_by_kind.items():
+            steps.add_metric([kind], value)
+        yield steps
         if stats.encoder is not None:  # a model that takes images
             encoder = stats.encoder
             for name, doc, value in [

@@ -152,6 +152,10 @@ def test_metrics_names_and_counters(tiny_server):
     assert after["minivllm:generation_tokens_total"] - before["minivllm:generation_tokens_total"] == 10
     length = 'minivllm:request_success_total{finished_reason="length"}'
     assert after[length] - before[length] == 2
+    # On the CPU every step runs eagerly: one prefill step and four decode steps a request at least.
+    steps = 'minivllm:engine_steps_total{kind="%s"}'
+    assert after[steps % "eager"] - before[steps % "eager"] >= 2 * 5
+    assert after[steps % "decode_graph"] == after[steps % "mixed_graph"] == 0
 
 
 # ------------------------------------------------------------------- engine failure
