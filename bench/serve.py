@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_client import ClientConfig, RequestResult, first_model_id, send_request  # noqa: E402
+from serve_client import ClientConfig, RequestResult, first_model_id, send_request, warm_up  # noqa: E402
 from serve_datasets import SampleRequest, allowed_token_ids, load_tokenizer, sample_random  # noqa: E402
 from serve_datasets import sample_sharegpt  # noqa: E402
 from serve_metrics import (  # noqa: E402
@@ -114,6 +114,7 @@ async def run_benchmark(config: ClientConfig, requests: list[SampleRequest], rat
         return result
 
     async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits) as client:
+        await warm_up(client, config)
         start_s = time.perf_counter()
         tasks = [asyncio.create_task(limited(client, r))
                  async for r in arrivals(requests, rate, np.random.default_rng(seed + 1))]

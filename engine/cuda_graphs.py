@@ -13,11 +13,12 @@ A mixed step of ``t`` tokens is padded to the next captured token count ``size``
 captured, so attention runs both kernels over every row, each told on the device which rows are its own
 (``AttentionMetadata.decode_seq_lens``). Eagerly such a step costs the host several milliseconds of launches
 (a small model's decode step takes less on the device); replayed, its tokens wait no longer than a decode
-step's. Steps with images or prompt logprobs, and steps past the largest size, run eagerly.
+step's. Steps with images or prompt logprobs, and steps past the largest size, run eagerly. These graphs end at
+the hidden states of the tokens to sample; the LM head runs after the replay, so that no graph keeps logits.
 
-With ``greedy`` (``MINIVLLM_GREEDY_ARGMAX=graph``, the default) each graph also takes every row's argmax of its logits
-(``engine.greedy``'s kernels), which the sampler uses wherever nothing changes the logits first: half torch.argmax's
-device time, and no launches of its own.
+With ``greedy`` (``MINIVLLM_GREEDY_ARGMAX=graph``, the default) each decode graph also takes every row's argmax of
+its logits (``engine.greedy``'s kernels), which the sampler uses wherever nothing changes the logits first: half
+torch.argmax's device time, and no launches of its own.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class _StepGraphs:
         self.block_size = block_size
         self.max_seq_len = max_seq_len
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}  # [rows, vocab] in the model dtype, written by each replay
+        self._outputs: dict[int, torch.Tensor] = {}  # what each replay writes (``_forward``'s first result)
         self.greedy = greedy
         self._greedy: dict[int, torch.Tensor] = {}  # [rows] int64: each row's argmax of those logits
         self.replays = 0
@@ -57,19 +58,17 @@ class _StepGraphs:
     def metadata(self, size: int) -> AttentionMetadata:
         raise NotImplementedError
 
-    def _hidden_rows(self, size: int, hidden: torch.Tensor) -> torch.Tensor:
-        """The rows of the hidden states whose logits the graph computes."""
-        raise NotImplementedError
-
     def _prepare_buffers(self) -> None:
         """Give the static buffers contents every size can run on while it is warmed up and captured."""
         raise NotImplementedError
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step as captured: (its output, each row's greedy token or None)."""
+        raise NotImplementedError
+
+    def _hidden(self, size: int) -> torch.Tensor:
         b = self.buffers
-        hidden = self.model(b.input_ids.device[:size], b.model_positions(size), self.metadata(size))
-        logits = self.model.compute_logits(self._hidden_rows(size, hidden))
-        return logits, (greedy_tokens(logits) if self.greedy and takes(logits) else None)
+        return self.model(b.input_ids.device[:size], b.model_positions(size), self.metadata(size))
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
@@ -84,7 +83,7 @@ class _StepGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[size], tokens = self._forward(size)
+                self._outputs[size], tokens = self._forward(size)
             if tokens is not None:
                 self._greedy[size] = tokens
             self._graphs[size] = graph
@@ -95,11 +94,11 @@ class _StepGraphs:
     _unit = "sizes"
 
     def replay(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the captured step; the inputs must already be in the static buffers. Returns the logits and, with
-        ``greedy``, each row's argmax of them (int64; else None)."""
+        """Run the captured step; the inputs must already be in the static buffers. Returns its output and, with
+        ``greedy``, each row's argmax of the logits (int64; else None)."""
         self.replays += 1
         self._graphs[size].replay()
-        return self._logits[size], self._greedy.get(size)
+        return self._outputs[size], self._greedy.get(size)
 
 
 class DecodeGraphs(_StepGraphs):
@@ -138,8 +137,10 @@ class DecodeGraphs(_StepGraphs):
             query_start_loc_cpu=b.query_start_loc.host[: size + 1], seq_lens_cpu=b.seq_lens.host[:size],
         )
 
-    def _hidden_rows(self, size: int, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every row's logits ([size, vocab] in the model dtype), and with ``greedy`` their argmax."""
+        logits = self.model.compute_logits(self._hidden(size))
+        return logits, (greedy_tokens(logits) if self.greedy and takes(logits) else None)
 
     def _prepare_buffers(self) -> None:
         b = self.buffers
@@ -148,16 +149,17 @@ class DecodeGraphs(_StepGraphs):
 
 
 class MixedGraphs(_StepGraphs):
-    """Steps of up to ``size`` tokens of any kind, in ``rows(size)`` requests (padding ones have no tokens); logits
-    for the tokens ``logits_indices`` names, the sampled ones first (padding entries name token 0). Replayed, the
-    first rows of the logits are the step's sampled rows, in order."""
+    """Steps of up to ``size`` tokens of any kind, in ``rows(size)`` requests (padding ones have no tokens). A replay
+    gives the hidden states of the tokens ``logits_indices`` names ([rows, hidden]: the sampled ones first, in order;
+    padding entries name token 0), and the caller computes the logits: kept by each of two dozen graphs, [rows,
+    vocab] outputs would hold a GiB or more of GPU memory, where these hold a few MB."""
 
     kind = "mixed-step"
     _unit = "token counts"
 
     def __init__(self, model: torch.nn.Module, buffers: StepBuffers, token_sizes: list[int], max_num_reqs: int,
-                 block_size: int, max_seq_len: int, greedy: bool = False):
-        super().__init__(model, buffers, token_sizes, block_size, max_seq_len, greedy)
+                 block_size: int, max_seq_len: int):
+        super().__init__(model, buffers, token_sizes, block_size, max_seq_len)
         self.max_num_reqs = max_num_reqs
 
     def rows(self, size: int) -> int:
@@ -184,8 +186,8 @@ class MixedGraphs(_StepGraphs):
             decode_seq_lens=b.decode_seq_lens.device[:rows],
         )
 
-    def _hidden_rows(self, size: int, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden[self.buffers.logits_indices.device[: self.rows(size)]]
+    def _forward(self, size: int) -> tuple[torch.Tensor, None]:
+        return self._hidden(size)[self.buffers.logits_indices.device[: self.rows(size)]], None
 
     def _prepare_buffers(self) -> None:
         # No tokens in any request, every slot in the null block: the warm-up runs write nothing that is read.
@@ -195,11 +197,11 @@ class MixedGraphs(_StepGraphs):
             buf.np[...] = 0
             buf.device.zero_()
 
-    def run(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replay the graph of ``size``; where none was captured (the CPU), run the same forward pass on the same
-        buffers eagerly."""
+    def run(self, size: int) -> torch.Tensor:
+        """Replay the graph of ``size`` and return its hidden rows; where none was captured (the CPU), run the same
+        forward pass on the same buffers eagerly."""
         if size in self._graphs:
-            return self.replay(size)
+            return self.replay(size)[0]
         self.replays += 1
         with torch.inference_mode():
-            return self._forward(size)
+            return self._forward(size)[0]

@@ -324,7 +324,7 @@ class ModelRunner:
         token_sizes = self.config.graph_token_sizes()
         if token_sizes:  # the larger graphs first, so that the decode graphs reuse their memory
             self.mixed_graphs = MixedGraphs(self.model, self.buffers, token_sizes, self.config.max_num_seqs,
-                                            self.block_size, self.max_model_len, greedy=greedy)
+                                            self.block_size, self.max_model_len)
             self.mixed_graphs.capture(pool)
         self.graphs = DecodeGraphs(self.model, self.buffers, self.config.graph_batch_sizes(), self.block_size,
                                    self.max_model_len, greedy=greedy)
@@ -451,9 +451,9 @@ class ModelRunner:
             if greedy is not None:
                 greedy = greedy[:n] if inputs.samples_leading_rows else greedy[inputs.logits_indices]
         elif inputs.mixed_size is not None:
-            logits, greedy = self.mixed_graphs.run(inputs.mixed_size)
-            n = len(inputs.sampled_rows)  # the graph's first rows of logits are the sampled rows'
-            logits, greedy = logits[:n], (greedy[:n] if greedy is not None else None)
+            # The graph's rows: the sampled tokens' hidden states first, then padding. Every rank computes the
+            # logits of all of them (the same shapes in the vocabulary-parallel LM head's collective).
+            logits = self.model.compute_logits(self.mixed_graphs.run(inputs.mixed_size))[: len(inputs.sampled_rows)]
         elif inputs.image_embeds is not None:
             embeds = self.model.embed_input_ids(inputs.input_ids, *inputs.image_embeds)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs_embeds=embeds)

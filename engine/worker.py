@@ -121,7 +121,7 @@ def follow(runner) -> None:
                 runner.graphs.replay(shape.graph_size)
                 continue
             if shape.mixed_size:
-                runner.mixed_graphs.run(shape.mixed_size)
+                runner.model.compute_logits(runner.mixed_graphs.run(shape.mixed_size))
                 continue
             hidden = runner.model(input_ids, positions, meta)
             if shape.num_logits:
