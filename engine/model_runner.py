@@ -108,7 +108,7 @@ class StepShape:
     mixed_size: int  # the mixed-step graph replayed (its token count); 0: none (with no decode graph: eager)
     max_query_len: int
     max_seq_len: int
-    num_logits: int  # rows whose logits the step computes (the sampled ones)
+    num_logits: int  # rows whose logits the step computes: the sampled ones; a mixed-step graph's padded rows
 
 
 @dataclass
