@@ -64,6 +64,8 @@ class DashboardSnapshot(BaseModel):
     fragmentation: float  # allocated but unused token slots / allocated slots
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # prompt tokens found cached
+    # Forward passes so far by how they ran: "decode_graph", "mixed_graph", "eager" (minivllm:engine_steps_total).
+    num_steps_by_kind: dict[str, int] = {}
 
 
 def dashboard_router(ctx: ServingContext) -> APIRouter:
@@ -124,6 +126,7 @@ def snapshot_from_stats(
         fragmentation=kv.fragmentation,
         prefix_cache_queries=kv.prefix_cache_queries,
         prefix_cache_hits=kv.prefix_cache_hits,
+        num_steps_by_kind=dict(stats.num_steps_by_kind),
     )
 
 

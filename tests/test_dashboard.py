@@ -65,13 +65,15 @@ READ_CANVAS_JS = """() => {
 
 # The numbers the page shows, by element id.
 SHOWN_IDS = ("running", "waiting", "preemptions", "gen-tokens", "prompt-tokens", "blocks-used", "blocks-free",
-             "blocks-cached", "blocks-total")
+             "blocks-cached", "blocks-total", "steps-decode-graph", "steps-mixed-graph", "steps-eager")
 METRIC_OF_ID = {
     "running": "minivllm:num_requests_running", "waiting": "minivllm:num_requests_waiting",
     "preemptions": "minivllm:num_preemptions_total", "gen-tokens": "minivllm:generation_tokens_total",
     "prompt-tokens": "minivllm:prompt_tokens_total", "blocks-used": "minivllm:kv_cache_blocks_used",
     "blocks-free": "minivllm:kv_cache_blocks_free", "blocks-cached": "minivllm:kv_cache_blocks_cached",
     "blocks-total": "minivllm:kv_cache_blocks_total",
+    **{f"steps-{kind.replace('_', '-')}": f'minivllm:engine_steps_total{{kind="{kind}"}}'
+       for kind in ("decode_graph", "mixed_graph", "eager")},
 }
 
 
@@ -144,6 +146,9 @@ def test_snapshot_agrees_with_metrics_and_routes_are_open(server):
     assert snap["generation_tokens_total"] == metrics["minivllm:generation_tokens_total"] >= 20
     assert snap["prompt_tokens_total"] == metrics["minivllm:prompt_tokens_total"]
     assert snap["prefix_cache_hits"] == metrics["minivllm:prefix_cache_hits_total"]
+    steps = snap["num_steps_by_kind"]
+    assert steps["eager"] == metrics['minivllm:engine_steps_total{kind="eager"}'] >= 20  # the CPU: all eager
+    assert steps["decode_graph"] == steps["mixed_graph"] == 0
     assert snap["engine_status"] == "ok"
 
 
