@@ -151,7 +151,7 @@ class DecodeGraphs(_StepGraphs):
 class MixedGraphs(_StepGraphs):
     """Steps of up to ``size`` tokens of any kind, in ``rows(size)`` requests (padding ones have no tokens). A replay
     gives the hidden states of the tokens ``logits_indices`` names ([rows, hidden]: the sampled ones first, in order;
-    padding entries name token 0), and the caller computes the logits: kept by each of two dozen graphs, [rows,
+    padding entries name token 0), and the caller computes the logits: kept by each of dozens of graphs, [rows,
     vocab] outputs would hold a GiB or more of GPU memory, where these hold a few MB."""
 
     kind = "mixed-step"

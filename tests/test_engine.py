@@ -240,6 +240,20 @@ def test_decode_rows_reach_the_model_longest_context_first(llama_dir):
     assert any(decodes and prefills for decodes, prefills in steps)
 
 
+@pytest.mark.parametrize("limit, budget", [(2048, 16384), (2048, 700), (300, 8192), (8, 8192), (0, 8192)])
+def test_mixed_step_graph_sizes_pad_a_step_by_little(limit, budget):
+    """Every step of up to min(cuda_graph_max_tokens, max_num_batched_tokens) tokens has a graph size, padded by at
+    most 15 tokens up to 128, 31 up to 256 and 63 past it; none past that bound; 0 turns them off."""
+    from engine.config import EngineConfig
+
+    sizes = EngineConfig(cuda_graph_max_tokens=limit, max_num_batched_tokens=budget).graph_token_sizes()
+    top = min(limit, budget)
+    assert sizes == sorted(set(sizes)) and (sizes[-1] == top if top else sizes == [])
+    for tokens in range(1, top + 1):
+        padded = next(s for s in sizes if s >= tokens)
+        assert padded - tokens <= (15 if tokens <= 128 else 31 if tokens <= 256 else 63), tokens
+
+
 @pytest.mark.parametrize("planned_ahead", [False, True])
 def test_steps_laid_out_as_a_mixed_step_graph_give_hf_tokens(llama_dir, planned_ahead):
     """Every step through the layout a mixed-step CUDA graph replays (``MixedGraphs``, run eagerly where nothing is
