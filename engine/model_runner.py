@@ -451,9 +451,15 @@ class ModelRunner:
             if greedy is not None:
                 greedy = greedy[:n] if inputs.samples_leading_rows else greedy[inputs.logits_indices]
         elif inputs.mixed_size is not None:
-            # The graph's rows: the sampled tokens' hidden states first, then padding. Every rank computes the
-            # logits of all of them (the same shapes in the vocabulary-parallel LM head's collective).
-            logits = self.model.compute_logits(self.mixed_graphs.run(inputs.mixed_size))[: len(inputs.sampled_rows)]
+            # The graph's rows: the sampled tokens' hidden states first, then padding. Alone, the logits of the
+            # sampled ones; with other tensor-parallel ranks, every rank computes all of them (the same shapes in
+            # the vocabulary-parallel LM head's collective).
+            rows = self.mixed_graphs.run(inputs.mixed_size)
+            n = len(inputs.sampled_rows)
+            if self.followers is not None:
+                logits = self.model.compute_logits(rows)[:n]
+            else:
+                logits = self.model.compute_logits(rows[:n]) if n else None
         elif inputs.image_embeds is not None:
             embeds = self.model.embed_input_ids(inputs.input_ids, *inputs.image_embeds)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs_embeds=embeds)
