@@ -55,6 +55,13 @@ class _StepGraphs:
         self._greedy: dict[int, torch.Tensor] = {}  # [rows] int64: each row's argmax of those logits
         self.replays = 0
 
+    def padded_size(self, count: int) -> int | None:
+        """The captured size a step of ``count`` (decode rows, or a mixed step's tokens) runs at; None past the
+        largest. A mixed step's requests always fit its size's rows: it has no more requests than tokens, nor
+        than ``max_num_reqs``."""
+        i = bisect.bisect_left(self.sizes, count)
+        return self.sizes[i] if i < len(self.sizes) else None
+
     def metadata(self, size: int) -> AttentionMetadata:
         raise NotImplementedError
 
@@ -107,23 +114,6 @@ class DecodeGraphs(_StepGraphs):
     kind = "decode"
     _unit = "batch sizes"
 
-    def __init__(self, model: torch.nn.Module, buffers: StepBuffers, batch_sizes: list[int], block_size: int,
-                 max_seq_len: int, greedy: bool = False):
-        super().__init__(model, buffers, batch_sizes, block_size, max_seq_len, greedy)
-
-    @property
-    def batch_sizes(self) -> list[int]:
-        return self.sizes
-
-    @property
-    def max_batch_size(self) -> int:
-        return self.sizes[-1]
-
-    def padded_size(self, num_reqs: int) -> int | None:
-        """The captured size a decode batch of ``num_reqs`` runs at, or None if it is too large."""
-        i = bisect.bisect_left(self.sizes, num_reqs)
-        return self.sizes[i] if i < len(self.sizes) else None
-
     def metadata(self, size: int) -> AttentionMetadata:
         """Decode metadata over the static device buffers (host copies are unused by graph-safe backends)."""
         b = self.buffers
@@ -165,12 +155,6 @@ class MixedGraphs(_StepGraphs):
     def rows(self, size: int) -> int:
         """Requests a graph of ``size`` tokens takes: as many as a step of that many tokens can have."""
         return min(size, self.max_num_reqs)
-
-    def padded_size(self, num_tokens: int) -> int | None:
-        """The captured token count a step of ``num_tokens`` tokens runs at, or None if it is too large. Its requests
-        always fit: a step has no more requests than tokens, nor than ``max_num_reqs``."""
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        return self.sizes[i] if i < len(self.sizes) else None
 
     def metadata(self, size: int) -> AttentionMetadata:
         b, rows = self.buffers, self.rows(size)

@@ -106,7 +106,8 @@ class TorchAttentionBackend:
                 continue
             out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, meta.block_tables[i], seq_lens[i], scale, window,
                                        kv_scales, softcap)
-        out[starts[meta.num_reqs]:].zero_()  # padding tokens past the last request's
+        if starts[meta.num_reqs] < out.shape[0]:
+            out[starts[meta.num_reqs]:].zero_()  # padding tokens past the last request's
         return out
 
     @staticmethod
