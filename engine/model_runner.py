@@ -108,7 +108,8 @@ class StepShape:
     mixed_size: int  # the mixed-step graph replayed (its token count); 0: none (with no decode graph: eager)
     max_query_len: int
     max_seq_len: int
-    num_logits: int  # rows whose logits the step computes: the sampled ones; a mixed-step graph's padded rows
+    num_logits: int  # logits_indices' rows the step reads: the sampled ones; a mixed-step graph's padded rows
+    num_sampled: int  # the rows sampled (a mixed-step graph's LM head takes its first this-many rows)
 
 
 @dataclass
@@ -451,15 +452,11 @@ class ModelRunner:
             if greedy is not None:
                 greedy = greedy[:n] if inputs.samples_leading_rows else greedy[inputs.logits_indices]
         elif inputs.mixed_size is not None:
-            # The graph's rows: the sampled tokens' hidden states first, then padding. Alone, the logits of the
-            # sampled ones; with other tensor-parallel ranks, every rank computes all of them (the same shapes in
-            # the vocabulary-parallel LM head's collective).
+            # The graph's rows: the sampled tokens' hidden states first, then padding; the LM head takes the
+            # sampled ones (other tensor-parallel ranks too: StepShape.num_sampled).
             rows = self.mixed_graphs.run(inputs.mixed_size)
             n = len(inputs.sampled_rows)
-            if self.followers is not None:
-                logits = self.model.compute_logits(rows)[:n]
-            else:
-                logits = self.model.compute_logits(rows[:n]) if n else None
+            logits = self.model.compute_logits(rows[:n]) if n else None
         elif inputs.image_embeds is not None:
             embeds = self.model.embed_input_ids(inputs.input_ids, *inputs.image_embeds)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs_embeds=embeds)
@@ -729,7 +726,7 @@ class ModelRunner:
         shape = StepShape(num_reqs=num_reqs, num_decodes=num_decodes, padded=padded, padded_tokens=padded_tokens,
                           width=width, graph_size=graph_size or 0, mixed_size=mixed_size or 0,
                           max_query_len=int(counts.max()), max_seq_len=max_seq_len,
-                          num_logits=padded if mixed_size is not None else len(sampled))
+                          num_logits=padded if mixed_size is not None else len(sampled), num_sampled=len(sampled))
         if self.followers is not None:  # the other tensor-parallel ranks run the same step
             self.followers.send(shape, buf, prompt_lp.token_ids_host if prompt_lp is not None else None,
                                 sched.block_copies)

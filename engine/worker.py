@@ -121,7 +121,9 @@ def follow(runner) -> None:
                 runner.graphs.replay(shape.graph_size)
                 continue
             if shape.mixed_size:
-                runner.model.compute_logits(runner.mixed_graphs.run(shape.mixed_size))
+                rows = runner.mixed_graphs.run(shape.mixed_size)
+                if shape.num_sampled:
+                    runner.model.compute_logits(rows[: shape.num_sampled])
                 continue
             hidden = runner.model(input_ids, positions, meta)
             if shape.num_logits:
