@@ -333,7 +333,7 @@ class ModelRunner:
 
     def _profile_cuda_budget(self) -> int:
         """Run the largest step with a scratch cache; return the bytes left for the KV pool."""
-        scratch_blocks = -(-_PROFILE_REQUEST_LEN // self.block_size) + 1
+        scratch_blocks = -(-self._profile_request_len() // self.block_size) + 1
         mc = self.model_config
         scratch = PagedKVCache(mc.num_hidden_layers, scratch_blocks, self.block_size, self.num_kv_heads,
                                mc.head_dim, self.kv_dtype, self.device)
@@ -382,12 +382,20 @@ class ModelRunner:
     def _max_step_tokens(self) -> int:
         return min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
 
+    def _profile_request_len(self) -> int:
+        """The warm-up passes' request length: ``_PROFILE_REQUEST_LEN``, or ``max_model_len`` where shorter. A
+        position past ``max_model_len`` may lie past the rope's table (``max_position_embeddings`` rows): the Triton
+        rope would read garbage, whose K/V lands in the null block, which attention over padded block tables
+        reads (masked out, but NaN * 0 is NaN)."""
+        return min(_PROFILE_REQUEST_LEN, self.max_model_len)
+
     def _dummy_forward(self, num_tokens: int) -> torch.Tensor:
-        """The model over ``num_tokens`` prompt tokens in requests of up to ``_PROFILE_REQUEST_LEN``, every slot in
-        the null block; returns the hidden states."""
-        lens = [_PROFILE_REQUEST_LEN] * (num_tokens // _PROFILE_REQUEST_LEN)
-        if num_tokens % _PROFILE_REQUEST_LEN:
-            lens.append(num_tokens % _PROFILE_REQUEST_LEN)
+        """The model over ``num_tokens`` prompt tokens in requests of up to ``_profile_request_len`` tokens, every
+        slot in the null block; returns the hidden states."""
+        request_len = self._profile_request_len()
+        lens = [request_len] * (num_tokens // request_len)
+        if num_tokens % request_len:
+            lens.append(num_tokens % request_len)
         meta = self._dummy_metadata(lens)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])

@@ -283,6 +283,20 @@ def test_steps_laid_out_as_a_mixed_step_graph_give_hf_tokens(llama_dir, planned_
     assert any(s.padded > s.num_reqs for s in shapes), "padding requests"
 
 
+def test_the_profiling_pass_keeps_positions_inside_the_rope_table(llama_dir):
+    """The start-up passes (memory profile, warm-up step sizes) run the largest step as prompts of at most
+    max_model_len tokens: the tiny model's rope table has 256 rows, fewer than the 512-token requests the pass
+    otherwise uses, and the Triton rope would read past it into the null block's K/V. Here the torch rope
+    indexes the table, which raises where a position is out of range; after the pass the null block is finite and
+    tokens still equal HF's."""
+    llm = LLM(str(llama_dir), max_model_len=256, max_num_batched_tokens=1024, num_kvcache_blocks=64)
+    runner = llm.engine.runner
+    runner.profile_run()
+    assert torch.isfinite(runner.kv_cache.kv[:, :, 0]).all(), "the null block holds finite K/V"
+    prompts = make_prompts(VOCAB, lens=[40, 70, 25])
+    assert run(llm, prompts, greedy(8)) == hf_greedy(llama_dir, prompts, 8)
+
+
 def test_overlapped_steps_give_the_same_tokens_under_preemption_and_aborts(llama_dir):
     """Queueing the next step before returning outputs (the CUDA default) changes no token."""
     prompts = make_prompts(VOCAB, lens=[40, 70, 25, 90, 55, 33, 61, 48])
