@@ -249,6 +249,7 @@ def http_run(server: Server, model: str, requests: list[SampleRequest], offsets:
         "server_side_ms": {name: histogram_quantiles(before_metrics, after_metrics, f"minivllm:{name}_seconds")
                            for name in ("time_to_first_token", "request_queue_time", "engine_output_delay",
                                         "output_processing")},
+        "steps": step_counts(before_metrics, after_metrics),
         "cpu_cores_busy": {"api_server": (after_cpu[0] - before_cpu[0]) / duration,
                            "engine_core": (after_cpu[1] - before_cpu[1]) / duration,
                            "clients": client_cpu_s / duration},
@@ -264,9 +265,20 @@ def scrape(url: str) -> dict[str, float]:
     samples = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
         for sample in family.samples:
-            le = sample.labels.get("le")
-            samples[f"{sample.name}{{{le}}}" if le is not None else sample.name] = sample.value
+            le, kind = sample.labels.get("le"), sample.labels.get("kind")
+            label = le if le is not None else kind
+            samples[f"{sample.name}{{{label}}}" if label is not None else sample.name] = sample.value
     return samples
+
+
+STEP_KINDS = ("decode_graph", "mixed_graph", "eager")
+
+
+def step_counts(before: dict, after: dict) -> dict[str, int]:
+    """The forward passes the engine ran between two scrapes, by how they ran (``minivllm:engine_steps_total``):
+    a decode graph, a mixed-step graph, or eagerly."""
+    key = "minivllm:engine_steps_total{{{}}}".format
+    return {kind: int(after.get(key(kind), 0) - before.get(key(kind), 0)) for kind in STEP_KINDS}
 
 
 def histogram_quantiles(before: dict, after: dict, name: str, qs=(0.5, 0.9, 0.99)) -> dict:
@@ -396,7 +408,8 @@ def report(record: dict) -> str:
                  f"{off['single_tpot_ms']:.2f} ms, HTTP TPOT {one['tpot_ms']['p50']:.2f} ms "
                  f"({one['tpot_ms']['p50'] / off['single_decode_step_ms_median']:.2f}x the step)")
     lines.append("server side (ms, bucket bounds): TTFT p50/p99, queue p99, output delay p50/p99, "
-                 "processing p50/p99 per step; CPU cores busy: API server, engine core, clients")
+                 "processing p50/p99 per step; CPU cores busy: API server, engine core, clients; "
+                 "steps: decode graph / mixed-step graph / eager")
     for name, run in ((f"{flags + ': ' if flags else ''}{name}", run) for flags, runs in variants.items()
                       for name, run in runs.items()):
         side, cpu = run["server_side_ms"], run["cpu_cores_busy"]
@@ -404,7 +417,8 @@ def report(record: dict) -> str:
                                                       "engine_output_delay", "output_processing"))
         lines.append(f"  {name:<32} {ttft.get('p50', 0):g}/{ttft.get('p99', 0):g}  {queue.get('p99', 0):g}  "
                      f"{delay.get('p50', 0):g}/{delay.get('p99', 0):g}  {proc.get('p50', 0):g}/{proc.get('p99', 0):g}"
-                     f"   cpu {cpu['api_server']:.2f} / {cpu['engine_core']:.2f} / {cpu['clients']:.2f}")
+                     f"   cpu {cpu['api_server']:.2f} / {cpu['engine_core']:.2f} / {cpu['clients']:.2f}"
+                     f"   steps {' / '.join(str(run.get('steps', {}).get(k, '-')) for k in STEP_KINDS)}")
     for name, run in ((f"{flags + ': ' if flags else ''}{name}", run) for flags, runs in variants.items()
                       for name, run in runs.items()):
         if run["failed"]:

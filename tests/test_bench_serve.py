@@ -214,6 +214,21 @@ def test_sharegpt_prompts_and_reply_lengths(bench_server, tiny_model_path, tmp_p
     assert {r["max_tokens"] for r in doc["requests"]} == reply_lens
 
 
+def test_serve_vs_offline_counts_the_forward_passes_of_a_run(bench_server):
+    """bench/serve_vs_offline.py reports each run's forward passes by how they ran, from /metrics: a request for
+    five tokens is one prefill and four decodes, every one eager on the CPU."""
+    import httpx
+
+    from serve_vs_offline import scrape, step_counts
+
+    model = httpx.get(f"{bench_server.url}/v1/models").json()["data"][0]["id"]
+    before = scrape(bench_server.url)
+    response = httpx.post(f"{bench_server.url}/v1/completions", timeout=60,
+                          json={"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 5, "ignore_eos": True})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+    assert step_counts(before, scrape(bench_server.url)) == {"decode_graph": 0, "mixed_graph": 0, "eager": 5}
+
+
 def test_unknown_model_fails_every_request(bench_server, tmp_path):
     doc = run_bench(bench_server.url, tmp_path, "--model", "no-such-model", "--random-input-len", "8",
                     "--random-output-len", "4", "--no-plots", expect_rc=1)
