@@ -286,9 +286,9 @@ def test_steps_laid_out_as_a_mixed_step_graph_give_hf_tokens(llama_dir, planned_
 def test_the_profiling_pass_keeps_positions_inside_the_rope_table(llama_dir):
     """The start-up passes (memory profile, warm-up step sizes) run the largest step as prompts of at most
     max_model_len tokens: the tiny model's rope table has 256 rows, fewer than the 512-token requests the pass
-    otherwise uses, and the Triton rope would read past it into the null block's K/V. Here the torch rope
-    indexes the table, which raises where a position is out of range; after the pass the null block is finite and
-    tokens still equal HF's."""
+    otherwise uses, and on a GPU the Triton rope would read garbage past the table, whose K/V would land in the
+    null block. Here the torch rope indexes the table, which raises where a position is out of range; after the
+    pass the null block is finite and tokens still equal HF's."""
     llm = LLM(str(llama_dir), max_model_len=256, max_num_batched_tokens=1024, num_kvcache_blocks=64)
     runner = llm.engine.runner
     runner.profile_run()
