@@ -5,10 +5,9 @@ shape (``cublasLtMatmulAlgoGetHeuristic``: other tiles, stage counts, split-K wi
 candidate can be run by name (``cublasLtMatmul`` with that algorithm), so that each can be timed. This module
 holds the few calls that takes, through ctypes on the cuBLASLt library torch itself loaded:
 
-* ``LtProduct(m, n, k, dtype)``: ``out[m, n] = x[m, k] @ w[n, k]^T`` (``F.linear``'s layout), or with ``slices``
-  S > 1 the products of S slices of K, ``out[S, m, n]`` (``engine.models.layers.k_slice_products``'s layout), as
-  one strided-batched call. ``candidates(count)`` lists the algorithms cuBLASLt offers; ``run(x, w, out, algo)``
-  launches one on the current stream (capturable in a CUDA graph: the workspace is fixed).
+* ``LtProduct(m, n, k, dtype)``: ``out[m, n] = x[m, k] @ w[n, k]^T`` (``F.linear``'s layout) on the current GPU.
+  ``candidates(count)`` lists the algorithms cuBLASLt offers; ``run(x, w, out, algo)`` launches one on the current
+  stream (capturable in a CUDA graph: the workspace is fixed).
 * ``describe(algo)``: the tile, stages and split-K of a candidate, for logs and benchmarks.
 
 Row-major tensors are column-major ones transposed, so ``out^T = w @ x^T`` is computed: A is the weight
@@ -31,7 +30,6 @@ _CUDA_R_32F = 0
 _CUDA_TYPES = {torch.bfloat16: 14, torch.float16: 2}  # CUDA_R_16BF, CUDA_R_16F
 _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
-_LAYOUT_BATCH_COUNT, _LAYOUT_STRIDED_BATCH_OFFSET = 5, 6  # cublasLtMatrixLayoutAttribute_t
 _PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
 # cublasLtMatmulAlgoConfigAttributes_t: what ``describe`` reads
 _CONFIG_ID, _CONFIG_TILE_ID, _CONFIG_SPLITK_NUM, _CONFIG_REDUCTION_SCHEME, _CONFIG_STAGES_ID = 0, 1, 2, 3, 6
@@ -78,7 +76,6 @@ def _lib() -> ctypes.CDLL:
         "cublasLtMatmulDescCreate": [ctypes.POINTER(p), i, i],
         "cublasLtMatmulDescSetAttribute": [p, i, p, sz],
         "cublasLtMatrixLayoutCreate": [ctypes.POINTER(p), i, u64, u64, i64],
-        "cublasLtMatrixLayoutSetAttribute": [p, i, p, sz],
         "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(p)],
         "cublasLtMatmulPreferenceSetAttribute": [p, i, p, sz],
         "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, ctypes.POINTER(_Heuristic), ctypes.POINTER(i)],
@@ -111,20 +108,15 @@ def _workspace(device_index: int) -> torch.Tensor:
 
 
 class LtProduct:
-    """``x[m, k] @ w[n, k]^T`` for one shape and dtype; with ``slices`` S > 1, the S products of K's slices
-    ([S, m, n], slice s over columns s*k/S..(s+1)*k/S of x and w). x and w may have a row stride larger than k."""
+    """``x[m, k] @ w[n, k]^T`` for one shape and dtype, contiguous operands, on the current GPU."""
 
-    def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, device_index: int = 0, slices: int = 1,
-                 x_stride: int | None = None, w_stride: int | None = None):
+    def __init__(self, m: int, n: int, k: int, dtype: torch.dtype):
         if dtype not in _CUDA_TYPES:
             raise ValueError(f"LtProduct: 16-bit dtypes only, got {dtype}")
-        if slices < 1 or k % slices:
-            raise ValueError(f"LtProduct: {slices} slices do not divide k={k}")
-        self.m, self.n, self.k, self.dtype, self.slices = m, n, k, dtype, slices
-        self.device_index = device_index
-        self.x_stride, self.w_stride = x_stride or k, w_stride or k
+        self.m, self.n, self.k, self.dtype = m, n, k, dtype
+        self.device_index = torch.cuda.current_device()
         lib, cuda_type = _lib(), _CUDA_TYPES[dtype]
-        self._handle = _handle(device_index)
+        self._handle = _handle(self.device_index)
         self._desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F),
                "cublasLtMatmulDescCreate")
@@ -132,11 +124,8 @@ class LtProduct:
             op = ctypes.c_int32(value)
             _check(lib.cublasLtMatmulDescSetAttribute(self._desc, attr, ctypes.byref(op), ctypes.sizeof(op)),
                    "cublasLtMatmulDescSetAttribute")
-        part = k // slices
-        # (rows, cols, leading dimension, offset between slices) of A = w, B = x and D = out, column-major
-        self._a = self._layout(cuda_type, part, n, self.w_stride, part)
-        self._b = self._layout(cuda_type, part, m, self.x_stride, part)
-        self._d = self._layout(cuda_type, n, m, n, m * n)
+        # (rows, cols, leading dimension) of A = w, B = x and D = out, column-major
+        self._a, self._b, self._d = (self._layout(cuda_type, *dims) for dims in ((k, n, k), (k, m, k), (n, m, n)))
         self._pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self._pref)), "cublasLtMatmulPreferenceCreate")
         limit = ctypes.c_uint64(WORKSPACE_BYTES)
@@ -144,16 +133,11 @@ class LtProduct:
                                                         ctypes.sizeof(limit)), "cublasLtMatmulPreferenceSetAttribute")
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
-    def _layout(self, cuda_type: int, rows: int, cols: int, ld: int, batch_offset: int) -> ctypes.c_void_p:
-        lib = _lib()
+    @staticmethod
+    def _layout(cuda_type: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
         layout = ctypes.c_void_p()
-        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), cuda_type, rows, cols, ld),
+        _check(_lib().cublasLtMatrixLayoutCreate(ctypes.byref(layout), cuda_type, rows, cols, ld),
                "cublasLtMatrixLayoutCreate")
-        if self.slices > 1:
-            count, offset = ctypes.c_int32(self.slices), ctypes.c_int64(batch_offset)
-            for attr, value in ((_LAYOUT_BATCH_COUNT, count), (_LAYOUT_STRIDED_BATCH_OFFSET, offset)):
-                _check(lib.cublasLtMatrixLayoutSetAttribute(layout, attr, ctypes.byref(value), ctypes.sizeof(value)),
-                       "cublasLtMatrixLayoutSetAttribute")
         return layout
 
     def candidates(self, count: int = 32) -> list[_Algo]:
@@ -166,15 +150,12 @@ class LtProduct:
         return [_copy_algo(r.algo) for r in results[: returned.value] if r.state == 0
                 and r.workspace_size <= WORKSPACE_BYTES]
 
-    def out_shape(self) -> tuple[int, ...]:
-        return (self.slices, self.m, self.n) if self.slices > 1 else (self.m, self.n)
-
     def run(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, algo: _Algo) -> torch.Tensor:
-        """Launch ``algo`` on the current stream; x [m, k], w [n, k] (row strides as given at construction), out
-        contiguous of ``out_shape()``. Shapes are the caller's to get right: they are checked by assertions only."""
-        assert x.shape == (self.m, self.k) and w.shape == (self.n, self.k), (x.shape, w.shape)
-        assert x.stride() == (self.x_stride, 1) and w.stride() == (self.w_stride, 1), (x.stride(), w.stride())
-        assert out.shape == self.out_shape() and out.is_contiguous() and out.dtype == self.dtype
+        """Launch ``algo`` on the current stream: x [m, k], w [n, k] and out [m, n], contiguous, of this dtype."""
+        for t, shape in ((x, (self.m, self.k)), (w, (self.n, self.k)), (out, (self.m, self.n))):
+            if t.shape != shape or not t.is_contiguous() or t.dtype != self.dtype:
+                raise ValueError(f"LtProduct.run: want contiguous {self.dtype} {shape}, got {t.dtype} "
+                                 f"{tuple(t.shape)} (contiguous: {t.is_contiguous()})")
         workspace = _workspace(self.device_index)
         stream = torch.cuda.current_stream(self.device_index).cuda_stream
         _check(_lib().cublasLtMatmul(

@@ -37,7 +37,7 @@ from engine.models.layers import k_slice_products  # noqa: E402
 def time_candidates(product: cublaslt.LtProduct, x: torch.Tensor, ws: list[torch.Tensor], count: int,
                     reps: int) -> list[tuple[float, int, object]]:
     """(us per call, rank in cuBLASLt's list, algorithm) of every candidate that runs, fastest first."""
-    out = torch.empty(product.out_shape(), dtype=x.dtype, device=x.device)
+    out = torch.empty(product.m, product.n, dtype=x.dtype, device=x.device)
     timed = []
     for rank, algo in enumerate(product.candidates(count)):
         try:
