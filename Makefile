@@ -2,7 +2,8 @@
 #   make serve   create the virtualenv with what serving needs, fetch the default model, serve it on
 #                http://127.0.0.1:8000 (HOST=0.0.0.0 to listen on every interface, PORT=N for another port)
 #   make test    the same virtualenv plus the test tools, fetch the default model, run the tests
-# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu installs a CPU-only torch first (a laptop).
+# On Linux without an NVIDIA GPU, PyTorch's CPU build is installed first (hundreds of MB instead of the CUDA
+# build's 5 GB); TORCH_INDEX_URL=<index> picks another index, TORCH_INDEX_URL= (empty) takes PyPI's torch.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,14 +13,29 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+CPU_TORCH_INDEX_URL := https://download.pytorch.org/whl/cpu
+# An NVIDIA driver shows itself by nvidia-smi or /proc/driver/nvidia; PyPI's torch for Linux is the CUDA build.
+NVIDIA_DRIVER_FILE ?= /proc/driver/nvidia/version
+NVIDIA_GPU := $(shell { command -v nvidia-smi || test -e $(NVIDIA_DRIVER_FILE); } >/dev/null 2>&1 && echo yes)
+ifeq ($(shell uname -s)$(NVIDIA_GPU),Linux)
+TORCH_INDEX_URL ?= $(CPU_TORCH_INDEX_URL)
+endif
 TORCH_INDEX_URL ?=
 
 .PHONY: install install-dev model serve test bench constraints clean
 
+# torch from TORCH_INDEX_URL; where that index cannot be reached, the next step takes PyPI's torch instead.
+define TORCH_FROM_INDEX
+@echo "installing torch from $(TORCH_INDEX_URL)$(if $(filter $(CPU_TORCH_INDEX_URL),$(TORCH_INDEX_URL)), (no NVIDIA GPU \
+found: the CPU build; TORCH_INDEX_URL= takes PyPI's CUDA build))"
+$(PY) -m pip install --index-url $(TORCH_INDEX_URL) torch || echo "could not install torch from $(TORCH_INDEX_URL): \
+taking PyPI's torch"
+endef
+
 $(SERVE_STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(if $(TORCH_INDEX_URL),$(PY) -m pip install --index-url $(TORCH_INDEX_URL) torch)
+	$(if $(TORCH_INDEX_URL),$(TORCH_FROM_INDEX))
 	$(PY) -m pip install -c constraints.txt -e .
 	touch $(SERVE_STAMP)
 

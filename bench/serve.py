@@ -189,13 +189,21 @@ def write_outputs(args: argparse.Namespace, model: str, metrics: BenchmarkMetric
     json_path.parent.mkdir(parents=True, exist_ok=True)
     timeline = output_token_timeline(results, t0_s, metrics.duration_s)
     document = result_document(args, model, metrics, requests, results, t0_s, timeline)
-    if not args.no_plots:
-        from serve_plots import plot_latency_cdfs, plot_throughput  # needs matplotlib
+    # The numbers are written before any plot is drawn: a missing plotting library costs the pictures only.
+    json_path.write_text(json.dumps(document, indent=2) + "\n")
+    if args.no_plots:
+        return json_path
+    from serve_plots import plot_latency_cdfs, plot_throughput
 
-        title = f"{model}: {len(results)} requests, rate {document['config']['request_rate']}/s"
+    title = f"{model}: {len(results)} requests, rate {document['config']['request_rate']}/s"
+    try:
         plot_latency_cdfs(latency_samples_ms(results), cdf_path, title)
         plot_throughput(*timeline, metrics.output_throughput, throughput_path, title)
-        document["plots"] = {"latency_cdf": str(cdf_path), "throughput": str(throughput_path)}
+    except ImportError as exc:  # matplotlib is imported when the first plot is drawn
+        print(f"no plots: {exc} (pip install matplotlib, or pass --no-plots); the results are in {json_path}",
+              file=sys.stderr)
+        return json_path
+    document["plots"] = {"latency_cdf": str(cdf_path), "throughput": str(throughput_path)}
     json_path.write_text(json.dumps(document, indent=2) + "\n")
     return json_path
 

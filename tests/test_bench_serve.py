@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,12 +53,15 @@ def bench_server(tmp_path_factory, tiny_model_path):
     server.stop()
 
 
-def run_bench(url: str, out_dir: Path, *args: str, expect_rc: int = 0) -> dict:
+def run_bench(url: str, out_dir: Path, *args: str, expect_rc: int = 0, env: dict | None = None,
+              stderr_has: str = "") -> dict:
     cmd = [sys.executable, str(BENCH), "--base-url", url, "--num-prompts", str(NUM_PROMPTS), "--seed", "0",
            "--result-dir", str(out_dir), "--result-filename", "result.json", *args]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
     assert proc.returncode == expect_rc, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "Serving Benchmark Result" in proc.stdout
+    assert stderr_has in proc.stderr
     return json.loads((out_dir / "result.json").read_text())
 
 
@@ -277,3 +281,15 @@ def test_timeline_bins_add_up_to_usage_tokens():
     assert list(edges) == pytest.approx([0.0, 1.0, 2.3])  # the 0.3 s tail joins the bin before it
     assert float(np.sum(rates * np.diff(edges))) == pytest.approx(14.0)
     assert math.isclose(rates[0], 20 / 3)
+
+
+def test_results_are_written_without_matplotlib(bench_server, tmp_path):
+    """A machine without matplotlib still gets the JSON results, and a line saying why there are no plots."""
+    blocker = tmp_path / "no_matplotlib" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
+    doc = run_bench(bench_server.url, tmp_path, "--random-input-len", "8", "--random-output-len", "4",
+                    env={"PYTHONPATH": str(blocker.parent)}, stderr_has="no plots: No module named 'matplotlib'")
+    assert doc["completed"] == NUM_PROMPTS
+    assert "plots" not in doc
+    assert not list(tmp_path.glob("*.png"))

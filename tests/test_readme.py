@@ -88,3 +88,33 @@ def test_the_ready_line_and_the_exposure_warning(tmp_path, tiny_model_path):
         assert "without an API key: anyone who can reach this host" in log
     finally:
         server.stop()
+
+
+def _install_plan(tmp_path: Path, path_dirs: list[Path], *make_args: str) -> str:
+    """What `make install` would run for a new virtualenv (make -n: nothing is installed)."""
+    env = {"PATH": ":".join([*map(str, path_dirs), "/usr/bin", "/bin"]), "HOME": str(tmp_path)}
+    driver = tmp_path / "nvidia-driver-version"  # this host's own driver (if any) is not what is tested
+    proc = subprocess.run(["make", "-n", "install", f"VENV={tmp_path / 'venv'}", f"NVIDIA_DRIVER_FILE={driver}",
+                           *make_args], capture_output=True,
+                          text=True, timeout=60, cwd=REPO_ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_make_takes_the_cpu_torch_without_an_nvidia_gpu(tmp_path):
+    """A machine without an NVIDIA GPU gets PyTorch's CPU build (not 5 GB of CUDA libraries); one with nvidia-smi
+    gets PyPI's torch; TORCH_INDEX_URL chooses, and empty means PyPI's."""
+    cpu_index = "--index-url https://download.pytorch.org/whl/cpu torch"
+    assert cpu_index in _install_plan(tmp_path, [])
+    assert "no NVIDIA GPU found" in _install_plan(tmp_path, [])
+    fake_gpu = tmp_path / "gpu-bin"
+    fake_gpu.mkdir()
+    (fake_gpu / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100'\n")
+    (fake_gpu / "nvidia-smi").chmod(0o755)
+    assert "--index-url" not in _install_plan(tmp_path, [fake_gpu])
+    (tmp_path / "nvidia-driver-version").write_text("NVRM version: 570\n")  # a driver but no nvidia-smi on the PATH
+    assert "--index-url" not in _install_plan(tmp_path, [])
+    (tmp_path / "nvidia-driver-version").unlink()
+    assert "--index-url" not in _install_plan(tmp_path, [], "TORCH_INDEX_URL=")
+    other = _install_plan(tmp_path, [fake_gpu], "TORCH_INDEX_URL=https://example.org/whl/cu128")
+    assert "--index-url https://example.org/whl/cu128 torch" in other
