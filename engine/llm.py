@@ -92,10 +92,13 @@ class LLM:
     @property
     def engine(self) -> LLMEngine:
         """The ``LLMEngine`` this LLM drives; a RuntimeError once the LLM is shut down."""
+        self._check_not_shut_down()
+        return self._held[0]
+
+    def _check_not_shut_down(self) -> None:
         if not self._held:
             raise RuntimeError("this LLM has been shut down (shutdown() or the end of its `with` block): it has "
                                "no model any more; create a new LLM")
-        return self._held[0]
 
     def shutdown(self) -> None:
         """Release everything the LLM holds, at once: the tensor-parallel rank processes (stopped and joined),
@@ -130,7 +133,7 @@ class LLM:
         images, either dict may have ``"multi_modal_data": {"image": image or [images]}`` (PIL images or data
         URLs), one ``<image>`` placeholder per image in the prompt, in order.
         """
-        self.engine  # noqa: B018 - a clear error, before any work, once shut down
+        self._check_not_shut_down()  # before any work
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         return self._generate([self._tokenize(prompt) for prompt in prompts], sampling_params, use_tqdm)
@@ -232,7 +235,7 @@ class LLM:
         With images (content parts ``{"type": "image", "image": PIL image}`` or ``{"type": "image_url",
         "image_url": {"url": "data:..."}}``), the model's processor renders a conversation with its own chat template.
         """
-        self.engine  # noqa: B018 - a clear error, before any work, once shut down
+        self._check_not_shut_down()  # before any work
         if not messages:
             raise RequestError("messages is empty: give a conversation or a list of conversations", param="messages")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
