@@ -58,12 +58,17 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
                             timeout=datetime.timedelta(seconds=timeout_s))
     # A rank that died breaks its connections, and the others' collectives fail at once; the control group
     # only waits for the next step, however long the engine is idle.
-    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+    try:
+        control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+    except BaseException:
+        dist.destroy_process_group()  # else the next init in this process finds the default group taken
+        raise
     _state = ParallelState(rank, world_size, dist.group.WORLD, control)
     logger.info("tensor parallel: rank %d of %d (%s)", rank, world_size, backend)
 
 
 def destroy_tensor_parallel() -> None:
+    """Leave the group and destroy every process group of this process, so that it can join another."""
     global _state
     if _state.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()

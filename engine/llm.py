@@ -7,15 +7,25 @@ A model that takes images (``LLM.accepts_images``) takes them as vLLM does, per 
 
 The model's Hugging Face processor resizes each image and expands its ``<image>`` placeholder into the
 model's number of image tokens (``engine/multimodal.py``).
+
+An ``LLM`` holds a model, its KV cache and, with ``tensor_parallel_size`` > 1, rank processes and a process
+group. ``llm.shutdown()``, the end of a ``with LLM(...) as llm:`` block, ``del llm`` (once nothing else refers
+to it) and interpreter exit all release them, so another ``LLM`` can be made in the same process::
+
+    with LLM(model, tensor_parallel_size=2) as llm:
+        outputs = llm.generate(prompts)
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
@@ -68,11 +78,40 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
-        self.tokenizer = self.engine.tokenizer
+        engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        # The engine's only strong reference: the finalizer empties it, and the engine, with its model, KV
+        # cache and CUDA graphs, goes. The finalizer holds the list, not the LLM, so that it runs as soon as the
+        # LLM is unreachable (and at interpreter exit, for one still alive then).
+        self._held: list[LLMEngine] = [engine]
+        self._release = weakref.finalize(self, _release_engine, self._held)
+        self.tokenizer = engine.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._mm_processor = None  # the model's HF processor (MultiModalProcessor), loaded with the first image
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The ``LLMEngine`` this LLM drives; a RuntimeError once the LLM is shut down."""
+        self._check_not_shut_down()
+        return self._held[0]
+
+    def _check_not_shut_down(self) -> None:
+        if not self._held:
+            raise RuntimeError("this LLM has been shut down (shutdown() or the end of its `with` block): it has "
+                               "no model any more; create a new LLM")
+
+    def shutdown(self) -> None:
+        """Release everything the LLM holds, at once: the tensor-parallel rank processes (stopped and joined),
+        the process group, the grammar threads, the model, KV cache and CUDA graphs (with the CUDA allocator's
+        cache). Calling it again does nothing; generating afterwards raises a RuntimeError. ``del llm`` does the
+        same once nothing else refers to the LLM, and so does interpreter exit."""
+        self._release()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         """The model's Hugging Face tokenizer (None for a model given without one), as vLLM's ``LLM.get_tokenizer``."""
@@ -94,6 +133,7 @@ class LLM:
         images, either dict may have ``"multi_modal_data": {"image": image or [images]}`` (PIL images or data
         URLs), one ``<image>`` placeholder per image in the prompt, in order.
         """
+        self._check_not_shut_down()  # before any work
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         return self._generate([self._tokenize(prompt) for prompt in prompts], sampling_params, use_tqdm)
@@ -195,6 +235,7 @@ class LLM:
         With images (content parts ``{"type": "image", "image": PIL image}`` or ``{"type": "image_url",
         "image_url": {"url": "data:..."}}``), the model's processor renders a conversation with its own chat template.
         """
+        self._check_not_shut_down()  # before any work
         if not messages:
             raise RequestError("messages is empty: give a conversation or a list of conversations", param="messages")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -214,6 +255,21 @@ class LLM:
                 ids = list(ids["input_ids"])
             prompts.append((None, ids, None))
         return self._generate(prompts, sampling_params, use_tqdm)
+
+
+def _release_engine(held: list[LLMEngine]) -> None:
+    """An LLM's finalizer: close its engine (ranks, process group, threads), then drop it and give its device
+    memory back."""
+    if not held:
+        return
+    engine = held.pop()
+    try:
+        engine.close()
+    finally:
+        del engine
+        gc.collect()  # the engine's objects may hold each other (close() unfroze them)
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
 
 class _ResultBuilder:

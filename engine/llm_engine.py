@@ -7,13 +7,13 @@ Both the offline ``LLM`` and the async server engine drive this class.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
+import functools
 import gc
 import logging
 import socket
-import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 
@@ -84,23 +84,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _report_rank_death(engine_ref: weakref.ref, message: str) -> None:
+    """The rank watcher's call (engine/worker.py LocalRanks): it holds the engine only weakly."""
+    logger.error("%s: the engine stops", message)
+    engine = engine_ref()
+    callback = engine.on_rank_death if engine is not None else None
+    del engine
+    if callback is not None:
+        callback(message)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        self._frozen = False  # start-up's objects are out of the garbage collector's walks (set once ready)
+        self._ranks = None  # the other tensor-parallel ranks of this machine (engine/worker.py LocalRanks)
+        self.grammars = None  # a GrammarManager, made with the first constrained request
+        self.on_rank_death = None  # called from a watcher thread when another rank's process exits
+        try:
+            self._start(config)
+        except BaseException:
+            self.close()  # ranks already started would keep the process group (and their processes) alive
+            raise
+
+    def _start(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
         self.model_path = resolve_model_path(config)
         self.model_config = ModelConfig.from_pretrained(self.model_path, config.trust_remote_code)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
-        self._tp_closed = False
-        self._frozen = False  # start-up's objects are out of the garbage collector's walks (set once ready)
-        self.on_rank_death = None  # called from a watcher thread when another rank's process exits
-        self._workers = self._start_tensor_parallel() if config.tensor_parallel_size > 1 else []
+        if config.tensor_parallel_size > 1:
+            self._start_tensor_parallel()
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path, config.trust_remote_code)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.runner = ModelRunner(config, self.model_config, self.max_model_len, self.eos_token_ids)
+        if self._ranks is not None:
+            self._ranks.channel = self.runner.followers
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
         self.runner.warm_up_kernels()
@@ -124,7 +145,6 @@ class LLMEngine:
             logger.info("sampling defaults from the generation config (requests override them; "
                         "--generation-config vllm ignores them): %s",
                         ", ".join(f"{k}={v}" for k, v in self.model_info.sampling_defaults.items()))
-        self.grammars = None  # a GrammarManager, made with the first constrained request
         self._grammar_requests: set[str] = set()  # unfinished requests with a grammar
         self.step_timings: list[StepTiming] = []
         self._last_sync: float | None = None
@@ -156,10 +176,10 @@ class LLMEngine:
             config.max_num_seqs, config.max_num_batched_tokens, self.overlap_steps, self.async_scheduling,
         )
 
-    def _start_tensor_parallel(self) -> list:
+    def _start_tensor_parallel(self) -> None:
         """Rank 0 of several: start this machine's other ranks and join the group (engine/worker.py)."""
         from engine import distributed
-        from engine.worker import init_method, spawn_local_workers, stop_workers
+        from engine.worker import LocalRanks, init_method, spawn_local_workers
 
         check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
         if self.config.node_rank != 0:
@@ -167,52 +187,29 @@ class LLMEngine:
         self.config.rank_device(self.config.ranks_per_node - 1)  # this node has a GPU for each of its ranks
         if self.config.master_port == 0:
             self.config = dataclasses.replace(self.config, master_port=free_port())
-        workers = spawn_local_workers(self.config, 1, self.config.ranks_per_node - 1)
-        try:
-            distributed.init_tensor_parallel(0, self.config.tensor_parallel_size, init_method(self.config),
-                                             timeout_s=self.config.distributed_timeout_s)
-        except BaseException:
-            for proc in workers:
-                proc.kill()
-            stop_workers(workers)
-            raise
-        atexit.register(self.close)
-        threading.Thread(target=self._watch_ranks, args=(workers,), name="minivllm-rank-watch", daemon=True).start()
-        return workers
-
-    def _watch_ranks(self, workers: list) -> None:
-        """A rank that exits while the engine runs is fatal: the next collective would fail or hang."""
-        while not self._tp_closed:
-            for proc in workers:
-                code = proc.poll()
-                if code is not None and not self._tp_closed:
-                    message = f"tensor-parallel rank process {proc.pid} exited with status {code}"
-                    logger.error("%s: the engine stops", message)
-                    if self.on_rank_death is not None:
-                        self.on_rank_death(message)
-                    return
-            time.sleep(0.2)
+        self._ranks = LocalRanks(spawn_local_workers(self.config, 1, self.config.ranks_per_node - 1))
+        # Stops the ranks when the engine is dropped without close(), and at interpreter exit. The finalizer
+        # holds the ranks, not the engine: an atexit hook on close() kept every engine (its model, its KV
+        # cache) alive until exit.
+        weakref.finalize(self, self._ranks.stop)
+        distributed.init_tensor_parallel(0, self.config.tensor_parallel_size, init_method(self.config),
+                                         timeout_s=self.config.distributed_timeout_s)
+        # A rank that exits while the engine runs is fatal: the next collective would fail or hang.
+        self._ranks.watch(functools.partial(_report_rank_death, weakref.ref(self)))
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, and unfreeze what start-up froze (all of the process's frozen
-        objects: another engine's are only walked by collections again)."""
+        """Release what the engine holds beyond its own objects; idempotent. Stops the other tensor-parallel
+        ranks (their processes joined) and destroys the process group, so that another engine can start in this
+        process; stops the grammar threads; and unfreezes what start-up froze (all of the process's frozen
+        objects: another engine's are only walked by collections again). The model and KV cache go with the
+        engine object: ``LLM.shutdown()`` drops it too."""
         if self._frozen:
             self._frozen = False
             gc.unfreeze()
-        if self.config.tensor_parallel_size == 1 or self._tp_closed:
-            return
-        self._tp_closed = True
-        workers, self._workers = self._workers, []
-        from engine import distributed
-        from engine.worker import stop_workers
-
-        if self.runner.followers is not None:
-            try:
-                self.runner.followers.stop()
-            except Exception:  # noqa: BLE001 - a rank already gone: the others end on their broken connection
-                logger.warning("tensor parallel: a rank had already stopped")
-        stop_workers(workers)
-        distributed.destroy_tensor_parallel()
+        if self.grammars is not None:
+            self.grammars.shutdown()
+        if self._ranks is not None:
+            self._ranks.stop()
 
     # ----------------------------------------------------------------- requests
 

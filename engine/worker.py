@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -30,6 +31,8 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from collections.abc import Callable
 
 from engine import distributed
 from engine.config import EngineConfig
@@ -68,10 +71,18 @@ class StepChannel:
         dist.broadcast(torch.from_numpy(header), src=0, group=self.group)
         dist.broadcast(payload, src=0, group=self.group)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float) -> bool:
+        """Tell the other ranks to stop. False when they did not all take the message within ``timeout_s``:
+        a rank that died, or one stuck in a step's collective (gloo delivers only to a waiting receiver)."""
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
         header[0] = _STOP
-        dist.broadcast(header, src=0, group=self.group)
+        try:
+            work = dist.broadcast(header, src=0, group=self.group, async_op=True)
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:  # noqa: BLE001 - the caller terminates the ranks instead
+            logger.warning("tensor parallel: the ranks did not take the stop message (%s)", exc)
+            return False
+        return True
 
     # the other ranks ---------------------------------------------------------------------------------
 
@@ -151,14 +162,59 @@ def spawn_local_workers(config: EngineConfig, first_rank: int, count: int) -> li
     return procs
 
 
-def stop_workers(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+def stop_workers(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> list[int]:
+    """Wait for the processes to end, killing those still running after ``timeout_s``; their exit statuses."""
     deadline = time.monotonic() + timeout_s
     for proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            logger.warning("tensor parallel: rank process %d did not stop in %.0f s: killed", proc.pid, timeout_s)
             proc.kill()
             proc.wait()
+    return [proc.returncode for proc in procs]
+
+
+class LocalRanks:
+    """Rank 0's hold on the ranks it started on this machine: their processes and, once the model runner
+    exists, the channel that stops them. It holds nothing of the engine, so that the engine's finalizer and
+    the thread that watches the ranks do not keep the engine (its model, its KV cache) alive."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs = procs
+        self.channel: StepChannel | None = None
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """Call ``on_death(message)`` from a daemon thread when a rank exits before ``stop``."""
+        threading.Thread(target=self._watch, args=(on_death,), name="minivllm-rank-watch", daemon=True).start()
+
+    def _watch(self, on_death: Callable[[str], None]) -> None:
+        while not self._stopped.wait(0.2):
+            for proc in self.procs:
+                code = proc.poll()
+                if code is not None and not self._stopped.is_set():
+                    on_death(f"tensor-parallel rank process {proc.pid} exited with status {code}")
+                    return
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the ranks and leave the process group: the stop message when the channel is up (else, or when
+        it is not taken, SIGTERM), their processes joined (killed after ``timeout_s``). Runs once; later
+        calls return at once."""
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            self._stopped.set()
+            told = self.channel is not None and self.channel.stop(timeout_s)
+            self.channel = None
+            if not told:
+                for proc in self.procs:
+                    if proc.poll() is None:
+                        proc.terminate()
+            codes = stop_workers(self.procs, timeout_s)
+            distributed.destroy_tensor_parallel()
+            logger.info("tensor parallel: ranks stopped (exit statuses %s), process group destroyed", codes)
 
 
 def run_node(config: EngineConfig) -> int:

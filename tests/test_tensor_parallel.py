@@ -116,13 +116,10 @@ def test_the_engine_at_tp2_generates_what_it_does_at_tp1(checkpoints, name):
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (40, 70, 25, 90, 55, 33, 61, 48)]
     prompts += [prompts[1][:48] + prompts[2][:10], prompts[3][:64] + [7]]  # full blocks in the prefix cache
     common = dict(max_model_len=256, num_kvcache_blocks=24, max_num_batched_tokens=32)
-    tp2 = LLM(str(checkpoints[name]), tensor_parallel_size=2, **common)
-    try:
+    with LLM(str(checkpoints[name]), tensor_parallel_size=2, **common) as tp2:
         got = greedy(tp2, prompts)
         assert tp2.engine.scheduler.num_preemptions_total > 0
         assert tp2.engine.kv_manager.prefix_cache_hits > 0
-    finally:
-        tp2.engine.close()
     assert got == greedy(LLM(str(checkpoints[name]), **common), prompts)
 
 
@@ -142,10 +139,7 @@ def test_fp8_weights_and_kv_cache_at_tp2_generate_what_tp1_does(tmp_path):
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (40, 70, 25, 90, 55, 33, 61, 48)]
     common = dict(max_model_len=256, num_kvcache_blocks=64, max_num_batched_tokens=64, quantization="fp8",
                   kv_cache_dtype="fp8")
-    tp2 = LLM(str(model_dir), tensor_parallel_size=2, **common)
-    try:
+    with LLM(str(model_dir), tensor_parallel_size=2, **common) as tp2:
         assert tp2.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
         got = greedy(tp2, prompts, max_tokens=16)
-    finally:
-        tp2.engine.close()
     assert got == greedy(LLM(str(model_dir), **common), prompts, max_tokens=16)
