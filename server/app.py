@@ -86,6 +86,8 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
             body = json.loads(await raw_request.body())
         except ValueError as exc:
             raise bad_request(f"the body is not JSON: {exc}", param=None) from None
+        except RecursionError:  # json.loads recurses once per nesting level
+            raise bad_request("the body's JSON is nested too deeply", param=None) from None
         if not isinstance(body, dict):
             raise bad_request("the body must be a JSON object", param=None)
         try:
@@ -129,11 +131,13 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
             token_ids = (await render_chat_request(ctx, body.messages, options, tools)).prompt_token_ids
         else:
             tokenizer = require_tokenizer(ctx.tokenizer, "prompt", "text cannot be tokenized")
+            ctx.text_bound.check(body.prompt, "prompt")  # before the tokenizer thread: what cannot be a prompt
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             token_ids = await ctx.in_tokenizer_thread(encode, tokenizer, body.prompt, add_special)
-        strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs and ctx.tokenizer else None
         if body.return_token_strs and ctx.tokenizer is None:
             raise bad_request("this model has no tokenizer, so its tokens have no strings", param="return_token_strs")
+        strs = await ctx.in_tokenizer_thread(ctx.tokenizer.convert_ids_to_tokens, token_ids) \
+            if body.return_token_strs else None
         return TokenizeResponse(count=len(token_ids), max_model_len=ctx.model.max_model_len, tokens=token_ids,
                                 token_strs=strs)
 
@@ -149,11 +153,15 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 408, 413))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """Token ids to text: at most a context's worth of them (``max_model_len``), decoded off the event loop."""
         ctx.check_model(body.model)
         tokenizer = require_tokenizer(ctx.tokenizer, "tokens", "token ids cannot be turned into text")
+        if len(body.tokens) > ctx.model.max_model_len:
+            raise bad_request(f"{len(body.tokens)} token ids: /detokenize takes at most {ctx.model.max_model_len} "
+                              "(max_model_len, what one context holds)", param="tokens")
         check_token_ids(body.tokens, ctx.model.vocab_size, "tokens")
         try:
-            text = decode(tokenizer, body.tokens)
+            text = await ctx.in_tokenizer_thread(decode, tokenizer, body.tokens)
         except Exception as exc:  # noqa: BLE001 - ids past the tokenizer's own vocabulary (padded embeddings)
             raise bad_request(f"these token ids cannot be decoded: {exc}", param="tokens") from exc
         return DetokenizeResponse(prompt=text)

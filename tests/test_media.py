@@ -532,15 +532,14 @@ def test_the_template_gets_huggingface_multimodal_parts(tokenizer):
 
 def test_a_chat_request_fetches_its_images_only_for_a_model_that_takes_them(tokenizer, site):
     from server.chat import render_chat_request
-
-    async def in_thread(fn, *args):
-        return fn(*args)
+    from server.serving import ServingContext
 
     messages = messages_with({"type": "text", "text": "look"}, image_part(f"{site.url}/img.png", "high"))
     options = ChatTemplateOptions(add_generation_prompt=False, chat_template=PARTS_TEMPLATE)
     for accepts_images in (False, True):
-        model = SimpleNamespace(name="some-model", accepts_images=accepts_images)
-        ctx = SimpleNamespace(tokenizer=tokenizer, model=model, media=LOOPBACK_ALLOWED, in_tokenizer_thread=in_thread)
+        model = SimpleNamespace(name="some-model", accepts_images=accepts_images, tokenizer=tokenizer,
+                                chat_template=None, max_model_len=4096)
+        ctx = ServingContext(None, model, None, media=LOOPBACK_ALLOWED, trust_request_chat_template=True)
         if not accepts_images:
             with pytest.raises(APIError, match="'some-model' does not accept images"):
                 asyncio.run(render_chat_request(ctx, messages, options, None))
