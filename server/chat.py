@@ -35,6 +35,7 @@ from server.protocol import (
     TopLogprob,
 )
 from server.reasoning import ReasoningStream, split_reasoning, thinking_state
+from server.streaming import ClientDisconnected, client_closed_response
 from server.tool_parsers import get_parser
 from server.tools import ToolPlan
 from server.serving import (
@@ -81,8 +82,12 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     tools = ToolPlan.of(body, get_parser(ctx.model.tool_parser))
     options = ChatTemplateOptions(body.add_generation_prompt, body.continue_final_message, body.chat_template,
                                   body.chat_template_kwargs)
-    rendered = await render_chat_request(ctx, body.messages, options, tools.template_tools,
-                                         keep_tokens(body.truncate_prompt_tokens, ctx.model.max_model_len))
+    try:
+        rendered = await render_chat_request(ctx, body.messages, options, tools.template_tools,
+                                             keep_tokens(body.truncate_prompt_tokens, ctx.model.max_model_len),
+                                             raw_request)
+    except ClientDisconnected:
+        return client_closed_response()
     prompt_ids, mm_inputs = rendered.prompt_token_ids, None
     if rendered.images:  # the model's processor: each image's pixels, its placeholder expanded to its tokens
         if body.truncate_prompt_tokens is not None:
@@ -107,15 +112,18 @@ UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request
 
 
 async def render_chat_request(ctx: ServingContext, messages: list[ChatMessageParam], options: ChatTemplateOptions,
-                              tools: list[dict] | None, keep_tokens: int | None = None) -> RenderedChat:
+                              tools: list[dict] | None, keep_tokens: int | None = None,
+                              raw_request: Request | None = None) -> RenderedChat:
     """A request's conversation rendered, with its images: everything that can be refused without
     I/O is (a template of the request's own without --trust-request-chat-template, the conversation, text longer
     than the context can hold, then each part, and images for a model that does not take them), then the images
     are fetched and decoded (server/media.py), then the template runs in a thread of its own, within its bounds,
     and its text is tokenized in the tokenizer thread. A request that gives no template of its own gets the
     model's (``ServedModel.chat_template``). ``keep_tokens``: only the prompt's last tokens are kept
-    (``truncate_prompt_tokens``), so only the end of the text is tokenized."""
-    if options.chat_template is not None and not ctx.trust_request_chat_template:
+    (``truncate_prompt_tokens``), so only the end of the text is tokenized. With ``raw_request``, a client that
+    goes away stops the render (``ClientDisconnected``)."""
+    request_template = options.chat_template is not None
+    if request_template and not ctx.trust_request_chat_template:
         raise bad_request(UNTRUSTED_TEMPLATE, param="chat_template")
     if options.chat_template is None and ctx.model.chat_template is not None:
         options = dataclasses.replace(options, chat_template=ctx.model.chat_template)
@@ -126,7 +134,8 @@ async def render_chat_request(ctx: ServingContext, messages: list[ChatMessagePar
     images = await fetch_images(refs, ctx.media) if refs else []
     limits = ctx.template_limits(truncating=keep_tokens is not None)
     text = await ctx.in_template_thread(limits, render_chat_text, ctx.tokenizer, messages, options, tools,
-                                        ctx.model.accepts_images, limits)
+                                        ctx.model.accepts_images, limits, request_template=request_template,
+                                        raw_request=raw_request)
     if keep_tokens is not None and not images:
         text = ctx.text_bound.tail(text, keep_tokens)
     token_ids = await ctx.in_tokenizer_thread(encode, ctx.tokenizer, text, False, "messages")

@@ -219,6 +219,7 @@ class TemplateRunner:
             loop = asyncio.get_running_loop()
             budget = RenderBudget(limits)
             done = loop.create_future()
+            done.add_done_callback(_retrieved)  # an abandoned render's error is nobody's to log
             thread = threading.Thread(target=_render_thread, args=(loop, done, budget, fn, args),
                                       name="minivllm-template", daemon=True)
             thread.start()
@@ -243,6 +244,11 @@ def _render_thread(loop: asyncio.AbstractEventLoop, done: asyncio.Future, budget
         loop.call_soon_threadsafe(_settle, done, outcome)
     except RuntimeError:
         pass  # the loop is closed: the server is gone and nobody waits
+
+
+def _retrieved(done: asyncio.Future) -> None:
+    if not done.cancelled():
+        done.exception()
 
 
 def _settle(done: asyncio.Future, outcome: tuple[bool, object]) -> None:

@@ -104,8 +104,10 @@ class ServingContext:
     _tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minivllm-tokenizer"),
         init=False, repr=False)
-    # Chat templates render in threads of their own, each within its bounds (server/chat_templates.py).
-    _templates: TemplateRunner = field(default_factory=TemplateRunner, init=False, repr=False)
+    # Chat templates render in threads of their own, each within its bounds (server/chat_templates.py); templates
+    # that requests bring have slots of their own, so that they can hold up only each other.
+    _templates: TemplateRunner = field(default_factory=lambda: TemplateRunner(8), init=False, repr=False)
+    _request_templates: TemplateRunner = field(default_factory=lambda: TemplateRunner(2), init=False, repr=False)
     text_bound: TextBound = field(init=False)  # the characters a prompt may have before it is tokenized
 
     def __post_init__(self) -> None:
@@ -125,11 +127,17 @@ class ServingContext:
     async def in_tokenizer_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
 
-    async def in_template_thread(self, limits: TemplateLimits, fn, *args):
+    async def in_template_thread(self, limits: TemplateLimits, fn, *args, request_template: bool = False,
+                                 raw_request: Request | None = None):
         """``fn(*args)``, which renders a chat template, in a thread of its own within ``limits``; a render that
-        outlives its deadline is a 400 (its thread, left behind, stops at its next check)."""
+        outlives its deadline is a 400 (its thread, left behind, stops at its next check). ``request_template``: the
+        template came with the request. With ``raw_request``, the render stops when its client goes away
+        (``ClientDisconnected``)."""
+        runner = self._request_templates if request_template else self._templates
         try:
-            return await self._templates.run(limits, fn, *args)
+            if raw_request is None:
+                return await runner.run(limits, fn, *args)
+            return await run_until_disconnected(raw_request, runner.run(limits, fn, *args))
         except TemplateTimeout as exc:
             raise bad_request(f"the chat template could not render these messages within its bounds: {exc}",
                               param="messages", code="chat_template_limit") from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import ipaddress
 import shutil
@@ -221,12 +222,14 @@ def test_cli_flags_make_the_media_limits():
     assert media_limits_from_args(parser.parse_args(["serve"])) == MediaLimits()  # the same defaults
     args = parser.parse_args(["serve", "--allowed-media-domains", "a.com,B.org", "c.net", "--max-image-mb", "2",
                               "--allow-private-media-addresses", "--media-fetch-timeout", "3",
-                              "--max-images-per-request", "4", "--max-image-megapixels", "1.5"])
+                              "--max-images-per-request", "4", "--max-image-megapixels", "1.5",
+                              "--max-request-megapixels", "2.5"])
     assert media_limits_from_args(args) == MediaLimits(max_image_bytes=2 * 2**20, max_image_pixels=1_500_000,
-                                                       fetch_timeout_s=3.0, max_images_per_request=4,
+                                                       max_request_pixels=2_500_000, fetch_timeout_s=3.0,
+                                                       max_images_per_request=4,
                                                        allowed_domains=("a.com", "b.org", "c.net"), allow_private=True)
     for flags in (["--allowed-media-domains", "https://a.com/"], ["--max-image-mb", "0"],
-                  ["--media-fetch-timeout", "-1"]):
+                  ["--media-fetch-timeout", "-1"], ["--max-request-megapixels", "0"]):
         with pytest.raises(Exception, match="must be|not a host"):
             check_media_args(parser.parse_args(["serve", *flags]))
 
@@ -472,6 +475,23 @@ def test_fetch_images_keeps_the_order_and_the_count_limit(site):
                                                 content_hash(site.source)]
     with pytest.raises(APIError, match="at most 2 per request"):
         asyncio.run(fetch_images(refs, MediaLimits(max_images_per_request=2)))
+
+
+def test_the_pixels_of_all_a_requests_images_are_counted_before_any_is_decoded(site):
+    """Three images whose headers declare 7000x7000 (their data is truncated: decoding them fails) are refused
+    for their total; under a higher total, the decoding is reached and fails. A fetched image counts too."""
+    bomb = ImageRef(data_url(png_declaring(7000, 7000)), "auto", "b")
+    fetched = ImageRef(f"{site.url}/img.png", "auto", "f")
+    limits = dataclasses.replace(LOOPBACK_ALLOWED, max_request_pixels=3 * 49_000_000)
+    with pytest.raises(APIError, match="--max-request-megapixels") as info:
+        asyncio.run(fetch_images([bomb, bomb, fetched, bomb], limits))
+    width, height = site.source.size
+    assert f"{3 * 49_000_000 + width * height:,} pixels together" in info.value.message
+    assert info.value.param == "messages" and sum(site.hits.values()) == 1
+    with pytest.raises(APIError, match="corrupt or truncated"):
+        asyncio.run(fetch_images([bomb], limits))
+    exact = dataclasses.replace(limits, max_request_pixels=2 * width * height)
+    assert len(asyncio.run(fetch_images([fetched, fetched], exact))) == 2
 
 
 # --------------------------------------------------------------------------- chat rendering
