@@ -275,20 +275,19 @@ class AsyncEngine:
         self.check_accepting(len(prompts) * params.n)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        _encodable(self._encoder, params)  # a value the wire cannot carry is the client's: refused before anything
         stream = RequestStream(request_id, len(prompts) * params.n, self.abort, self._forget)
         stream.state, children = self.processor.add_request(request_id, prompts, params, stream)
         arrival = stream.state.arrival_s
         # Encoded and sent before the stream is registered: a request that cannot be sent leaves nothing behind.
         try:
-            frame = self._encoder.encode(AddRequests([
+            frame = _encodable(self._encoder, AddRequests([
                 CoreRequest(c.request_id, c.prompt_token_ids, c.params, arrival,
                             (mm_inputs[c.prompt_index] or None) if mm_inputs is not None else None)
                 for c in children]))
             self._send_frame(frame)
-        except Exception as exc:
+        except BaseException:
             self.processor.abort(request_id)
-            if isinstance(exc, (OverflowError, TypeError, ValueError)):  # msgspec: a value it cannot encode
-                raise RequestError(f"the request cannot be sent to the engine: {exc}") from None
             raise
         self._streams[request_id] = stream
         self._num_sent += len(children)
@@ -400,6 +399,15 @@ class _Sockets:
         self.outputs.close(linger=0)
         self.context.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _encodable(encoder, message) -> bytes:
+    """``message`` encoded for the core; a value msgspec cannot encode (an integer past 64 bits, a lone surrogate in a
+    string) is a ``RequestError``."""
+    try:
+        return encoder.encode(message)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise RequestError(f"the request cannot be sent to the engine: {exc}") from None
 
 
 def _wait_until_ready(process, control, timeout_s: float | None) -> tuple[ModelInfo, EngineStats]:

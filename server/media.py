@@ -406,7 +406,7 @@ async def _read(response: httpx.Response, url: httpx.URL, limits: MediaLimits, p
         raise bad_request(f"{param}: {_shown(url)} is {kind} (content type {content_type!r}); send {_FORMATS_TEXT}",
                           param=param)
     declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limits.max_image_bytes:
+    if declared.isascii() and declared.isdigit() and int(declared) > limits.max_image_bytes:
         raise _too_large(param, f"{declared} bytes, says its Content-Length", limits)
     body = bytearray()
     try:

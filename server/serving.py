@@ -155,7 +155,7 @@ class ServingContext:
         if params.stop and self.tokenizer is None:
             raise bad_request("stop strings need a tokenizer, and this model has none", param="stop")
         self.limits.check(len(prompts), params)
-        check_token_id_params(params, self.model.vocab_size)
+        check_params_for_engine(params, self.model.vocab_size)
         for i, prompt in enumerate(prompts):
             self.model.info.check_request(prompt.token_ids, params, mm_inputs[i] if mm_inputs else None)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -163,14 +163,14 @@ class ServingContext:
         return Generation(request_id, prompts, params, stream)
 
 
-def check_token_id_params(params: SamplingParams, vocab_size: int) -> None:
+def check_params_for_engine(params: SamplingParams, vocab_size: int) -> None:
     """What the request's parameters carry to the engine beyond its prompts, checked as vLLM checks it: stop strings
     that are text (no lone surrogates), stop token ids in the vocabulary."""
     for stop in params.stop:
         check_unicode(stop, "stop")
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise bad_request(f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: "
+        raise bad_request(f"token_id(s) {bad[:8]} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: "
                           f"{vocab_size}", param="stop_token_ids")
 
 

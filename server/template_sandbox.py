@@ -177,8 +177,8 @@ def _check_method(obj, args, kwargs, budget: RenderBudget) -> None:
         return
     name = getattr(target, "__name__", "")
     if name in ("format", "format_map") and isinstance(owner, str):
-        _check_str_format(owner, args if name == "format" else (), kwargs if name == "format" else args[0],
-                          budget)
+        mapping = kwargs if name == "format" else (args[0] if args else {})
+        _check_str_format(owner, args if name == "format" else (), mapping, budget)
     elif name in ("center", "ljust", "rjust", "zfill") and args and isinstance(args[0], int):
         budget.check_size(args[0], "a padded string")
     elif name == "expandtabs":
@@ -220,7 +220,7 @@ _CONTAINER_FILTERS = frozenset({
 
 def _bounded_filter(name: str, func):
     """A filter that checks its budget before it runs and its result after."""
-    skip = 1 if jinja2.utils._PassArg.from_obj(func) is not None else 0
+    skip = 1 if getattr(func, "jinja_pass_arg", None) is not None else 0  # the context or environment comes first
 
     @functools.wraps(func)
     def bounded(*args, **kwargs):

@@ -29,7 +29,11 @@ _TAIL_MARGIN_TOKENS = 64  # tokens tokenized beyond those kept, so the cut's own
 
 def max_chars_per_token(tokenizer) -> int | None:
     """The most characters one token of ``tokenizer`` stands for; None when some text makes no token at all."""
-    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    try:
+        longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    except NotImplementedError:  # a tokenizer that cannot list its vocabulary
+        logger.info("the tokenizer has no vocabulary to measure, so prompts are not bounded by characters")
+        return None
     for probe in _PROBES:
         ids = tokenizer(probe * _PROBE_LEN, add_special_tokens=False)["input_ids"]
         if not ids:

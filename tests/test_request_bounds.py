@@ -99,6 +99,40 @@ def test_a_value_the_engine_cannot_take_is_a_400_that_leaves_nothing(default_ser
     assert_nothing_left(default_server)
 
 
+def test_a_request_is_registered_only_once_it_was_encoded_and_sent():
+    """AsyncEngine.generate on a socket that records (or refuses) what is sent: a request whose values cannot be
+    encoded is a RequestError (a 400), one whose send fails raises; neither leaves a stream or a request behind."""
+    from types import SimpleNamespace
+
+    from engine.async_engine import AsyncEngine
+    from engine.model_info import RequestError
+    from engine.sampling_params import SamplingParams
+
+    sent = []
+
+    class Inputs:
+        refuse = False
+
+        def send(self, frame, flags=0, copy=True):
+            if self.refuse:
+                raise RuntimeError("the socket is closed")
+            sent.append(frame)
+
+    sockets = SimpleNamespace(inputs=Inputs())
+    engine = AsyncEngine(SimpleNamespace(max_num_seqs=4), None, None, None, None, None, sockets)
+    with pytest.raises(RequestError, match="cannot be sent"):
+        engine.generate("a", [[1, 2]], SamplingParams(stop=[SURROGATE]))
+    with pytest.raises(RequestError, match="cannot be sent"):
+        engine.generate("b", [[1, 2**64]], SamplingParams(n=2))
+    sockets.inputs.refuse = True
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate("c", [[1, 2]], SamplingParams())
+    assert engine.num_in_flight == 0 and len(engine.processor) == 0 and sent == []
+    sockets.inputs.refuse = False
+    engine.generate("d", [[1, 2]], SamplingParams(n=2))
+    assert engine.num_in_flight == 1 and len(engine.processor) == 1 and len(sent) == 1
+
+
 def test_deeply_nested_json_is_a_400(default_server, http):
     deep = "[" * 10000 + "]" * 10000
     for path in ("/invocations", CMPL):
@@ -143,6 +177,35 @@ def test_the_bound_admits_text_as_long_as_the_longest_tokens_allow(http, tokeniz
     reply = http.post(CMPL, json=body)
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["prompt_token_ids"] == tokenizer(text * repeats)["input_ids"]
+
+
+def test_the_bound_follows_what_the_tokenizer_folds_or_drops():
+    """The longest vocabulary entry bounds the characters per token, unless the normalizer folds a run of
+    characters into fewer tokens (the bound takes that), or drops some altogether (then there is no bound)."""
+    from server.text_bound import TextBound, max_chars_per_token
+
+    class Tokenizer:
+        def __init__(self, whitespace_per_token: int | None):
+            self.per_token = whitespace_per_token
+
+        def get_vocab(self):
+            return {"ab": 0, "c": 1}
+
+        def __call__(self, text, add_special_tokens=False):
+            if text.isspace() or not text.isprintable():
+                return {"input_ids": [] if self.per_token is None else [0] * -(-len(text) // self.per_token)}
+            return {"input_ids": [0] * len(text)}
+
+    assert max_chars_per_token(Tokenizer(1)) == 2
+    assert max_chars_per_token(Tokenizer(128)) == 128
+    assert max_chars_per_token(Tokenizer(None)) is None
+    bound = TextBound.of(Tokenizer(None), 8)
+    bound.check("x" * 10**6, "prompt")  # no bound: nothing refused
+    assert bound.tail("x" * 10**6, 4) == "x" * 10**6
+    bound = TextBound.of(Tokenizer(1), 8)
+    assert bound.max_chars == 16
+    with pytest.raises(Exception, match="16 characters"):
+        bound.check("x" * 17, "prompt")
 
 
 @pytest.mark.parametrize("keep", [1, 16, 500])
