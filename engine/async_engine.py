@@ -32,7 +32,7 @@ import zmq.asyncio
 from engine.config import EngineConfig
 from engine.core import AbortRequests, AddRequests, CoreRequest, Shutdown, make_encoder, output_decoder, run_engine_core
 from engine.default_model import resolve_model_path
-from engine.model_info import ModelInfo
+from engine.model_info import ModelInfo, RequestError
 from engine.multimodal import ImageInput
 from engine.output_processor import ChoiceDelta, MetricsRecorder, OutputProcessor, RequestState
 from engine.outputs import EngineStats
@@ -275,14 +275,21 @@ class AsyncEngine:
         self.check_accepting(len(prompts) * params.n)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        _encodable(self._encoder, params)  # a value the wire cannot carry is the client's: refused before anything
         stream = RequestStream(request_id, len(prompts) * params.n, self.abort, self._forget)
         stream.state, children = self.processor.add_request(request_id, prompts, params, stream)
-        self._streams[request_id] = stream
         arrival = stream.state.arrival_s
-        self._send(AddRequests([
-            CoreRequest(c.request_id, c.prompt_token_ids, c.params, arrival,
-                        (mm_inputs[c.prompt_index] or None) if mm_inputs is not None else None)
-            for c in children]))
+        # Encoded and sent before the stream is registered: a request that cannot be sent leaves nothing behind.
+        try:
+            frame = _encodable(self._encoder, AddRequests([
+                CoreRequest(c.request_id, c.prompt_token_ids, c.params, arrival,
+                            (mm_inputs[c.prompt_index] or None) if mm_inputs is not None else None)
+                for c in children]))
+            self._send_frame(frame)
+        except BaseException:
+            self.processor.abort(request_id)
+            raise
+        self._streams[request_id] = stream
         self._num_sent += len(children)
         return stream
 
@@ -303,8 +310,11 @@ class AsyncEngine:
     # --------------------------------------------------------------- internals
 
     def _send(self, message) -> None:
-        # A connecting PUSH socket with no high-water mark queues: this never blocks or fails.
-        self._sockets.inputs.send(self._encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
+        self._send_frame(self._encoder.encode(message))
+
+    def _send_frame(self, frame) -> None:
+        # A connecting PUSH socket with no high-water mark queues: this never blocks.
+        self._sockets.inputs.send(frame, flags=zmq.NOBLOCK, copy=False)
 
     async def _receive_outputs(self) -> None:
         while True:
@@ -389,6 +399,15 @@ class _Sockets:
         self.outputs.close(linger=0)
         self.context.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _encodable(encoder, message) -> bytes:
+    """``message`` encoded for the core; a value msgspec cannot encode (an integer past 64 bits, a lone surrogate in a
+    string) is a ``RequestError``."""
+    try:
+        return encoder.encode(message)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise RequestError(f"the request cannot be sent to the engine: {exc}") from None
 
 
 def _wait_until_ready(process, control, timeout_s: float | None) -> tuple[ModelInfo, EngineStats]:

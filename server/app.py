@@ -37,6 +37,7 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.serving import ServingContext
+from server.streaming import ClientDisconnected, client_closed_response
 from server.tokenization import ChatTemplateOptions, check_token_ids, decode, encode, require_tokenizer
 
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
@@ -86,6 +87,8 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
             body = json.loads(await raw_request.body())
         except ValueError as exc:
             raise bad_request(f"the body is not JSON: {exc}", param=None) from None
+        except RecursionError:  # json.loads recurses once per nesting level
+            raise bad_request("the body's JSON is nested too deeply", param=None) from None
         if not isinstance(body, dict):
             raise bad_request("the body must be a JSON object", param=None)
         try:
@@ -112,8 +115,8 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 
 def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.post("/tokenize", responses=error_responses(400, 401, 404, 408, 413))
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=error_responses(400, 401, 404, 408, 413))
+    async def tokenize(body: TokenizeRequest, raw_request: Request) -> TokenizeResponse | Response:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
@@ -126,14 +129,22 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
             options = ChatTemplateOptions(body.add_generation_prompt, body.continue_final_message,
                                           body.chat_template, body.chat_template_kwargs)
-            token_ids = (await render_chat_request(ctx, body.messages, options, tools)).prompt_token_ids
+            try:
+                rendered = await render_chat_request(ctx, body.messages, options, tools, raw_request=raw_request)
+            except ClientDisconnected:
+                return client_closed_response()
+            token_ids = rendered.prompt_token_ids
         else:
             tokenizer = require_tokenizer(ctx.tokenizer, "prompt", "text cannot be tokenized")
+            ctx.text_bound.check(body.prompt, "prompt")  # before the tokenizer thread: what cannot be a prompt
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             token_ids = await ctx.in_tokenizer_thread(encode, tokenizer, body.prompt, add_special)
-        strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs and ctx.tokenizer else None
-        if body.return_token_strs and ctx.tokenizer is None:
-            raise bad_request("this model has no tokenizer, so its tokens have no strings", param="return_token_strs")
+        strs = None
+        if body.return_token_strs:
+            if ctx.tokenizer is None:
+                raise bad_request("this model has no tokenizer, so its tokens have no strings",
+                                  param="return_token_strs")
+            strs = await ctx.in_tokenizer_thread(ctx.tokenizer.convert_ids_to_tokens, token_ids)
         return TokenizeResponse(count=len(token_ids), max_model_len=ctx.model.max_model_len, tokens=token_ids,
                                 token_strs=strs)
 
@@ -149,11 +160,15 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 408, 413))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """Token ids to text: at most a context's worth of them (``max_model_len``), decoded off the event loop."""
         ctx.check_model(body.model)
         tokenizer = require_tokenizer(ctx.tokenizer, "tokens", "token ids cannot be turned into text")
+        if len(body.tokens) > ctx.model.max_model_len:
+            raise bad_request(f"{len(body.tokens)} token ids: /detokenize takes at most {ctx.model.max_model_len} "
+                              "(max_model_len, what one context holds)", param="tokens")
         check_token_ids(body.tokens, ctx.model.vocab_size, "tokens")
         try:
-            text = decode(tokenizer, body.tokens)
+            text = await ctx.in_tokenizer_thread(decode, tokenizer, body.tokens)
         except Exception as exc:  # noqa: BLE001 - ids past the tokenizer's own vocabulary (padded embeddings)
             raise bad_request(f"these token ids cannot be decoded: {exc}", param="tokens") from exc
         return DetokenizeResponse(prompt=text)

@@ -35,6 +35,7 @@ from server.protocol import (
     TopLogprob,
 )
 from server.reasoning import ReasoningStream, split_reasoning, thinking_state
+from server.streaming import ClientDisconnected, client_closed_response
 from server.tool_parsers import get_parser
 from server.tools import ToolPlan
 from server.serving import (
@@ -52,7 +53,10 @@ from server.tokenization import (
     TokenizedPrompt,
     chat_image_parts,
     check_chat,
-    render_chat,
+    encode,
+    keep_tokens,
+    message_chars,
+    render_chat_text,
     token_text,
     truncate_prompt,
 )
@@ -74,10 +78,16 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     if max_tokens is None:
         max_tokens = defaults.get("max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    ctx.limits.check_choices(1, body.n or 1)  # before anything is rendered
     tools = ToolPlan.of(body, get_parser(ctx.model.tool_parser))
     options = ChatTemplateOptions(body.add_generation_prompt, body.continue_final_message, body.chat_template,
                                   body.chat_template_kwargs)
-    rendered = await render_chat_request(ctx, body.messages, options, tools.template_tools)
+    try:
+        rendered = await render_chat_request(ctx, body.messages, options, tools.template_tools,
+                                             keep_tokens(body.truncate_prompt_tokens, ctx.model.max_model_len),
+                                             raw_request)
+    except ClientDisconnected:
+        return client_closed_response()
     prompt_ids, mm_inputs = rendered.prompt_token_ids, None
     if rendered.images:  # the model's processor: each image's pixels, its placeholder expanded to its tokens
         if body.truncate_prompt_tokens is not None:
@@ -97,19 +107,39 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     return await respond(raw_request, bool(body.stream), view.chunks, view.response, headers)
 
 
+UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                      "Refused request with untrusted chat template.")  # vLLM's words
+
+
 async def render_chat_request(ctx: ServingContext, messages: list[ChatMessageParam], options: ChatTemplateOptions,
-                              tools: list[dict] | None) -> RenderedChat:
+                              tools: list[dict] | None, keep_tokens: int | None = None,
+                              raw_request: Request | None = None) -> RenderedChat:
     """A request's conversation rendered, with its images: everything that can be refused without
-    I/O is (the conversation, then each part, and images for a model that does not take them), then
-    the images are fetched and decoded (server/media.py), then the template runs in the tokenizer thread.
-    A request that gives no template of its own gets the model's (``ServedModel.chat_template``)."""
+    I/O is (a template of the request's own without --trust-request-chat-template, the conversation, text longer
+    than the context can hold, then each part, and images for a model that does not take them), then the images
+    are fetched and decoded (server/media.py), then the template runs in a thread of its own, within its bounds,
+    and its text is tokenized in the tokenizer thread. A request that gives no template of its own gets the
+    model's (``ServedModel.chat_template``). ``keep_tokens``: only the prompt's last tokens are kept
+    (``truncate_prompt_tokens``), so only the end of the text is tokenized. With ``raw_request``, a client that
+    goes away stops the render (``ClientDisconnected``)."""
+    request_template = options.chat_template is not None
+    if request_template and not ctx.trust_request_chat_template:
+        raise bad_request(UNTRUSTED_TEMPLATE, param="chat_template")
     if options.chat_template is None and ctx.model.chat_template is not None:
         options = dataclasses.replace(options, chat_template=ctx.model.chat_template)
     check_chat(ctx.tokenizer, messages, options)
+    if keep_tokens is None:
+        ctx.text_bound.check_chars(message_chars(messages), "messages")
     refs = chat_image_parts(messages, ctx.model.name, ctx.model.accepts_images, ctx.media.max_images_per_request)
     images = await fetch_images(refs, ctx.media) if refs else []
-    return await ctx.in_tokenizer_thread(render_chat, ctx.tokenizer, messages, options, tools, images,
-                                         ctx.model.accepts_images)
+    limits = ctx.template_limits(truncating=keep_tokens is not None)
+    text = await ctx.in_template_thread(limits, render_chat_text, ctx.tokenizer, messages, options, tools,
+                                        ctx.model.accepts_images, limits, request_template=request_template,
+                                        raw_request=raw_request)
+    if keep_tokens is not None and not images:
+        text = ctx.text_bound.tail(text, keep_tokens)
+    token_ids = await ctx.in_tokenizer_thread(encode, ctx.tokenizer, text, False, "messages")
+    return RenderedChat(token_ids, text, images if ctx.model.accepts_images else [])
 
 
 class _ChatView:

@@ -187,6 +187,9 @@ def _add_server_args(group) -> None:
                             "alerts read this server (the names after it are vLLM's)")
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="end every stream with a usage chunk, as if stream_options.include_usage were set")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a chat template in a request (chat_template on chat and /tokenize); without it such "
+                            "requests are a 400, as in vLLM. Templates render in a bounded sandbox either way")
     group.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 503 when this many requests already wait to be scheduled; default: no limit")
     _add_limit_args(group)
@@ -227,6 +230,9 @@ def _add_media_args(group) -> None:
                        help="largest image accepted, encoded (a data: URL's bytes or a fetched body; 400 beyond)")
     group.add_argument("--max-image-megapixels", type=float, default=50.0,
                        help="most pixels (width x height) an image may have, checked before it is decoded")
+    group.add_argument("--max-request-megapixels", type=float, default=100.0,
+                       help="most pixels all images of one request may have together, checked from their headers "
+                            "before any is decoded")
     group.add_argument("--max-images-per-request", type=int, default=16, help="most images one chat request may carry")
     group.add_argument("--media-fetch-timeout", type=float, default=10.0,
                        help="seconds to fetch one image URL, redirects and body included")
@@ -234,8 +240,10 @@ def _add_media_args(group) -> None:
 
 def check_media_args(args: argparse.Namespace) -> None:
     """The image flags' values, checked before the engine starts (MediaLimits itself is built later)."""
-    if not (args.max_image_mb > 0 and args.max_image_megapixels > 0 and args.media_fetch_timeout > 0):
-        raise ConfigError("--max-image-mb, --max-image-megapixels and --media-fetch-timeout must be positive")
+    if not (args.max_image_mb > 0 and args.max_image_megapixels > 0 and args.max_request_megapixels > 0
+            and args.media_fetch_timeout > 0):
+        raise ConfigError("--max-image-mb, --max-image-megapixels, --max-request-megapixels and --media-fetch-timeout "
+                          "must be positive")
     if args.max_images_per_request < 0:
         raise ConfigError("--max-images-per-request must be at least 0")
     for domain in _media_domains(args):
@@ -253,6 +261,7 @@ def media_limits_from_args(args: argparse.Namespace):
     try:
         return MediaLimits(max_image_bytes=int(args.max_image_mb * 2**20),
                            max_image_pixels=int(args.max_image_megapixels * 1_000_000),
+                           max_request_pixels=int(args.max_request_megapixels * 1_000_000),
                            fetch_timeout_s=args.media_fetch_timeout, max_images_per_request=args.max_images_per_request,
                            allowed_domains=_media_domains(args),
                            allow_private=args.allow_private_media_addresses)
@@ -384,6 +393,7 @@ def serve(args: argparse.Namespace) -> int:
         engine.attach_metrics(metrics)
         ctx = ServingContext(engine, model, metrics, limits, media=media_limits_from_args(args),
                              force_include_usage=args.enable_force_include_usage,
+                             trust_request_chat_template=args.trust_request_chat_template,
                              api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
         uvicorn_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port, uds=args.uds,
                                         root_path=args.root_path, log_level=args.log_level,

@@ -26,7 +26,16 @@ from server.serving import (
     respond,
     usage_info,
 )
-from server.tokenization import decode, encode_completion_prompts, has_text, token_text, truncate_prompt
+from server.tokenization import (
+    admit_prompt_text,
+    decode,
+    encode_completion_prompts,
+    has_text,
+    keep_tokens,
+    num_prompts,
+    token_text,
+    truncate_prompt,
+)
 
 
 # OpenAI's and vLLM's default for completions (chat's is the rest of the context).
@@ -44,8 +53,12 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
     echo_logprobs = body.logprobs if body.echo else None
     params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, "max_tokens"), body.logprobs, defaults,
                                      prompt_logprobs=echo_logprobs)
+    # Counted and measured before anything is tokenized: refusals cost nothing, and only text that can fit is encoded.
+    ctx.limits.check_choices(num_prompts(body.prompt), params.n)
+    keep = keep_tokens(body.truncate_prompt_tokens, ctx.model.max_model_len)
     if has_text(body.prompt):
-        prompts = await ctx.in_tokenizer_thread(encode_completion_prompts, ctx.tokenizer, body.prompt)
+        text = admit_prompt_text(body.prompt, ctx.text_bound, keep)
+        prompts = await ctx.in_tokenizer_thread(encode_completion_prompts, ctx.tokenizer, text)
     else:
         prompts = encode_completion_prompts(ctx.tokenizer, body.prompt)
     prompts = [truncate_prompt(p, body.truncate_prompt_tokens, ctx.model.max_model_len) for p in prompts]

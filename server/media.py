@@ -9,8 +9,9 @@ from the hosts ``--allowed-media-domains`` names (none by default)::
         checked address (Host header and TLS name the host) ── a redirect: the same checks again │
         ── status, content type, body read up to the size limit ─────────────────────────────────┤
                                                                                                  v
-    decode: PNG/JPEG/WebP/GIF only, pixels counted from the header before any is decoded,
-            RGB (transparency over white), content hash of the pixels ── DecodedImage
+    open:   PNG/JPEG/WebP/GIF only, pixels counted from the header, per image and for all the
+            request's images together, before any is decoded
+    decode: RGB (transparency over white), content hash of the pixels ── DecodedImage
 
 Every refusal is a 400 naming the part (``messages.{i}.content.{j}.image_url``) and what was
 wrong with it. The whole fetch of one image, redirects and all, has one deadline
@@ -71,6 +72,7 @@ class MediaLimits:
 
     max_image_bytes: int = 20 * 2**20  # encoded: the data: URL's decoded bytes, or the fetched body
     max_image_pixels: int = 50_000_000  # width x height, checked from the header before decoding
+    max_request_pixels: int = 100_000_000  # all images of a request together, checked before any is decoded
     fetch_timeout_s: float = 10.0  # one image's whole fetch: DNS, connections, redirects and body
     max_images_per_request: int = 16
     allowed_domains: tuple[str, ...] = ()
@@ -78,7 +80,8 @@ class MediaLimits:
     max_redirects: int = 5
 
     def __post_init__(self) -> None:
-        if self.max_image_bytes < 1 or self.max_image_pixels < 1 or self.max_images_per_request < 0:
+        if (self.max_image_bytes < 1 or self.max_image_pixels < 1 or self.max_request_pixels < 1
+                or self.max_images_per_request < 0):
             raise ValueError("the image size, pixel and count limits must be positive")
         if not self.fetch_timeout_s > 0 or self.max_redirects < 0:
             raise ValueError("the media fetch timeout must be positive and the redirect limit at least 0")
@@ -123,11 +126,22 @@ class DecodedImage:
 
 async def fetch_images(refs: Sequence[ImageRef], limits: MediaLimits) -> list[DecodedImage]:
     """The images, fetched and decoded concurrently, in the order given; the first failure is the
-    request's error (the other fetches are cancelled)."""
+    request's error (the other fetches are cancelled). Every image's header is read first: the request's
+    pixels together are checked (``max_request_pixels``) before any image is decoded."""
     if len(refs) > limits.max_images_per_request:
         raise bad_request(f"this request has {len(refs)} images; the server accepts at most "
                           f"{limits.max_images_per_request} per request (--max-images-per-request)", param="messages")
-    tasks = [asyncio.ensure_future(fetch_image(ref.url, limits, param=ref.param, detail=ref.detail)) for ref in refs]
+    opened = await _gather([_fetch_opened(ref.url, limits, ref.param, ref.detail) for ref in refs])
+    total = sum(image.width * image.height for image in opened)
+    if total > limits.max_request_pixels:
+        raise bad_request(f"the images of this request have {total:,} pixels together; the server accepts at most "
+                          f"{limits.max_request_pixels:,} per request (--max-request-megapixels)", param="messages")
+    return await _gather([asyncio.to_thread(finish_decoding, image, ref.param, ref.detail)
+                          for image, ref in zip(opened, refs)])
+
+
+async def _gather(coroutines: list) -> list:
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -139,16 +153,23 @@ async def fetch_image(url: str, limits: MediaLimits, *, param: str = "image_url"
                       detail: str = "auto") -> DecodedImage:
     """One image by its URL (``data:`` or ``http(s)://``), decoded; a 400 naming ``param`` if it cannot be had.
     Decoding runs in a worker thread, so a large image does not stall the event loop."""
+    image = await _fetch_opened(url, limits, param, detail)
+    return await asyncio.to_thread(finish_decoding, image, param, detail)
+
+
+async def _fetch_opened(url: str, limits: MediaLimits, param: str, detail: str) -> Image.Image:
+    """An image's bytes, fetched, and its header read (its size checked): nothing decoded yet."""
     if detail not in DETAILS:
         raise bad_request(f"{param}.detail must be one of {', '.join(DETAILS)}, got {detail!r}", param=param)
     scheme = url.partition(":")[0].strip().lower() if ":" in url else ""
     if scheme == "data":
-        return await asyncio.to_thread(load_data_url, url, limits, param=param, detail=detail)
+        return await asyncio.to_thread(lambda: open_image(data_url_bytes(url, limits, param=param), limits,
+                                                          param=param))
     if scheme not in ("http", "https"):
         shown = f"{scheme}:" if scheme else "a URL without a scheme"
         raise bad_request(f"{param}: images come as data: URLs or http(s):// URLs, not {shown}", param=param)
     data = await fetch_bytes(url, limits, param=param)
-    return await asyncio.to_thread(decode_image, data, limits, param=param, detail=detail)
+    return await asyncio.to_thread(open_image, data, limits, param=param)
 
 
 # ------------------------------------------------------------------------ data: URLs
@@ -156,7 +177,12 @@ async def fetch_image(url: str, limits: MediaLimits, *, param: str = "image_url"
 
 def load_data_url(url: str, limits: MediaLimits, *, param: str = "image_url",
                   detail: str = "auto") -> DecodedImage:
-    """A ``data:image/...;base64,...`` URL, decoded. The size is checked on the base64 text before it
+    """A ``data:image/...;base64,...`` URL, decoded."""
+    return decode_image(data_url_bytes(url, limits, param=param), limits, param=param, detail=detail)
+
+
+def data_url_bytes(url: str, limits: MediaLimits, *, param: str = "image_url") -> bytes:
+    """The bytes a ``data:image/...;base64,...`` URL carries. The size is checked on the base64 text before it
     is decoded, so an oversized URL costs no decoding."""
     header, comma, payload = url[len("data:"):].partition(",")
     if not comma:
@@ -177,7 +203,7 @@ def load_data_url(url: str, limits: MediaLimits, *, param: str = "image_url",
         raise bad_request(f"{param}: the data: URL's data is not valid base64", param=param) from None
     if len(data) > limits.max_image_bytes:
         raise _too_large(param, f"{len(data)} bytes", limits)
-    return decode_image(data, limits, param=param, detail=detail)
+    return data
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -185,10 +211,13 @@ def load_data_url(url: str, limits: MediaLimits, *, param: str = "image_url",
 
 def decode_image(data: bytes, limits: MediaLimits, *, param: str = "image_url",
                  detail: str = "auto") -> DecodedImage:
-    """Encoded bytes to an RGB image and its hash. Only PNG, JPEG, WebP and GIF (first frame) decoders
-    run; the pixel count is read from the header and checked before any pixel is decoded (a small
-    file may declare a huge image); transparent images are laid over white; an EXIF orientation tag is
-    applied (``engine.multimodal.upright``)."""
+    """Encoded bytes to an RGB image and its hash (``open_image``, then ``finish_decoding``)."""
+    return finish_decoding(open_image(data, limits, param=param), param, detail)
+
+
+def open_image(data: bytes, limits: MediaLimits, *, param: str = "image_url") -> Image.Image:
+    """Encoded bytes opened, not decoded: only PNG, JPEG, WebP and GIF are recognised, and the pixel count is
+    read from the header and checked before any pixel is decoded (a small file may declare a huge image)."""
     if len(data) > limits.max_image_bytes:
         raise _too_large(param, f"{len(data)} bytes", limits)
     try:
@@ -205,9 +234,15 @@ def decode_image(data: bytes, limits: MediaLimits, *, param: str = "image_url",
         raise _too_many_pixels(param, f"{width}x{height} = {width * height:,} pixels; more than", limits)
     if width < 1 or height < 1:
         raise bad_request(f"{param}: the image is empty ({width}x{height})", param=param)
+    return image
+
+
+def finish_decoding(image: Image.Image, param: str = "image_url", detail: str = "auto") -> DecodedImage:
+    """An opened image's pixels: the first frame of a GIF or an animated WebP, transparency laid over white,
+    an EXIF orientation tag applied (``engine.multimodal.upright``), RGB, with its content hash."""
     image_format = image.format or ""
     try:
-        image.load()  # a GIF or an animated WebP: its first frame
+        image.load()
         rgb = to_rgb(upright(image))
     except Exception as exc:  # noqa: BLE001 - truncated data, a bad checksum, a broken stream...
         raise _corrupt(param, exc) from None
@@ -371,7 +406,7 @@ async def _read(response: httpx.Response, url: httpx.URL, limits: MediaLimits, p
         raise bad_request(f"{param}: {_shown(url)} is {kind} (content type {content_type!r}); send {_FORMATS_TEXT}",
                           param=param)
     declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limits.max_image_bytes:
+    if declared.isascii() and declared.isdigit() and int(declared) > limits.max_image_bytes:
         raise _too_large(param, f"{declared} bytes, says its Content-Length", limits)
     body = bytearray()
     try:

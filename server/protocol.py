@@ -188,11 +188,17 @@ class SamplingRequest(RequestModel):
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
-        bias = {}
+        bias, bad = {}, []
         for key, value in self.logit_bias.items():
-            if not key.isdigit():
-                raise SamplingParamsError(f"logit_bias keys are token ids, got {key!r}", "logit_bias")
-            bias[int(key)] = value
+            # ASCII digits only: str.isdigit() also takes "²" and "١٢", which are no token ids.
+            token_id = _ascii_int(key)
+            if token_id is None:
+                bad.append(key)
+            else:
+                bias[token_id] = value
+        if bad:
+            raise SamplingParamsError(f"logit_bias contains key(s) that cannot be converted to integer token IDs: "
+                                      f"{[k[:32] for k in bad[:8]]!r}", "logit_bias")
         return bias
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
@@ -226,6 +232,15 @@ class SamplingRequest(RequestModel):
         check_structured_outputs(spec, param)
         return spec
 
+
+
+def _ascii_int(text: str) -> int | None:
+    if not (text.isascii() and text.isdigit()):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # more digits than int() converts
+        return None
 
 
 def _vllm_spec(json_schema, regex, choice, grammar, json_object, param: str,

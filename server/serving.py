@@ -39,8 +39,10 @@ from server.streaming import (
     run_until_disconnected,
     sse_event,
 )
-from server.tokenization import token_text
-from server.tokenization import TokenizedPrompt
+from server.chat_templates import TemplateRunner
+from server.template_sandbox import TemplateLimits, TemplateTimeout
+from server.text_bound import TextBound
+from server.tokenization import TokenizedPrompt, check_unicode, token_text
 
 logger = logging.getLogger("minivllm.server")
 
@@ -95,18 +97,50 @@ class ServingContext:
     media: MediaLimits = field(default_factory=MediaLimits)  # what images may be, and where they may come from
     api_key: str | None = None
     force_include_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
-    # Tokenization and chat templates run here, off the event loop: one thread, so the tokenizer
-    # is never used by two encodes at once, and a huge prompt delays only other tokenizations.
+    # --trust-request-chat-template: requests may bring a chat template of their own (else a 400, as vLLM)
+    trust_request_chat_template: bool = False
+    # Tokenization runs here, off the event loop: one thread, so the tokenizer is never used by two
+    # encodes at once; text is bounded (text_bound) before it gets here, so no encode holds it for long.
     _tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minivllm-tokenizer"),
         init=False, repr=False)
+    # Chat templates render in threads of their own, each within its bounds (server/chat_templates.py); templates
+    # that requests bring have slots of their own, so that they can hold up only each other.
+    _templates: TemplateRunner = field(default_factory=lambda: TemplateRunner(8), init=False, repr=False)
+    _request_templates: TemplateRunner = field(default_factory=lambda: TemplateRunner(2), init=False, repr=False)
+    text_bound: TextBound = field(init=False)  # the characters a prompt may have before it is tokenized
+
+    def __post_init__(self) -> None:
+        self.text_bound = TextBound.of(self.tokenizer, self.model.max_model_len)
 
     @property
     def tokenizer(self):
         return self.model.tokenizer
 
+    def template_limits(self, truncating: bool = False) -> TemplateLimits:
+        """What a chat render may cost: its output no longer than the context can hold (unless the prompt is to be
+        truncated to its end: then the render may be as long as a request body)."""
+        if truncating or self.text_bound.max_chars is None:
+            return TemplateLimits(max_chars=max(self.limits.max_request_body_bytes, self.text_bound.max_chars or 0))
+        return TemplateLimits(max_chars=self.text_bound.max_chars)
+
     async def in_tokenizer_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
+
+    async def in_template_thread(self, limits: TemplateLimits, fn, *args, request_template: bool = False,
+                                 raw_request: Request | None = None):
+        """``fn(*args)``, which renders a chat template, in a thread of its own within ``limits``; a render that
+        outlives its deadline is a 400 (its thread, left behind, stops at its next check). ``request_template``: the
+        template came with the request. With ``raw_request``, the render stops when its client goes away
+        (``ClientDisconnected``)."""
+        runner = self._request_templates if request_template else self._templates
+        try:
+            if raw_request is None:
+                return await runner.run(limits, fn, *args)
+            return await run_until_disconnected(raw_request, runner.run(limits, fn, *args))
+        except TemplateTimeout as exc:
+            raise bad_request(f"the chat template could not render these messages within its bounds: {exc}",
+                              param="messages", code="chat_template_limit") from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model.name:
@@ -121,11 +155,23 @@ class ServingContext:
         if params.stop and self.tokenizer is None:
             raise bad_request("stop strings need a tokenizer, and this model has none", param="stop")
         self.limits.check(len(prompts), params)
+        check_params_for_engine(params, self.model.vocab_size)
         for i, prompt in enumerate(prompts):
             self.model.info.check_request(prompt.token_ids, params, mm_inputs[i] if mm_inputs else None)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         stream = self.engine.generate(request_id, [p.token_ids for p in prompts], params, mm_inputs=mm_inputs)
         return Generation(request_id, prompts, params, stream)
+
+
+def check_params_for_engine(params: SamplingParams, vocab_size: int) -> None:
+    """What the request's parameters carry to the engine beyond its prompts, checked as vLLM checks it: stop strings
+    that are text (no lone surrogates), stop token ids in the vocabulary."""
+    for stop in params.stop:
+        check_unicode(stop, "stop")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"token_id(s) {bad[:8]} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: "
+                          f"{vocab_size}", param="stop_token_ids")
 
 
 @dataclass

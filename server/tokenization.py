@@ -12,9 +12,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from server.chat_templates import render_conversation
 from server.errors import bad_request
 from server.media import DecodedImage, ImageRef
 from server.protocol import ChatMessageParam, ContentPart
+from server.template_sandbox import TemplateLimitError, TemplateLimits, TemplateOutputTooLong
+from server.text_bound import TextBound
 
 
 @dataclass
@@ -47,6 +50,21 @@ def check_unicode(text: str, param: str) -> None:
 def has_text(prompt: str | list) -> bool:
     """Whether a completion prompt needs the tokenizer (else it is token ids only)."""
     return isinstance(prompt, str) or any(isinstance(p, str) for p in prompt)
+
+
+def num_prompts(prompt: str | list) -> int:
+    """How many prompts a completion's ``prompt`` holds (counted before anything is tokenized)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+        return 1
+    return len(prompt)
+
+
+def admit_prompt_text(prompt: str | list, bound: TextBound, keep_tokens: int | None) -> str | list:
+    """A completion's prompt with each text checked against what the context can hold, before tokenizing: a 400
+    for a text too long, or with ``keep_tokens`` (``truncate_prompt_tokens``) only the end of it that can survive."""
+    if isinstance(prompt, str):
+        return bound.admit(prompt, "prompt", keep_tokens)
+    return [bound.admit(p, "prompt", keep_tokens) if isinstance(p, str) else p for p in prompt]
 
 
 def encode_completion_prompts(tokenizer, prompt: str | list) -> list[TokenizedPrompt]:
@@ -136,7 +154,7 @@ def chat_image_parts(messages: list[ChatMessageParam], model_name: str, accepts_
 
 def render_chat(tokenizer, messages: list[ChatMessageParam], options: ChatTemplateOptions = ChatTemplateOptions(),
                 tools: list[dict] | None = None, images: Sequence[DecodedImage] = (),
-                multimodal: bool = False) -> RenderedChat:
+                multimodal: bool = False, limits: TemplateLimits = TemplateLimits()) -> RenderedChat:
     """The conversation rendered by the chat template (with the tools, and any extra template
     variables the request gave), as text and token ids.
 
@@ -145,20 +163,47 @@ def render_chat(tokenizer, messages: list[ChatMessageParam], options: ChatTempla
     and ``{"type": "image"}``), and ``images`` are the decoded images of its ``image_url`` parts, in
     order (server/media.py). For a text-only model, parts are joined into one string (text parts
     only: an image part is a 400)."""
-    check_chat(tokenizer, messages, options)
     image_parts = [p for m in messages if isinstance(m.content, list) for p in m.content if p.type == "image_url"]
     if multimodal and len(image_parts) != len(images):
         raise ValueError(f"{len(image_parts)} image parts but {len(images)} images were given")
-    conversation = [_plain_message(i, m, multimodal) for i, m in enumerate(messages)]
-    try:
-        text = tokenizer.apply_chat_template(conversation, tools=tools or None, chat_template=options.chat_template,
-                                             add_generation_prompt=options.add_generation_prompt,
-                                             continue_final_message=options.continue_final_message,
-                                             tokenize=False, **(options.template_kwargs or {}))
-    except Exception as exc:  # noqa: BLE001 - a template may raise anything on input it rejects
-        raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") from exc
+    text = render_chat_text(tokenizer, messages, options, tools, multimodal, limits)
     token_ids = encode(tokenizer, text, add_special_tokens=False, param="messages")
     return RenderedChat(token_ids, text, list(images) if multimodal else [])
+
+
+def render_chat_text(tokenizer, messages: list[ChatMessageParam], options: ChatTemplateOptions,
+                     tools: list[dict] | None = None, multimodal: bool = False,
+                     limits: TemplateLimits = TemplateLimits()) -> str:
+    """The chat template's text for the conversation, as transformers' ``apply_chat_template`` renders it,
+    within ``limits`` (server/chat_templates.py): a template that fails or goes past a bound is a 400."""
+    check_chat(tokenizer, messages, options)
+    conversation = [_plain_message(i, m, multimodal) for i, m in enumerate(messages)]
+    template = tokenizer.get_chat_template(options.chat_template, tools or None)
+    variables = {**tokenizer.special_tokens_map, **(options.template_kwargs or {})}
+    try:
+        text = render_conversation(template, conversation, tools or None, options.add_generation_prompt,
+                                   options.continue_final_message, variables, limits)
+    except TemplateOutputTooLong:
+        raise bad_request(f"the conversation rendered by the chat template has more than {limits.max_chars:,} "
+                          "characters: more than this model's maximum context length can hold", param="messages",
+                          code="context_length_exceeded") from None
+    except TemplateLimitError as exc:
+        raise bad_request(f"the chat template could not render these messages within its bounds: {exc}",
+                          param="messages", code="chat_template_limit") from None
+    except Exception as exc:  # noqa: BLE001 - a template may raise anything on input it rejects
+        raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") from exc
+    return text
+
+
+def message_chars(messages: list[ChatMessageParam]) -> int:
+    """The characters of a conversation's text (its messages' contents and text parts)."""
+    total = 0
+    for message in messages:
+        if isinstance(message.content, str):
+            total += len(message.content)
+        elif message.content:
+            total += sum(len(part.text or "") for part in message.content)
+    return total
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -241,6 +286,13 @@ def token_text(tokenizer, token_id: int, as_id: bool = False) -> str:
     if tokenizer is None or as_id:
         return f"token_id:{token_id}"
     return decode(tokenizer, [token_id])
+
+
+def keep_tokens(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (-1: the context's worth); None: all."""
+    if truncate_prompt_tokens is None:
+        return None
+    return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
 def truncate_prompt(prompt: TokenizedPrompt, keep: int | None, max_model_len: int) -> TokenizedPrompt:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import ipaddress
 import shutil
@@ -221,12 +222,14 @@ def test_cli_flags_make_the_media_limits():
     assert media_limits_from_args(parser.parse_args(["serve"])) == MediaLimits()  # the same defaults
     args = parser.parse_args(["serve", "--allowed-media-domains", "a.com,B.org", "c.net", "--max-image-mb", "2",
                               "--allow-private-media-addresses", "--media-fetch-timeout", "3",
-                              "--max-images-per-request", "4", "--max-image-megapixels", "1.5"])
+                              "--max-images-per-request", "4", "--max-image-megapixels", "1.5",
+                              "--max-request-megapixels", "2.5"])
     assert media_limits_from_args(args) == MediaLimits(max_image_bytes=2 * 2**20, max_image_pixels=1_500_000,
-                                                       fetch_timeout_s=3.0, max_images_per_request=4,
+                                                       max_request_pixels=2_500_000, fetch_timeout_s=3.0,
+                                                       max_images_per_request=4,
                                                        allowed_domains=("a.com", "b.org", "c.net"), allow_private=True)
     for flags in (["--allowed-media-domains", "https://a.com/"], ["--max-image-mb", "0"],
-                  ["--media-fetch-timeout", "-1"]):
+                  ["--media-fetch-timeout", "-1"], ["--max-request-megapixels", "0"]):
         with pytest.raises(Exception, match="must be|not a host"):
             check_media_args(parser.parse_args(["serve", *flags]))
 
@@ -474,6 +477,23 @@ def test_fetch_images_keeps_the_order_and_the_count_limit(site):
         asyncio.run(fetch_images(refs, MediaLimits(max_images_per_request=2)))
 
 
+def test_the_pixels_of_all_a_requests_images_are_counted_before_any_is_decoded(site):
+    """Three images whose headers declare 7000x7000 (their data is truncated: decoding them fails) are refused
+    for their total; under a higher total, the decoding is reached and fails. A fetched image counts too."""
+    bomb = ImageRef(data_url(png_declaring(7000, 7000)), "auto", "b")
+    fetched = ImageRef(f"{site.url}/img.png", "auto", "f")
+    limits = dataclasses.replace(LOOPBACK_ALLOWED, max_request_pixels=3 * 49_000_000)
+    with pytest.raises(APIError, match="--max-request-megapixels") as info:
+        asyncio.run(fetch_images([bomb, bomb, fetched, bomb], limits))
+    width, height = site.source.size
+    assert f"{3 * 49_000_000 + width * height:,} pixels together" in info.value.message
+    assert info.value.param == "messages" and sum(site.hits.values()) == 1
+    with pytest.raises(APIError, match="corrupt or truncated"):
+        asyncio.run(fetch_images([bomb], limits))
+    exact = dataclasses.replace(limits, max_request_pixels=2 * width * height)
+    assert len(asyncio.run(fetch_images([fetched, fetched], exact))) == 2
+
+
 # --------------------------------------------------------------------------- chat rendering
 
 PARTS_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{% if m.content is string %}{{ m.content }}{% else %}"
@@ -532,15 +552,14 @@ def test_the_template_gets_huggingface_multimodal_parts(tokenizer):
 
 def test_a_chat_request_fetches_its_images_only_for_a_model_that_takes_them(tokenizer, site):
     from server.chat import render_chat_request
-
-    async def in_thread(fn, *args):
-        return fn(*args)
+    from server.serving import ServingContext
 
     messages = messages_with({"type": "text", "text": "look"}, image_part(f"{site.url}/img.png", "high"))
     options = ChatTemplateOptions(add_generation_prompt=False, chat_template=PARTS_TEMPLATE)
     for accepts_images in (False, True):
-        model = SimpleNamespace(name="some-model", accepts_images=accepts_images)
-        ctx = SimpleNamespace(tokenizer=tokenizer, model=model, media=LOOPBACK_ALLOWED, in_tokenizer_thread=in_thread)
+        model = SimpleNamespace(name="some-model", accepts_images=accepts_images, tokenizer=tokenizer,
+                                chat_template=None, max_model_len=4096)
+        ctx = ServingContext(None, model, None, media=LOOPBACK_ALLOWED, trust_request_chat_template=True)
         if not accepts_images:
             with pytest.raises(APIError, match="'some-model' does not accept images"):
                 asyncio.run(render_chat_request(ctx, messages, options, None))

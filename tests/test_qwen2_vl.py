@@ -282,11 +282,10 @@ def test_the_server_renders_a_chat_with_the_processors_template(llm, qwen_dir, p
     import asyncio
     import base64
     import io
-    from types import SimpleNamespace
 
     from server.media import MediaLimits
     from server.protocol import ChatMessageParam
-    from server.serving import ServedModel
+    from server.serving import ServedModel, ServingContext
     from server.tokenization import ChatTemplateOptions
 
     from server.chat import render_chat_request
@@ -302,10 +301,7 @@ def test_the_server_renders_a_chat_with_the_processors_template(llm, qwen_dir, p
                         image_processor=processor)
     assert model.chat_template == TEMPLATE
 
-    async def in_thread(fn, *args):
-        return fn(*args)
-
-    ctx = SimpleNamespace(tokenizer=tokenizer, model=model, media=MediaLimits(), in_tokenizer_thread=in_thread)
+    ctx = ServingContext(None, model, None, media=MediaLimits())
     messages = [ChatMessageParam.model_validate({"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}, question]})]
     rendered = asyncio.run(render_chat_request(ctx, messages, ChatTemplateOptions(), None))

@@ -111,6 +111,10 @@ def test_fan_out_is_capped(http):
     error = assert_error_shape(http.post(CMPL, json=body), 400)
     assert error["param"] == "n" and "18 choices" in error["message"]
     assert http.post(CMPL, json={**body, "n": 5}).status_code == 200
+    # A chat's choices are counted before its conversation is rendered or tokenized (this one could not be).
+    chat = {"model": TINY_MODEL_NAME, "messages": [{"role": "user", "content": "\ud800"}], "n": 17, "max_tokens": 1}
+    error = assert_error_shape(post_raw(http, CHAT, chat), 400)
+    assert error["param"] == "n" and "17 choices" in error["message"]
 
 
 # ---------------------------------------------------------------------- 4. surrogates

@@ -157,15 +157,6 @@ def test_continue_final_message_and_chat_echo(client, tiny_server):
     assert streamed == content
 
 
-def test_a_request_chat_template_replaces_the_models(client, tiny_server):
-    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
-    ids = tokenize(tiny_server.url, messages=CHAT, chat_template=template)
-    assert detokenize(tiny_server.url, ids) == "[user] What is the capital of France?\n[assistant]"
-    reply = client.chat.completions.create(model=TINY_MODEL_NAME, messages=CHAT, max_tokens=2,
-                                           extra_body={"chat_template": template})
-    assert reply.usage.prompt_tokens == len(ids)
-
-
 @pytest.mark.parametrize("body,param", [
     ({"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False}, "messages"),
     ({"messages": CHAT + [{"role": "assistant", "content": "x"}], "continue_final_message": True},
