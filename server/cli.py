@@ -177,11 +177,12 @@ def _add_server_args(group) -> None:
     group.add_argument("--host", default="0.0.0.0", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on")
     group.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of host:port")
-    group.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under "
-                       "(it strips it before forwarding; /openapi.json names it)")
+    group.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under; requests "
+                       "may carry it or not (a proxy that strips it); /openapi.json names it")
     group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize "
-                            "(default: $MINIVLLM_API_KEY; none: no authentication)")
+                       help="require 'Authorization: Bearer <key>' on every route but /health, /version, /load, "
+                            "/metrics, /dashboard and the OpenAPI docs (default: $MINIVLLM_API_KEY; none: no "
+                            "authentication)")
     group.add_argument("--metrics-prefix", default="minivllm:", type=_metrics_prefix,
                        help="what every /metrics name starts with; 'vllm:' lets vLLM's Grafana dashboards and "
                             "alerts read this server (the names after it are vLLM's)")
@@ -385,8 +386,9 @@ def serve(args: argparse.Namespace) -> int:
         ctx = ServingContext(engine, model, metrics, limits, media=media_limits_from_args(args),
                              force_include_usage=args.enable_force_include_usage,
                              api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
-        uvicorn_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port, uds=args.uds,
-                                        root_path=args.root_path, log_level=args.log_level,
+        # The prefix is the app's (server.routing.RootPath), not uvicorn's: uvicorn would add it to every path.
+        uvicorn_config = uvicorn.Config(build_app(ctx, args.root_path), host=args.host, port=args.port,
+                                        uds=args.uds, log_level=args.log_level,
                                         http=guarded_http_protocol(limits.header_timeout_s),
                                         timeout_keep_alive=args.timeout_keep_alive,
                                         timeout_graceful_shutdown=_AFTER_DRAIN_GRACE_S)
@@ -409,10 +411,13 @@ def _import_server_modules() -> None:
 
 def ready_line(args: argparse.Namespace, ctx: ServingContext, engine: AsyncEngine) -> str:
     """The one line that says what is served where, and how to reach it."""
+    from server.routing import normalize_root_path
+
     host = "localhost" if args.host in ("0.0.0.0", "::", "127.0.0.1", "::1") else args.host
-    base = f"http://{host}:{args.port}{args.root_path}"
+    root_path = normalize_root_path(args.root_path)
+    base = f"http://{host}:{args.port}{root_path}"
     if args.uds:
-        base = f"http+unix://{args.uds}{args.root_path}"
+        base = f"http+unix://{args.uds}{root_path}"
     key = "required (Authorization: Bearer)" if ctx.api_key else "not required"
     cache = f"; model cache {default_cache_dir()}" if args.model is None else ""
     return (f"ready: {ctx.model.name!r} ({ctx.model.path}) at {base}/v1; dashboard {base}/dashboard, metrics "
