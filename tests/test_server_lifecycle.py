@@ -261,7 +261,7 @@ def test_engine_start_up_failure_is_a_clear_error_and_exit_code(args, message, t
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory, tiny_model_path):
     args = tiny_server_args(tiny_model_path) + ["--max-num-seqs", "2", "--max-waiting-requests", "1",
-                                                 "--shutdown-timeout", "3"]
+                                                 "--shutdown-timeout", "10"]
     server = start_server(tmp_path_factory.mktemp("servers"), "small", args)
     yield server
     server.stop()
@@ -299,31 +299,63 @@ def test_full_waiting_queue_is_503(small_server):
 
 
 def test_sigterm_drains_then_aborts_then_exits_0(small_server):
+    """In flight at SIGTERM: a short request finishes, a long one is aborted at the deadline, then exit 0.
+
+    Events decide, not speed: the short request (3 tokens, already running) has the whole drain
+    (--shutdown-timeout 10) for its last two steps, and the engine core is paused once it has
+    finished, so the long one (4000 tokens, in the same batch) cannot finish before the deadline
+    on any machine."""
     url = small_server.url
+    core = engine_core_pid(small_server)
 
     async def scenario():
         async with async_client(url) as client:
             long_req = {**LONG, "prompt": "long", "stream": True}
-            short_req = {**LONG, "prompt": "short", "max_tokens": 40, "stream": True}
+            short_req = {**LONG, "prompt": "short", "max_tokens": 3, "stream": True}
             long_stream = await client.send(client.build_request("POST", "/v1/completions", json=long_req), stream=True)
             short_stream = await client.send(client.build_request("POST", "/v1/completions", json=short_req),
                                              stream=True)
             assert long_stream.status_code == short_stream.status_code == 200
+            short_lines = short_stream.aiter_lines()
+            first = await anext_event(short_lines)  # the short request runs beside the long one
             small_server.send_signal()
-            await asyncio.sleep(0.3)
+            await asyncio.to_thread(wait_for_health_code, url, "shutting_down")
+            refused = await client.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+            short_events = [first] + await asyncio.wait_for(rest_of_events(short_lines), timeout=60)
+            os.kill(core, signal.SIGSTOP)
             try:
-                refused = await client.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
-                assert_error_shape(refused, 503)
-            except httpx.TransportError:
-                pass  # already gone: also fine
-            short_events = await asyncio.wait_for(read_stream(short_stream), timeout=30)
-            long_events = await asyncio.wait_for(read_stream(long_stream), timeout=30)
-            return short_events, long_events
+                long_events = await asyncio.wait_for(read_stream(long_stream), timeout=60)
+            finally:
+                os.kill(core, signal.SIGCONT)
+            return refused, short_events, long_events
 
-    short_events, long_events = asyncio.run(scenario())
+    refused, short_events, long_events = asyncio.run(scenario())
+    assert "shutting down" in assert_error_shape(refused, 503)["message"]
     for events, reason in ((short_events, "length"), (long_events, "abort")):
         assert events[-1] == "[DONE]"
         last = json.loads(events[-2])["choices"][0]
         assert last["finish_reason"] == reason
         assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
     assert small_server.wait(timeout_s=30) == 0
+    assert "aborted 1 requests that did not finish in time" in small_server.log_path.read_text()
+
+
+async def anext_event(lines) -> str:
+    async for line in lines:
+        if line.startswith("data: "):
+            return line[len("data: "):]
+    raise AssertionError("the stream ended before its first event")
+
+
+async def rest_of_events(lines) -> list[str]:
+    return [line[len("data: "):] async for line in lines if line.startswith("data: ")]
+
+
+def wait_for_health_code(url: str, code: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = httpx.get(f"{url}/health", timeout=10)
+        if response.status_code == 503 and response.json()["error"]["code"] == code:
+            return
+        assert time.monotonic() < deadline, f"/health never said {code}: {response.text}"
+        time.sleep(0.05)
