@@ -359,3 +359,32 @@ def wait_for_health_code(url: str, code: str, timeout_s: float = 20) -> None:
             return
         assert time.monotonic() < deadline, f"/health never said {code}: {response.text}"
         time.sleep(0.05)
+
+
+def test_second_ctrl_c_ends_the_drain_at_once_and_quietly(tmp_path, tiny_model_path):
+    """Ctrl-C twice: the first starts a long drain, the second ends it; the open stream gets an error event
+    and [DONE] (not a cut connection), no traceback is printed, and the process exits with 0."""
+    server = start_server(tmp_path, "twice", tiny_server_args(tiny_model_path) + ["--shutdown-timeout", "600"])
+    try:
+        async def scenario():
+            async with async_client(server.url) as client:
+                body = {**LONG, "prompt": "keep going", "stream": True}
+                stream = await client.send(client.build_request("POST", "/v1/completions", json=body), stream=True)
+                lines = stream.aiter_lines()
+                first = await anext_event(lines)
+                server.send_signal(signal.SIGINT)
+                await asyncio.to_thread(wait_for_health_code, server.url, "shutting_down")
+                server.send_signal(signal.SIGINT)
+                return [first] + await asyncio.wait_for(rest_of_events(lines), timeout=60)
+
+        events = asyncio.run(scenario())
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_error" and error["message"]
+        assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
+        assert server.wait(timeout_s=60) == 0  # far less than the 600 s drain it was given
+        log = server.log_path.read_text()
+        assert "stopping now: 1 requests in flight end with an error" in log
+        assert "Traceback" not in log and "CancelledError" not in log
+    finally:
+        server.stop()
