@@ -29,6 +29,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.default_model import DEFAULT_MODEL_NAME, default_cache_dir
 from server import __version__
 from server.limits import ServerLimits, guarded_http_protocol
+from server.listeners import bind_tcp, bind_unix, close_all, remove_unix_socket
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tool_parsers import PARSERS, parser_for_template
 
@@ -331,7 +332,7 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)  # exits the process if the port cannot be bound
+        await super().startup(sockets)  # exits the process if the app's start-up fails
         if self.started and self.ready_line:
             logger.info("%s", self.ready_line)
 
@@ -376,13 +377,17 @@ class DrainingServer(uvicorn.Server):
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sockets = []
     try:
         limits = limits_from_args(args)
         check_media_args(args)
+        # Listening before the model loads: a port in use is an error now, not once the model is loaded.
+        sockets = bind_unix(args.uds) if args.uds else bind_tcp(args.host, args.port)
         engine = AsyncEngine.launch(engine_config_from_args(args), args.max_waiting_requests, args.log_level,
                                     while_loading=_import_server_modules)
     except (ConfigError, EngineStartupError, OSError, ValueError) as exc:  # a bad flag or model: say so, no traceback
         logger.debug("the engine could not start", exc_info=True)
+        close_all(sockets)
         print(f"minivllm serve: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -414,15 +419,19 @@ def serve(args: argparse.Namespace) -> int:
                                         http=guarded_http_protocol(limits.header_timeout_s),
                                         timeout_keep_alive=args.timeout_keep_alive,
                                         timeout_graceful_shutdown=_AFTER_DRAIN_GRACE_S)
-        server = DrainingServer(uvicorn_config, engine, args.shutdown_timeout, ready_line(args, ctx, engine))
+        port = sockets[0].getsockname()[1] if not args.uds else args.port  # --port 0: the one the system chose
+        server = DrainingServer(uvicorn_config, engine, args.shutdown_timeout, ready_line(args, ctx, engine, port))
         if ctx.api_key is None and not args.uds and not _is_loopback(args.host):
             logger.warning("listening on %s without an API key: anyone who can reach this host can use the model "
                            "(set --api-key or MINIVLLM_API_KEY, or --host 127.0.0.1)", args.host)
         gc.collect()
         gc.freeze()  # start-up objects (tokenizer, app, modules) stay out of the collections made while serving
-        server.run()
+        server.run(sockets)
         return 0 if server.started else 1
     finally:
+        close_all(sockets)
+        if args.uds:
+            remove_unix_socket(args.uds)
         engine.shutdown()
 
 
@@ -431,13 +440,13 @@ def _import_server_modules() -> None:
         importlib.import_module(name)
 
 
-def ready_line(args: argparse.Namespace, ctx: ServingContext, engine: AsyncEngine) -> str:
+def ready_line(args: argparse.Namespace, ctx: ServingContext, engine: AsyncEngine, port: int) -> str:
     """The one line that says what is served where, and how to reach it."""
     from server.routing import normalize_root_path
 
     host = "localhost" if args.host in ("0.0.0.0", "::", "127.0.0.1", "::1") else args.host
     root_path = normalize_root_path(args.root_path)
-    base = f"http://{host}:{args.port}{root_path}"
+    base = f"http://{host}:{port}{root_path}"
     if args.uds:
         base = f"http+unix://{args.uds}{root_path}"
     key = "required (Authorization: Bearer)" if ctx.api_key else "not required"

@@ -6,7 +6,7 @@ through a reverse proxy that strips it), one on a Unix socket without a prefix.
 
 from __future__ import annotations
 
-import asyncio
+import socket
 import threading
 
 import httpx
@@ -108,10 +108,14 @@ def prefixed(tmp_path_factory, tiny_model_path):
 @pytest.fixture(scope="module")
 def on_socket(tmp_path_factory, tiny_model_path):
     tmp = tmp_path_factory.mktemp("servers")
+    path = tmp / "s.sock"
+    with socket.socket(socket.AF_UNIX) as stale:  # left behind by a server that crashed: replaced
+        stale.bind(str(path))
     server = start_server(tmp, "auth-uds", tiny_server_args(tiny_model_path) + ["--api-key", API_KEY,
-                                                                                "--uds", str(tmp / "s.sock")])
+                                                                                "--uds", str(path)])
     yield server
     server.stop()
+    assert not path.exists()  # removed on the way out
 
 
 @pytest.fixture(scope="module")

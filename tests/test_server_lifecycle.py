@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from tests.server_helpers import (  # noqa: E402
     assert_error_shape,
     engine_core_pid,
     failing_step_env,
+    free_port,
     process_alive,
     scrape_metrics,
     start_server,
@@ -247,12 +249,35 @@ def test_killed_api_server_takes_the_engine_process_down(tmp_path, tiny_model_pa
 ], ids=["missing-model-dir", "kv-cache-out-of-memory"])
 def test_engine_start_up_failure_is_a_clear_error_and_exit_code(args, message, tiny_model_path):
     base = ["--model", str(tiny_model_path)] if args[0] != "--model" else []
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "1", *base, *args],
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", str(free_port()), *base, *args],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     error_line = [line for line in proc.stderr.splitlines() if line.startswith("minivllm serve: error:")]
     assert error_line and message in error_line[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("where", ["port", "unix-socket"])
+def test_an_address_in_use_is_refused_before_the_model_loads(where, tmp_path, tiny_model_path):
+    """Another server holds the address: exit 2 with a clear line at once, before any engine process starts."""
+    holder = socket.socket(socket.AF_UNIX if where == "unix-socket" else socket.AF_INET, socket.SOCK_STREAM)
+    with holder:
+        if where == "unix-socket":
+            address = str(tmp_path / "taken.sock")
+            holder.bind(address)
+            flags = ["--uds", address]
+        else:
+            holder.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{holder.getsockname()[1]}"
+            flags = ["--host", "127.0.0.1", "--port", str(holder.getsockname()[1])]
+        holder.listen()
+        proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_path), *flags],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    error_line = [line for line in proc.stderr.splitlines() if line.startswith("minivllm serve: error:")]
+    assert error_line and f"cannot listen on {address}" in error_line[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "engine core process" not in proc.stderr  # refused before the model was even loading
 
 
 # ------------------------------------------------------------ overload and shutdown
