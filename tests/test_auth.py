@@ -207,3 +207,31 @@ def test_a_streamed_completion_through_the_proxy(proxy):
     client = openai.OpenAI(base_url=f"{proxy.url}{PREFIX}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     chunks = list(client.completions.create(model=TINY_MODEL_NAME, prompt="x", max_tokens=3, stream=True))
     assert chunks and chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("request_line, status", [("POST /v1/embeddings", 404), ("POST /llm/no/such/route", 404),
+                                                  ("PUT /v1/completions", 405), ("DELETE /llm/tokenize", 405)])
+def test_unknown_routes_and_methods_are_answered_without_reading_the_body(prefixed, request_line, status):
+    """A body announced and never sent: the 404 or 405 comes at once. A server that buffered the body
+    first would wait for it (and answer 408 after --request-body-timeout, 60 s, past this test's wait)."""
+    head = (f"{request_line} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {API_KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", prefixed.port), timeout=30) as conn:
+        conn.sendall(head.encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = conn.recv(65536)
+            assert chunk, reply
+            reply += chunk
+    assert reply.startswith(f"HTTP/1.1 {status} ".encode()), reply
+
+
+def test_the_model_card_names_no_local_path(prefixed, tiny_model_path):
+    auth = KEYS["right-key"]
+    listed = httpx.get(f"{prefixed.url}/v1/models", headers=auth, timeout=30)
+    one = httpx.get(f"{prefixed.url}/v1/models/{TINY_MODEL_NAME}", headers=auth, timeout=30)
+    for response, card in ((listed, listed.json()["data"][0]), (one, one.json())):
+        assert str(tiny_model_path) not in response.text and tiny_model_path.name not in response.text
+        assert card["id"] == card["root"] == TINY_MODEL_NAME
+        assert card["object"] == "model" and card["max_model_len"] == 4096
+        assert card["input_modalities"] == ["text"]
