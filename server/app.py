@@ -99,7 +99,9 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         raise bad_request("give 'messages' (a chat completion) or 'prompt' (a completion)", param="messages")
 
     def card() -> ModelCard:
-        return ModelCard(id=ctx.model.name, root=ctx.model.path, max_model_len=ctx.model.max_model_len,
+        # vLLM's root is the model it was given, a Hugging Face name; here that is a local directory, whose path
+        # would tell every client how the host is laid out, so the root is the name clients use.
+        return ModelCard(id=ctx.model.name, root=ctx.model.name, max_model_len=ctx.model.max_model_len,
                          input_modalities=list(ctx.model.input_modalities))
 
     @app.get("/v1/models", responses=error_responses(401))
