@@ -224,8 +224,11 @@ def test_killed_engine_process_ends_streams_and_health_within_a_second(tmp_path,
         assert seconds_to_503 < 1.0
         for events in streams:
             assert events[-1] == "[DONE]"
-            assert "exited unexpectedly" in json.loads(events[-2])["error"]["message"]
+            message = json.loads(events[-2])["error"]["message"]
+            assert "exited unexpectedly (killed by SIGKILL)" in message  # the real cause, not "exit code None"
         assert_dead_and_refusing(url)
+        health = httpx.get(f"{url}/health", timeout=10).json()["error"]["message"]
+        assert "killed by SIGKILL" in health
         assert server.stop() == 0
     finally:
         server.stop()
