@@ -452,7 +452,21 @@ def ready_line(args: argparse.Namespace, ctx: ServingContext, engine: AsyncEngin
     key = "required (Authorization: Bearer)" if ctx.api_key else "not required"
     cache = f"; model cache {default_cache_dir()}" if args.model is None else ""
     return (f"ready: {ctx.model.name!r} ({ctx.model.path}) at {base}/v1; dashboard {base}/dashboard, metrics "
-            f"{base}/metrics; API key {key}; engine core process {engine.engine_pid}{cache}")
+            f"{base}/metrics; API key {key}; {chat_default_limit(ctx)}; engine core process {engine.engine_pid}"
+            f"{cache}")
+
+
+def chat_default_limit(ctx: ServingContext) -> str:
+    """How long a chat request without max_tokens may generate (vLLM's default: to the end of the context)."""
+    limit = ctx.limits.max_tokens_limit
+    configured = ctx.model.info.sampling_defaults.get("max_tokens")  # the generation config's max_new_tokens
+    if configured is not None:
+        cap = f"at most {limit}" if limit is not None else "no cap"
+        return f"chat requests without max_tokens: {configured} tokens (generation config; --max-tokens-limit: {cap})"
+    if limit is not None:
+        return f"chat requests without max_tokens: {limit} tokens (--max-tokens-limit)"
+    return (f"chat requests without max_tokens: up to the end of the context ({ctx.model.max_model_len} tokens with "
+            "the prompt; --max-tokens-limit N sets a default)")
 
 
 def _metrics_prefix(text: str) -> str:

@@ -289,7 +289,7 @@ def test_an_address_in_use_is_refused_before_the_model_loads(where, tmp_path, ti
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory, tiny_model_path):
     args = tiny_server_args(tiny_model_path) + ["--max-num-seqs", "2", "--max-waiting-requests", "1",
-                                                 "--shutdown-timeout", "10"]
+                                                 "--shutdown-timeout", "10", "--max-tokens-limit", "4000"]
     server = start_server(tmp_path_factory.mktemp("servers"), "small", args)
     yield server
     server.stop()
@@ -300,6 +300,21 @@ def wait_for_metric(url: str, name: str, value: float, timeout_s: float = 20) ->
     while scrape_metrics(url)[name] != value:
         assert time.monotonic() < deadline, f"{name} never reached {value}"
         time.sleep(0.05)
+
+
+def ready_line_of(server) -> str:
+    lines = [line for line in server.log_path.read_text().splitlines() if " ready: " in line]
+    assert len(lines) == 1, server.log_tail()
+    return lines[0]
+
+
+def test_the_ready_line_says_how_long_a_chat_request_may_run(tiny_server, small_server):
+    """vLLM's default: a chat request without max_tokens runs to the end of the context; the line says so, and
+    names the flag that sets another default."""
+    unlimited = ready_line_of(tiny_server)
+    assert ("chat requests without max_tokens: up to the end of the context (4096 tokens with the prompt; "
+            "--max-tokens-limit N sets a default)") in unlimited
+    assert "chat requests without max_tokens: 4000 tokens (--max-tokens-limit)" in ready_line_of(small_server)
 
 
 def test_full_waiting_queue_is_503(small_server):
