@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import multiprocessing
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from engine.tokenizer import load_tokenizer
 logger = logging.getLogger("minivllm")
 
 _SHUTDOWN_WAIT_S = 10.0  # after Shutdown, how long the core gets to exit before it is killed
+_REAP_WAIT_S = 1.0  # once the core's sentinel fires, how long to wait for its exit status
 
 
 class EngineDeadError(RuntimeError):
@@ -346,7 +348,9 @@ class AsyncEngine:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)
         if self._stopping:
             return
-        reason = f"the engine process exited unexpectedly (exit code {self._process.exitcode})"
+        # The sentinel fires as the process exits, a moment before it can be reaped: wait for its exit status.
+        self._process.join(_REAP_WAIT_S)
+        reason = f"the engine process exited unexpectedly ({_describe_exit(self._process.exitcode)})"
         if self._control.poll():
             try:
                 message = self._control.recv()
@@ -421,6 +425,18 @@ def _wait_until_ready(process, control, timeout_s: float | None) -> tuple[ModelI
     if message[0] != "ready":
         raise EngineStartupError(message[1])
     return message[1], message[2]
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    """'exit code 1', 'killed by SIGKILL' (multiprocessing's negative exit codes are signals)."""
+    if exitcode is None:
+        return "its exit status is unknown"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 def _stop_process(process, wait_s: float = 0.0) -> None:

@@ -1,7 +1,9 @@
 """minivllm's HTTP server: an OpenAI-compatible API on FastAPI and uvicorn.
 
     cli.py          ``minivllm serve``: flags -> EngineConfig, uvicorn with a draining shutdown
-    app.py          the FastAPI app: routes, API key, lifespan
+    listeners.py    the listening sockets, bound before the model loads
+    app.py          the FastAPI app: routes, lifespan
+    routing.py      the root path; each route's API key and body limits
     completions.py  /v1/completions          chat.py  /v1/chat/completions
     serving.py      what both share: admission, whole vs streamed answers
     generation.py   one request fanned out into engine requests, merged back

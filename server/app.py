@@ -1,30 +1,29 @@
 """The FastAPI app: OpenAI's routes, plus health, version, metrics, (de)tokenization and the KV dashboard.
 
 The engine client starts receiving outputs with the app, and the engine core process is shut
-down with it (the app's lifespan). With an API key, every
-``/v1`` route and ``/tokenize``/``/detokenize`` need ``Authorization: Bearer <key>``; the
-check runs before the body is read, so an unauthenticated client learns nothing else.
-``/health``, ``/metrics`` and ``/dashboard`` stay open for probes, scrapers and people.
+down with it (the app's lifespan). Every route defined on the app itself is protected: with an
+API key it needs ``Authorization: Bearer <key>``, checked by the route (server/routing.py) before
+its body is read, whatever prefix or proxy the request came through. ``/health``, ``/version``,
+``/load`` and ``/metrics`` (the ops router), ``/dashboard`` and the OpenAPI document stay open
+for probes, scrapers and people.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from fastapi.responses import PlainTextResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server import __version__
 from server.chat import create_chat_completion, render_chat_request
 from server.completions import create_completion
 from server.dashboard import dashboard_router
 from server.errors import SERVER_ERROR, APIError, bad_request, install_error_handlers
-from server.limits import BodyLimitMiddleware
+from server.limits import BodyLimit
 from server.openapi import CHAT_RESPONSES, COMPLETION_RESPONSES, error_responses, install_openapi
 from server.protocol import (
     ChatCompletionRequest,
@@ -36,14 +35,14 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.routing import RootPath, guarded_route_class
 from server.serving import ServingContext
 from server.streaming import ClientDisconnected, client_closed_response
 from server.tokenization import ChatTemplateOptions, check_token_ids, decode, encode, require_tokenizer
 
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
 
-
-def build_app(ctx: ServingContext) -> FastAPI:
+def build_app(ctx: ServingContext, root_path: str = "") -> FastAPI:
+    """The app, served under ``root_path`` (a proxy's prefix, which requests may carry or not)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         ctx.engine.start()
@@ -55,16 +54,18 @@ def build_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="minivllm", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
-    # Added last is outermost: the API key is checked before the body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.limits.max_request_body_bytes,
-                       timeout_s=ctx.limits.body_timeout_s)
-    if ctx.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=ctx.api_key)
+    if root_path:
+        app.add_middleware(RootPath, root_path=root_path)
+    body_limit = BodyLimit(ctx.limits.max_request_body_bytes, ctx.limits.body_timeout_s)
+    # Protected unless said otherwise: a route added to the app later needs the key too.
+    app.router.route_class = guarded_route_class(ctx.api_key or None, body_limit)
     _add_openai_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
-    _add_ops_routes(app, ctx)
+    ops = APIRouter(route_class=guarded_route_class(None, body_limit))
+    _add_ops_routes(ops, ctx)
+    app.include_router(ops)
     app.include_router(dashboard_router(ctx))
-    install_openapi(app, _PROTECTED_PREFIXES, api_key=bool(ctx.api_key))
+    install_openapi(app)
     return app
 
 
@@ -101,7 +102,9 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         raise bad_request("give 'messages' (a chat completion) or 'prompt' (a completion)", param="messages")
 
     def card() -> ModelCard:
-        return ModelCard(id=ctx.model.name, root=ctx.model.path, max_model_len=ctx.model.max_model_len,
+        # vLLM's root is the model it was given, a Hugging Face name; here that is a local directory, whose path
+        # would tell every client how the host is laid out, so the root is the name clients use.
+        return ModelCard(id=ctx.model.name, root=ctx.model.name, max_model_len=ctx.model.max_model_len,
                          input_modalities=list(ctx.model.input_modalities))
 
     @app.get("/v1/models", responses=error_responses(401))
@@ -174,7 +177,7 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
         return DetokenizeResponse(prompt=text)
 
 
-def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
+def _add_ops_routes(app: APIRouter, ctx: ServingContext) -> None:
     @app.head("/health", include_in_schema=False)
     @app.get("/health", responses=error_responses(503))
     async def health() -> dict:
@@ -211,30 +214,3 @@ def _json_value(value) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-class APIKeyMiddleware:
-    """Refuse protected routes without the right bearer token (compared in constant time)."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.api_key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
-            error = self._check(scope)
-            if error is not None:
-                await error.to_response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _check(self, scope: Scope) -> APIError | None:
-        values = [value for name, value in scope["headers"] if name == b"authorization"]
-        if len(values) > 1:
-            return APIError(401, "send one Authorization header, not several", code="invalid_api_key")
-        scheme, _, token = (values[0] if values else b"").partition(b" ")
-        if scheme.lower() != b"bearer" or not token.strip():
-            return APIError(401, "missing API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key")
-        if not secrets.compare_digest(token.strip(), self.api_key):
-            return APIError(401, "invalid API key", code="invalid_api_key")
-        return None

@@ -3,7 +3,8 @@
 Shutdown is graceful: the first SIGTERM (or Ctrl-C) stops admitting requests (503),
 lets those in flight finish for up to ``--shutdown-timeout`` seconds, aborts the rest
 (their streams end with ``finish_reason: "abort"``), and only then lets uvicorn close
-its connections and exit with status 0. A second signal skips the wait.
+its connections and exit with status 0. A second signal skips the wait: the streams still
+open end with an error event and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.default_model import DEFAULT_MODEL_NAME, default_cache_dir
 from server import __version__
 from server.limits import ServerLimits, guarded_http_protocol
+from server.listeners import bind_tcp, bind_unix, close_all, remove_unix_socket
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tool_parsers import PARSERS, parser_for_template
 
@@ -177,11 +179,12 @@ def _add_server_args(group) -> None:
     group.add_argument("--host", default="0.0.0.0", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on")
     group.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of host:port")
-    group.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under "
-                       "(it strips it before forwarding; /openapi.json names it)")
+    group.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under; requests "
+                       "may carry it or not (a proxy that strips it); /openapi.json names it")
     group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize "
-                            "(default: $MINIVLLM_API_KEY; none: no authentication)")
+                       help="require 'Authorization: Bearer <key>' on every route but /health, /version, /load, "
+                            "/metrics, /dashboard and the OpenAPI docs (default: $MINIVLLM_API_KEY; none: no "
+                            "authentication)")
     group.add_argument("--metrics-prefix", default="minivllm:", type=_metrics_prefix,
                        help="what every /metrics name starts with; 'vllm:' lets vLLM's Grafana dashboards and "
                             "alerts read this server (the names after it are vLLM's)")
@@ -316,7 +319,10 @@ class DrainingServer(uvicorn.Server):
 
     uvicorn closes its listening sockets as soon as it starts shutting down; draining first
     keeps them open, so a client arriving during the drain gets a 503 rather than a refused
-    connection. Signals are not re-raised after shutdown, so the process exits with 0.
+    connection. A second signal ends the drain at once: the app's shutdown stops the engine, so
+    every open stream ends with an error event and ``[DONE]`` before uvicorn closes the
+    connections (rather than uvicorn cancelling them mid-stream). A third one stops waiting for
+    anything. Signals are not re-raised after shutdown, so the process exits with 0.
     """
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout_s: float,
@@ -327,48 +333,70 @@ class DrainingServer(uvicorn.Server):
         self.ready_line = ready_line
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
-        self._signalled = False
+        self._stop_task: asyncio.Task | None = None
+        self._num_signals = 0
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)  # exits the process if the port cannot be bound
+        await super().startup(sockets)  # exits the process if the app's start-up fails
         if self.started and self.ready_line:
             logger.info("%s", self.ready_line)
 
     def handle_exit(self, sig, frame) -> None:
-        if self._signalled or self._loop is None:
+        self._num_signals += 1
+        if self._loop is None or self._num_signals > 2:
             self.force_exit = self.should_exit  # a signal while uvicorn already shuts down: stop waiting
             self.should_exit = True
             return
-        self._signalled = True
-        self._loop.call_soon_threadsafe(self._start_drain)
+        start = self._start_drain if self._num_signals == 1 else self._start_stop
+        self._loop.call_soon_threadsafe(start)
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
+    def _start_stop(self) -> None:
+        self._stop_task = asyncio.get_running_loop().create_task(self._stop_now())
+
     async def _drain(self) -> None:
         try:
-            logger.info("shutting down: no new requests; %d in flight get up to %.1f s to finish",
-                        self.engine.num_in_flight, self.shutdown_timeout_s)
+            logger.info("shutting down: no new requests; %d in flight get up to %.1f s to finish (signal again to "
+                        "stop them now)", self.engine.num_in_flight, self.shutdown_timeout_s)
             num_aborted = await self.engine.drain(self.shutdown_timeout_s)
             if num_aborted:
                 logger.info("aborted %d requests that did not finish in time", num_aborted)
         finally:
             self.should_exit = True
 
+    async def _stop_now(self) -> None:
+        """The second signal: no more waiting for the requests in flight."""
+        logger.info("stopping now: %d requests in flight end with an error", self.engine.num_in_flight)
+        if self._drain_task is not None and not self._drain_task.done():
+            self._drain_task.cancel()
+            await asyncio.gather(self._drain_task, return_exceptions=True)
+        try:
+            # The app's shutdown stops the engine, which fails every open stream (an error event, then [DONE]);
+            # uvicorn's own call to it later finds it done.
+            await self.lifespan.shutdown()
+        finally:
+            self.should_exit = True
+
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sockets = []
     try:
         limits = limits_from_args(args)
         check_media_args(args)
+        # Listening before the model loads: a port in use is an error now, not once the model is loaded.
+        sockets = bind_unix(args.uds) if args.uds else bind_tcp(args.host, args.port)
         engine = AsyncEngine.launch(engine_config_from_args(args), args.max_waiting_requests, args.log_level,
                                     while_loading=_import_server_modules)
     except (ConfigError, EngineStartupError, OSError, ValueError) as exc:  # a bad flag or model: say so, no traceback
         logger.debug("the engine could not start", exc_info=True)
+        close_all(sockets)
         print(f"minivllm serve: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -395,20 +423,25 @@ def serve(args: argparse.Namespace) -> int:
                              force_include_usage=args.enable_force_include_usage,
                              trust_request_chat_template=args.trust_request_chat_template,
                              api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
-        uvicorn_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port, uds=args.uds,
-                                        root_path=args.root_path, log_level=args.log_level,
+        # The prefix is the app's (server.routing.RootPath), not uvicorn's: uvicorn would add it to every path.
+        uvicorn_config = uvicorn.Config(build_app(ctx, args.root_path), host=args.host, port=args.port,
+                                        uds=args.uds, log_level=args.log_level,
                                         http=guarded_http_protocol(limits.header_timeout_s),
                                         timeout_keep_alive=args.timeout_keep_alive,
                                         timeout_graceful_shutdown=_AFTER_DRAIN_GRACE_S)
-        server = DrainingServer(uvicorn_config, engine, args.shutdown_timeout, ready_line(args, ctx, engine))
+        port = sockets[0].getsockname()[1] if not args.uds else args.port  # --port 0: the one the system chose
+        server = DrainingServer(uvicorn_config, engine, args.shutdown_timeout, ready_line(args, ctx, engine, port))
         if ctx.api_key is None and not args.uds and not _is_loopback(args.host):
             logger.warning("listening on %s without an API key: anyone who can reach this host can use the model "
                            "(set --api-key or MINIVLLM_API_KEY, or --host 127.0.0.1)", args.host)
         gc.collect()
         gc.freeze()  # start-up objects (tokenizer, app, modules) stay out of the collections made while serving
-        server.run()
+        server.run(sockets)
         return 0 if server.started else 1
     finally:
+        close_all(sockets)
+        if args.uds:
+            remove_unix_socket(args.uds)
         engine.shutdown()
 
 
@@ -417,16 +450,33 @@ def _import_server_modules() -> None:
         importlib.import_module(name)
 
 
-def ready_line(args: argparse.Namespace, ctx: ServingContext, engine: AsyncEngine) -> str:
+def ready_line(args: argparse.Namespace, ctx: ServingContext, engine: AsyncEngine, port: int) -> str:
     """The one line that says what is served where, and how to reach it."""
+    from server.routing import normalize_root_path
+
     host = "localhost" if args.host in ("0.0.0.0", "::", "127.0.0.1", "::1") else args.host
-    base = f"http://{host}:{args.port}{args.root_path}"
+    root_path = normalize_root_path(args.root_path)
+    base = f"http://{host}:{port}{root_path}"
     if args.uds:
-        base = f"http+unix://{args.uds}{args.root_path}"
+        base = f"http+unix://{args.uds}{root_path}"
     key = "required (Authorization: Bearer)" if ctx.api_key else "not required"
     cache = f"; model cache {default_cache_dir()}" if args.model is None else ""
     return (f"ready: {ctx.model.name!r} ({ctx.model.path}) at {base}/v1; dashboard {base}/dashboard, metrics "
-            f"{base}/metrics; API key {key}; engine core process {engine.engine_pid}{cache}")
+            f"{base}/metrics; API key {key}; {chat_default_limit(ctx)}; engine core process {engine.engine_pid}"
+            f"{cache}")
+
+
+def chat_default_limit(ctx: ServingContext) -> str:
+    """How long a chat request without max_tokens may generate (vLLM's default: to the end of the context)."""
+    limit = ctx.limits.max_tokens_limit
+    configured = ctx.model.info.sampling_defaults.get("max_tokens")  # the generation config's max_new_tokens
+    if configured is not None:
+        cap = f"at most {limit}" if limit is not None else "no cap"
+        return f"chat requests without max_tokens: {configured} tokens (generation config; --max-tokens-limit: {cap})"
+    if limit is not None:
+        return f"chat requests without max_tokens: {limit} tokens (--max-tokens-limit)"
+    return (f"chat requests without max_tokens: up to the end of the context ({ctx.model.max_model_len} tokens with "
+            "the prompt; --max-tokens-limit N sets a default)")
 
 
 def _metrics_prefix(text: str) -> str:

@@ -1,8 +1,8 @@
 """What one client may ask of the server, and how long a connection may take to ask it.
 
     connection ── headers within header_timeout_s ──> (else 408, closed)     GuardedHttpProtocol
-               ── body within body_timeout_s, at most max_request_body_bytes ──> (else 408 / 413)
-                                                                             BodyLimitMiddleware
+               ── a known route; its body within body_timeout_s, at most max_request_body_bytes
+                                                                 ──> (else 404/405, 408 / 413)   BodyLimit
                ── request checked: prompts x n, stop strings, max_tokens ──> (else 400)
                                                                              ServerLimits.check_*
 
@@ -66,35 +66,32 @@ class ServerLimits:
 # ------------------------------------------------------------------- request bodies
 
 
-class BodyLimitMiddleware:
-    """Read a request's whole body before the app sees it: at most ``max_bytes`` (413 beyond), and
-    within ``timeout_s`` (408 when a client sends it too slowly). The app then reads it from memory."""
+class BodyLimit:
+    """Read a request's whole body before its handler sees it: at most ``max_bytes`` (413 beyond), and
+    within ``timeout_s`` (408 when a client sends it too slowly). The handler then reads it from memory.
 
-    def __init__(self, app, max_bytes: int, timeout_s: float):
-        self.app = app
+    Routes apply it (server/routing.py) once a request has matched one with an allowed method: a
+    request for an unknown route or method is answered without its body ever being read."""
+
+    def __init__(self, max_bytes: int, timeout_s: float):
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
-            await self.app(scope, receive, send)
-            return
+    async def read(self, scope, receive):
+        """A ``receive`` that replays the whole body, or None when the client left while sending it.
+        Raises APIError (413, 408) when the body is too large or too slow."""
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await _too_large(declared, self.max_bytes).to_response()(scope, receive, send)
-            return
+            raise _too_large(declared, self.max_bytes)
         try:
             body = await asyncio.wait_for(self._read(receive), self.timeout_s)
         except _BodyTooLarge as exc:
-            await _too_large(exc.size, self.max_bytes).to_response()(scope, receive, send)
-            return
+            raise _too_large(exc.size, self.max_bytes) from None
         except asyncio.TimeoutError:
-            error = APIError(408, f"the request body did not arrive within {self.timeout_s:g} s", INVALID_REQUEST,
-                             code="request_timeout")
-            await error.to_response()(scope, receive, send)
-            return
+            raise APIError(408, f"the request body did not arrive within {self.timeout_s:g} s", INVALID_REQUEST,
+                           code="request_timeout") from None
         except _Disconnected:
-            return
+            return None
         replayed = False
 
         async def replay():
@@ -104,7 +101,7 @@ class BodyLimitMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # from here on, only the disconnect
 
-        await self.app(scope, replay, send)
+        return replay
 
     async def _read(self, receive) -> bytes:
         chunks, size = [], 0

@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from server.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse
@@ -57,13 +58,16 @@ COMPLETION_RESPONSES = generation_responses(CompletionResponse, CompletionRespon
 CHAT_RESPONSES = generation_responses(ChatCompletionResponse, ChatCompletionChunk)
 
 
-def install_openapi(app: FastAPI, protected_prefixes: tuple[str, ...], api_key: bool) -> None:
+def install_openapi(app: FastAPI) -> None:
+    """Serve the document below; routes that check an API key (``requires_api_key``) say they need one."""
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             _replace_validation_errors(schema)
-            if api_key:
-                _add_security(schema, protected_prefixes)
+            protected = [route for route in app.routes if getattr(route, "requires_api_key", False)]
+            if protected:
+                _add_security(schema, protected)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -84,9 +88,11 @@ def _replace_validation_errors(schema: dict[str, Any]) -> None:
     assert "ErrorResponse" in components, "every route with a body documents its errors (error_responses)"
 
 
-def _add_security(schema: dict[str, Any], protected_prefixes: tuple[str, ...]) -> None:
+def _add_security(schema: dict[str, Any], routes: list[APIRoute]) -> None:
     schema["components"]["securitySchemes"] = {"APIKey": {"type": "http", "scheme": "bearer"}}
-    for path, operations in schema.get("paths", {}).items():
-        if path.startswith(protected_prefixes):
-            for operation in operations.values():
-                operation["security"] = [{"APIKey": []}]
+    paths = schema.get("paths", {})
+    for route in routes:
+        operations = paths.get(route.path_format, {})  # the document names a route by its path format
+        for method in route.methods:
+            if method.lower() in operations:
+                operations[method.lower()]["security"] = [{"APIKey": []}]

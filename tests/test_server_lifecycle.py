@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from tests.server_helpers import (  # noqa: E402
     assert_error_shape,
     engine_core_pid,
     failing_step_env,
+    free_port,
     process_alive,
     scrape_metrics,
     start_server,
@@ -222,8 +224,11 @@ def test_killed_engine_process_ends_streams_and_health_within_a_second(tmp_path,
         assert seconds_to_503 < 1.0
         for events in streams:
             assert events[-1] == "[DONE]"
-            assert "exited unexpectedly" in json.loads(events[-2])["error"]["message"]
+            message = json.loads(events[-2])["error"]["message"]
+            assert "exited unexpectedly (killed by SIGKILL)" in message  # the real cause, not "exit code None"
         assert_dead_and_refusing(url)
+        health = httpx.get(f"{url}/health", timeout=10).json()["error"]["message"]
+        assert "killed by SIGKILL" in health
         assert server.stop() == 0
     finally:
         server.stop()
@@ -247,12 +252,35 @@ def test_killed_api_server_takes_the_engine_process_down(tmp_path, tiny_model_pa
 ], ids=["missing-model-dir", "kv-cache-out-of-memory"])
 def test_engine_start_up_failure_is_a_clear_error_and_exit_code(args, message, tiny_model_path):
     base = ["--model", str(tiny_model_path)] if args[0] != "--model" else []
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "1", *base, *args],
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", str(free_port()), *base, *args],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     error_line = [line for line in proc.stderr.splitlines() if line.startswith("minivllm serve: error:")]
     assert error_line and message in error_line[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("where", ["port", "unix-socket"])
+def test_an_address_in_use_is_refused_before_the_model_loads(where, tmp_path, tiny_model_path):
+    """Another server holds the address: exit 2 with a clear line at once, before any engine process starts."""
+    holder = socket.socket(socket.AF_UNIX if where == "unix-socket" else socket.AF_INET, socket.SOCK_STREAM)
+    with holder:
+        if where == "unix-socket":
+            address = str(tmp_path / "taken.sock")
+            holder.bind(address)
+            flags = ["--uds", address]
+        else:
+            holder.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{holder.getsockname()[1]}"
+            flags = ["--host", "127.0.0.1", "--port", str(holder.getsockname()[1])]
+        holder.listen()
+        proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_path), *flags],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    error_line = [line for line in proc.stderr.splitlines() if line.startswith("minivllm serve: error:")]
+    assert error_line and f"cannot listen on {address}" in error_line[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "engine core process" not in proc.stderr  # refused before the model was even loading
 
 
 # ------------------------------------------------------------ overload and shutdown
@@ -261,7 +289,7 @@ def test_engine_start_up_failure_is_a_clear_error_and_exit_code(args, message, t
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory, tiny_model_path):
     args = tiny_server_args(tiny_model_path) + ["--max-num-seqs", "2", "--max-waiting-requests", "1",
-                                                 "--shutdown-timeout", "3"]
+                                                 "--shutdown-timeout", "10", "--max-tokens-limit", "4000"]
     server = start_server(tmp_path_factory.mktemp("servers"), "small", args)
     yield server
     server.stop()
@@ -272,6 +300,21 @@ def wait_for_metric(url: str, name: str, value: float, timeout_s: float = 20) ->
     while scrape_metrics(url)[name] != value:
         assert time.monotonic() < deadline, f"{name} never reached {value}"
         time.sleep(0.05)
+
+
+def ready_line_of(server) -> str:
+    lines = [line for line in server.log_path.read_text().splitlines() if " ready: " in line]
+    assert len(lines) == 1, server.log_tail()
+    return lines[0]
+
+
+def test_the_ready_line_says_how_long_a_chat_request_may_run(tiny_server, small_server):
+    """vLLM's default: a chat request without max_tokens runs to the end of the context; the line says so, and
+    names the flag that sets another default."""
+    unlimited = ready_line_of(tiny_server)
+    assert ("chat requests without max_tokens: up to the end of the context (4096 tokens with the prompt; "
+            "--max-tokens-limit N sets a default)") in unlimited
+    assert "chat requests without max_tokens: 4000 tokens (--max-tokens-limit)" in ready_line_of(small_server)
 
 
 def test_full_waiting_queue_is_503(small_server):
@@ -299,31 +342,92 @@ def test_full_waiting_queue_is_503(small_server):
 
 
 def test_sigterm_drains_then_aborts_then_exits_0(small_server):
+    """In flight at SIGTERM: a short request finishes, a long one is aborted at the deadline, then exit 0.
+
+    Events decide, not speed: the short request (3 tokens, already running) has the whole drain
+    (--shutdown-timeout 10) for its last two steps, and the engine core is paused once it has
+    finished, so the long one (4000 tokens, in the same batch) cannot finish before the deadline
+    on any machine."""
     url = small_server.url
+    core = engine_core_pid(small_server)
 
     async def scenario():
         async with async_client(url) as client:
             long_req = {**LONG, "prompt": "long", "stream": True}
-            short_req = {**LONG, "prompt": "short", "max_tokens": 40, "stream": True}
+            short_req = {**LONG, "prompt": "short", "max_tokens": 3, "stream": True}
             long_stream = await client.send(client.build_request("POST", "/v1/completions", json=long_req), stream=True)
             short_stream = await client.send(client.build_request("POST", "/v1/completions", json=short_req),
                                              stream=True)
             assert long_stream.status_code == short_stream.status_code == 200
+            short_lines = short_stream.aiter_lines()
+            first = await anext_event(short_lines)  # the short request runs beside the long one
             small_server.send_signal()
-            await asyncio.sleep(0.3)
+            await asyncio.to_thread(wait_for_health_code, url, "shutting_down")
+            refused = await client.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+            short_events = [first] + await asyncio.wait_for(rest_of_events(short_lines), timeout=60)
+            os.kill(core, signal.SIGSTOP)
             try:
-                refused = await client.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
-                assert_error_shape(refused, 503)
-            except httpx.TransportError:
-                pass  # already gone: also fine
-            short_events = await asyncio.wait_for(read_stream(short_stream), timeout=30)
-            long_events = await asyncio.wait_for(read_stream(long_stream), timeout=30)
-            return short_events, long_events
+                long_events = await asyncio.wait_for(read_stream(long_stream), timeout=60)
+            finally:
+                os.kill(core, signal.SIGCONT)
+            return refused, short_events, long_events
 
-    short_events, long_events = asyncio.run(scenario())
+    refused, short_events, long_events = asyncio.run(scenario())
+    assert "shutting down" in assert_error_shape(refused, 503)["message"]
     for events, reason in ((short_events, "length"), (long_events, "abort")):
         assert events[-1] == "[DONE]"
         last = json.loads(events[-2])["choices"][0]
         assert last["finish_reason"] == reason
         assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
     assert small_server.wait(timeout_s=30) == 0
+    assert "aborted 1 requests that did not finish in time" in small_server.log_path.read_text()
+
+
+async def anext_event(lines) -> str:
+    async for line in lines:
+        if line.startswith("data: "):
+            return line[len("data: "):]
+    raise AssertionError("the stream ended before its first event")
+
+
+async def rest_of_events(lines) -> list[str]:
+    return [line[len("data: "):] async for line in lines if line.startswith("data: ")]
+
+
+def wait_for_health_code(url: str, code: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = httpx.get(f"{url}/health", timeout=10)
+        if response.status_code == 503 and response.json()["error"]["code"] == code:
+            return
+        assert time.monotonic() < deadline, f"/health never said {code}: {response.text}"
+        time.sleep(0.05)
+
+
+def test_second_ctrl_c_ends_the_drain_at_once_and_quietly(tmp_path, tiny_model_path):
+    """Ctrl-C twice: the first starts a long drain, the second ends it; the open stream gets an error event
+    and [DONE] (not a cut connection), no traceback is printed, and the process exits with 0."""
+    server = start_server(tmp_path, "twice", tiny_server_args(tiny_model_path) + ["--shutdown-timeout", "600"])
+    try:
+        async def scenario():
+            async with async_client(server.url) as client:
+                body = {**LONG, "prompt": "keep going", "stream": True}
+                stream = await client.send(client.build_request("POST", "/v1/completions", json=body), stream=True)
+                lines = stream.aiter_lines()
+                first = await anext_event(lines)
+                server.send_signal(signal.SIGINT)
+                await asyncio.to_thread(wait_for_health_code, server.url, "shutting_down")
+                server.send_signal(signal.SIGINT)
+                return [first] + await asyncio.wait_for(rest_of_events(lines), timeout=60)
+
+        events = asyncio.run(scenario())
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_error" and error["message"]
+        assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
+        assert server.wait(timeout_s=60) == 0  # far less than the 600 s drain it was given
+        log = server.log_path.read_text()
+        assert "stopping now: 1 requests in flight end with an error" in log
+        assert "Traceback" not in log and "CancelledError" not in log
+    finally:
+        server.stop()
