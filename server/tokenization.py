@@ -161,7 +161,6 @@ def render_chat(tokenizer, messages: list[ChatMessageParam], options: ChatTempla
     return RenderedChat(token_ids, text, list(images) if multimodal else [])
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 CONTENT_PART_TYPES = ("text", "image_url")
 
 
@@ -182,9 +181,10 @@ def _check_part(index: int, position: int, part: ContentPart) -> None:
 
 
 def _plain_message(index: int, message: ChatMessageParam, multimodal: bool = False) -> dict:
-    if message.role not in CHAT_ROLES:
-        raise bad_request(f"messages.{index}.role must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}",
-                          param=f"messages.{index}.role")
+    # Any role reaches the template as given (OpenAI's, or a custom one, as vLLM passes them); a template that
+    # does not know a role says so (a 400 naming messages).
+    if not message.role:
+        raise bad_request(f"messages.{index}.role must not be empty", param=f"messages.{index}.role")
     content = message.content
     if isinstance(content, list):
         for position, part in enumerate(content):
@@ -227,8 +227,8 @@ def _arguments(text: str, index: int):
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise bad_request(f"token id {bad[0]} is out of range: the vocabulary has {vocab_size} tokens "
-                          f"(0..{vocab_size - 1})", param=param)
+        raise bad_request(f"token id {bad[0]} is out of vocabulary (out of range: the vocabulary has {vocab_size} "
+                          f"tokens, 0..{vocab_size - 1})", param=param)
 
 
 def decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -243,8 +243,10 @@ def token_text(tokenizer, token_id: int, as_id: bool = False) -> str:
     return decode(tokenizer, [token_id])
 
 
-def truncate_prompt(prompt: TokenizedPrompt, keep: int | None, max_model_len: int) -> TokenizedPrompt:
-    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context's worth)."""
+def truncate_prompt(prompt: TokenizedPrompt, keep: int | None, max_model_len: int,
+                    side: str | None = None) -> TokenizedPrompt:
+    """vLLM's ``truncate_prompt_tokens``: ``keep`` of the prompt's tokens (-1: the context's worth), the last
+    ones, or the first ones with ``side`` "right" (vLLM's ``truncation_side``)."""
     if keep is None:
         return prompt
     keep = max_model_len if keep == -1 else keep
@@ -252,4 +254,5 @@ def truncate_prompt(prompt: TokenizedPrompt, keep: int | None, max_model_len: in
         raise bad_request("truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
     if len(prompt.token_ids) <= keep:
         return prompt
-    return TokenizedPrompt(prompt.token_ids[-keep:])  # its text is no longer the prompt's (echo decodes)
+    kept = prompt.token_ids[:keep] if side == "right" else prompt.token_ids[-keep:]
+    return TokenizedPrompt(kept)  # its text is no longer the prompt's (echo decodes)
