@@ -186,7 +186,8 @@ def test_usage_has_no_prompt_tokens_details_unless_enabled(client, tiny_server):
 
 
 VLLM_FLAGS = ["--metrics-prefix", "vllm:", "--enable-prompt-tokens-details", "--return-tokens-as-token-ids",
-              "--enable-per-request-metrics", "--max-num-seqs", "1", "--max-waiting-requests", "2", "--max-logprobs", "-1"]
+              "--enable-per-request-metrics", "--max-num-seqs", "1", "--max-waiting-requests", "2",
+              "--max-logprobs", "-1"]
 
 
 @pytest.fixture(scope="module")
