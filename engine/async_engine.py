@@ -35,8 +35,9 @@ from engine.core import AbortRequests, AddRequests, CoreRequest, Shutdown, make_
 from engine.default_model import resolve_model_path
 from engine.model_info import ModelInfo, RequestError
 from engine.multimodal import ImageInput
-from engine.output_processor import ChoiceDelta, MetricsRecorder, OutputProcessor, RequestState
+from engine.output_processor import ChoiceDelta, OutputProcessor, RequestState
 from engine.outputs import EngineStats
+from engine.request_metrics import MetricsRecorder
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 
@@ -253,6 +254,8 @@ class AsyncEngine:
         if self.max_waiting_requests is not None:
             waiting = self.num_waiting_estimate()
             if waiting + num_new_requests > self.max_waiting_requests:
+                if self._metrics is not None:
+                    self._metrics.record_admission_rejection("max_num_queued_reqs")
                 raise EngineOverloadedError(
                     f"the waiting queue is full ({waiting} requests waiting, the limit is {self.max_waiting_requests})"
                 )
@@ -334,8 +337,6 @@ class AsyncEngine:
                     self._send(AbortRequests(to_abort))
                 if self._metrics is not None:
                     self._metrics.record_delivery(received - step.sent_s, time.monotonic() - received)
-            if self._metrics is not None and step.num_scheduled_tokens:
-                self._metrics.record_iteration(step.num_scheduled_tokens)
 
     def _fail_request(self, child_id: str, reason: str) -> None:
         request_id = child_id.rpartition("-")[0]

@@ -50,6 +50,8 @@ class InputBatch:
         self.banned_until_min: dict[int, list[int]] = {}
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids int64, biases float32)
         self.allowed: dict[int, np.ndarray] = {}  # row -> the token ids it may sample (int64)
+        # row -> the tokens whose logprobs replace its top-N (int64, in the request's order): logprob_token_ids
+        self.logprob_token_ids: dict[int, np.ndarray] = {}
         self.generators: dict[int, torch.Generator] = {}
         # Requests with images still ahead of their prefill: their ImageInputs (engine/multimodal.py), by offset.
         self.mm_inputs: dict[str, list] = {}
@@ -101,6 +103,10 @@ class InputBatch:
             self.allowed[row] = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64))
         else:
             self.allowed.pop(row, None)
+        if p.logprob_token_ids:
+            self.logprob_token_ids[row] = np.asarray(p.logprob_token_ids, dtype=np.int64)
+        else:
+            self.logprob_token_ids.pop(row, None)
         if p.seed is not None and not p.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(p.seed)
@@ -132,6 +138,7 @@ class InputBatch:
         self.banned_until_min.pop(row, None)
         self.logit_bias.pop(row, None)
         self.allowed.pop(row, None)
+        self.logprob_token_ids.pop(row, None)
         self._free_rows.append(row)
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:

@@ -65,11 +65,14 @@ class ModelInfo:
         bad = None if ids is None else (ids < 0) | (ids >= vocab)
         if bad is None or bad.any():
             first = next(t for t in prompt_token_ids if not 0 <= t < vocab) if bad is None else int(ids[bad.argmax()])
-            raise RequestError(f"token id {first} is out of range: the vocabulary has {vocab} tokens (0..{vocab - 1})",
-                               param="prompt")
+            raise RequestError(f"token id {first} is out of vocabulary (out of range: the vocabulary has {vocab} "
+                               f"tokens, 0..{vocab - 1})", param="prompt")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestError(f"logit_bias: token id {max(params.logit_bias)} is out of range: the vocabulary has "
                                f"{vocab} tokens", param="logit_bias")
+        if params.logprob_token_ids and max(params.logprob_token_ids) >= vocab:
+            raise RequestError(f"logprob_token_ids: token id {max(params.logprob_token_ids)} is out of vocabulary "
+                               f"(the vocabulary has {vocab} tokens)", param="logprob_token_ids")
         if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
             raise RequestError(f"allowed_token_ids: token id {max(params.allowed_token_ids)} is out of range: the "
                                f"vocabulary has {vocab} tokens", param="allowed_token_ids")

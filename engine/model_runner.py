@@ -40,7 +40,7 @@ from engine.model_config import ModelConfig
 from engine.models.layers import (DECODE_KSPLIT_MAX_ROWS, Fp8Weights, decode_k_split_setting,
                                   decode_k_split_summary)
 from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
-from engine.sampler import Sampler, SamplingTensors, build_logprobs, gather_logprobs, score_tokens
+from engine.sampler import Sampler, SamplingTensors, build_logprobs, gather_logprobs, pad_token_ids, score_tokens
 from engine.step_buffers import StepBuffers
 from kvcache.paged_cache import PagedKVCache
 
@@ -943,20 +943,28 @@ class ModelRunner:
         num_top = self.batch.num_logprobs[rows]
         wanted = np.nonzero(num_top >= 0)[0]
         idx = self._upload(wanted)
-        pieces = gather_logprobs(raw_logprobs[idx], sampled[idx], int(num_top.max()))
+        wanted_logprobs = raw_logprobs[idx]
+        pieces = gather_logprobs(wanted_logprobs, sampled[idx], int(num_top.max()))
+        explicit = None  # rows with logprob_token_ids: (padded ids, counts); their logprobs are the last piece
+        named = self.batch.logprob_token_ids
+        if named:
+            rows_named = [named.get(r) for r in rows[wanted].tolist()]
+            if any(ids is not None for ids in rows_named):
+                explicit = pad_token_ids(rows_named)
+                pieces = (*pieces, wanted_logprobs.gather(-1, self._upload(explicit[0])))
         pin = self.device.type == "cuda"
         host = []
         for t in pieces:
             h = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             h.copy_(t, non_blocking=True)
             host.append(h)
-        return (wanted, num_top[wanted], *host)
+        return (wanted, num_top[wanted], explicit, *host)
 
     @staticmethod
     def _logprobs(pieces: tuple, token_ids: list[int], sampled_ids: list[str]) -> dict:
-        wanted, num_top, chosen, ranks, top_ids, top_vals = pieces
+        wanted, num_top, explicit, chosen, ranks, top_ids, top_vals, *named = pieces
         entries = build_logprobs(
             [token_ids[i] for i in wanted], chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_vals.tolist(),
-            num_top.tolist(),
+            num_top.tolist(), None if explicit is None else (*explicit, named[0].tolist()),
         )
         return {sampled_ids[i]: e for i, e in zip(wanted.tolist(), entries)}

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import EngineOutput, FinishReason, Logprobs
+from engine.request_metrics import ChoiceClock, MetricsRecorder, RequestTimings, StepMetrics
 from engine.sampling_params import SamplingParams
 
 
@@ -56,29 +57,6 @@ class OutputSink(Protocol):
     def put(self, delta: ChoiceDelta) -> None: ...
 
 
-@dataclass(slots=True)
-class StepMetrics:
-    """Latencies and token counts seen in one step's outputs (seconds; one entry per event), handed
-    to the recorder once per step so that per-token bookkeeping is a list append."""
-
-    num_prompt_tokens: int = 0  # of the requests that got their first token
-    num_generation_tokens: int = 0
-    queue_times_s: list[float] = field(default_factory=list)
-    ttfts_s: list[float] = field(default_factory=list)
-    inter_token_s: list[float] = field(default_factory=list)
-    finished: list[tuple[FinishReason, float]] = field(default_factory=list)  # (reason, end-to-end latency)
-
-
-class MetricsRecorder(Protocol):
-    """Where the processor's per-step metrics go (the server's Prometheus metrics)."""
-
-    def record(self, step: StepMetrics) -> None: ...
-
-    def record_delivery(self, delay_s: float, processing_s: float) -> None:
-        """How long a step's outputs waited between the engine core and the API server, and how
-        long the API server took to handle them."""
-
-
 @dataclass(frozen=True)
 class ChildRequest:
     """One engine request of a choice."""
@@ -103,11 +81,10 @@ class _Choice:
     prompt_index: int
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
+    clock: ChoiceClock
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-    queue_time_recorded: bool = False
+    num_preemptions: int = 0
     finished: bool = False
 
 
@@ -133,6 +110,14 @@ class RequestState:
         cached = sum(min(c.num_cached_tokens for c in self.choices[p * n:(p + 1) * n]) for p in range(len(self.prompts)))
         return Usage(prompt_tokens=sum(len(p) for p in self.prompts),
                      completion_tokens=sum(c.num_output_tokens for c in self.choices), cached_tokens=cached)
+
+    def timings(self) -> RequestTimings | None:
+        """vLLM's per-request timings, for a request of one choice (None for several: they would not be
+        one stream's)."""
+        if len(self.choices) != 1:
+            return None
+        choice = self.choices[0]
+        return RequestTimings.of(choice.clock, choice.num_output_tokens)
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -165,7 +150,8 @@ class OutputProcessor:
                 index = prompt_index * params.n + sample_index
                 seed = None if params.seed is None else params.seed + sample_index
                 child_params = dataclasses.replace(params, n=1, seed=seed)
-                choice = _Choice(state, index, prompt_index, child_params, self._detokenizer(prompt, child_params))
+                choice = _Choice(state, index, prompt_index, child_params, self._detokenizer(prompt, child_params),
+                                 ChoiceClock(state.arrival_s))
                 state.choices.append(choice)
                 if params.use_beam_search:  # one engine request per prompt; its n best beams are the choices
                     if sample_index == 0:
@@ -192,10 +178,10 @@ class OutputProcessor:
             if out.beams is not None:
                 self._beam_choices(choice, out, now, step)
                 continue
-            if step is not None:
-                _record_tokens(step, choice, out, now)
+            _record_tokens(step, choice, out, now)
             choice.num_output_tokens += len(out.new_token_ids)
             choice.num_cached_tokens = out.num_cached_tokens
+            choice.num_preemptions = out.num_preemptions
             delta = self._delta(choice, out)
             if delta.finish_reason is not None:
                 self._finish(choice, out.request_id, delta.finish_reason, now, step)
@@ -213,11 +199,12 @@ class OutputProcessor:
             choice = state.choices[first.index + i]
             beam_out = EngineOutput(out.request_id, beam.token_ids, finished=True, finish_reason=beam.finish_reason,
                                     stop_token_id=beam.stop_token_id, num_prompt_tokens=out.num_prompt_tokens,
-                                    num_cached_tokens=out.num_cached_tokens, queue_time_s=out.queue_time_s)
-            if step is not None:
-                _record_tokens(step, choice, beam_out, now)
+                                    num_cached_tokens=out.num_cached_tokens, queue_time_s=out.queue_time_s,
+                                    num_preemptions=out.num_preemptions)
+            _record_tokens(step, choice, beam_out, now)
             choice.num_output_tokens += len(beam.token_ids)
             choice.num_cached_tokens = out.num_cached_tokens
+            choice.num_preemptions = out.num_preemptions
             delta = self._delta(choice, beam_out)
             self._finish(choice, child_request_id(state.request_id, choice.index), delta.finish_reason, now, step)
             state.sink.put(delta)
@@ -290,21 +277,35 @@ class OutputProcessor:
         if state.num_unfinished == 0:
             del self.requests[state.request_id]
         if step is not None:
-            step.finished.append((reason, now - state.arrival_s))
+            prompt = state.prompts[choice.prompt_index]
+            step.finished.append(choice.clock.finished(reason, now, len(prompt), choice.num_output_tokens,
+                                                       choice.params.max_tokens, choice.num_preemptions))
+            n = state.params.n
+            siblings = state.choices[choice.prompt_index * n:(choice.prompt_index + 1) * n]
+            if all(c.finished for c in siblings):  # vLLM's per-prompt figures: n, and its longest choice
+                step.params_n.append(n)
+                step.max_generation_tokens.append(max(c.num_output_tokens for c in siblings))
 
 
-def _record_tokens(step: StepMetrics, choice: _Choice, out: EngineOutput, now: float) -> None:
-    if not choice.queue_time_recorded and out.queue_time_s is not None:
-        step.queue_times_s.append(out.queue_time_s)
-        choice.queue_time_recorded = True
+def _record_tokens(step: StepMetrics | None, choice: _Choice, out: EngineOutput, now: float) -> None:
+    """A choice's clock from its output (always: a response may report its timings), and the step's figures
+    (when metrics are recorded)."""
+    clock = choice.clock
+    if clock.scheduled_s is None and out.queue_time_s is not None:
+        clock.scheduled_s = clock.arrival_s + out.queue_time_s
+        if step is not None:
+            step.queue_times_s.append(out.queue_time_s)
     num_new = len(out.new_token_ids)
     if num_new == 0:
         return
-    step.num_generation_tokens += num_new
-    if choice.first_token_s is None:
-        choice.first_token_s = now
-        step.ttfts_s.append(now - choice.request.arrival_s)
-        step.num_prompt_tokens += out.num_prompt_tokens
-    else:
-        step.inter_token_s.append((now - choice.last_token_s) / num_new)
-    choice.last_token_s = now
+    if step is not None:
+        step.num_generation_tokens += num_new
+        if clock.first_token_s is None:
+            step.ttfts_s.append(now - clock.arrival_s)
+            step.num_prompt_tokens += out.num_prompt_tokens
+            step.num_computed_prompt_tokens += out.num_prompt_tokens - out.num_cached_tokens
+        else:
+            step.inter_token_s.append((now - clock.last_token_s) / num_new)
+    if clock.first_token_s is None:
+        clock.first_token_s = now
+    clock.last_token_s = now

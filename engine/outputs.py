@@ -125,6 +125,7 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     prompt_logprobs: list[Logprobs] | None = None
     # A finished beam search (engine/beam_search.py): its best beams, best first.
     beams: list[BeamResult] | None = None
+    num_preemptions: int = 0  # times the request was preempted so far (its KV dropped and recomputed)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -157,12 +158,30 @@ def score_tokens(
     return (chosen - lse)[:, 0], ranks, top_ids, top_vals - lse
 
 
+def pad_token_ids(rows: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, its token ids (None: none), as one [rows, longest] int64 array padded with token 0, and each row's
+    count: the index of one gather over the rows' logprobs."""
+    counts = np.asarray([0 if ids is None else len(ids) for ids in rows], dtype=np.int64)
+    padded = np.zeros((len(rows), max(int(counts.max(initial=0)), 1)), dtype=np.int64)
+    for i, ids in enumerate(rows):
+        if ids is not None:
+            padded[i, : len(ids)] = ids
+    return padded, counts
+
+
 def build_logprobs(
     token_ids: list[int], chosen: list[float], ranks: list[int], top_ids: list[list[int]], top_vals: list[list[float]],
-    num_top: list[int],
+    num_top: list[int], explicit: tuple[np.ndarray, np.ndarray, list[list[float]]] | None = None,
 ) -> list[Logprobs]:
-    """Host-side assembly, one entry per row, each with that row's own top-N."""
-    return [
+    """Host-side assembly, one entry per row, each with that row's own top-N; ``explicit``: (padded token ids,
+    counts, their logprobs) of the rows that named their tokens (logprob_token_ids), which take the top-N's place."""
+    entries = [
         Logprobs(token_ids[i], chosen[i], ranks[i], top_ids[i][: num_top[i]], top_vals[i][: num_top[i]])
         for i in range(len(token_ids))
     ]
+    if explicit is not None:
+        ids, counts, values = explicit
+        for i in np.nonzero(counts)[0].tolist():
+            n = int(counts[i])
+            entries[i].top_token_ids, entries[i].top_logprobs = ids[i, :n].tolist(), values[i][:n]
+    return entries

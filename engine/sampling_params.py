@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROB_TOKEN_IDS = 128  # as vLLM: the most tokens logprob_token_ids may name
 
 
 @dataclass
@@ -73,6 +74,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # Top-N logprobs per generated token (the sampled token's own comes too); -1: the whole vocabulary.
     logprobs: int | None = None
+    # vLLM's: the logprobs of these tokens at each generated position, in place of the top-N (needs logprobs).
+    logprob_token_ids: list[int] | None = None
     # Top-N logprobs per prompt token, computed in the prefill (the prompt token's own comes too); -1: all.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -132,6 +135,12 @@ class SamplingParams:
             (self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0
                                                 and all(t >= 0 for t in self.allowed_token_ids)),
              "allowed_token_ids", "allowed_token_ids must be a non-empty list of non-negative token ids"),
+            (self.logprob_token_ids is None or (0 < len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS
+                                                and all(t >= 0 for t in self.logprob_token_ids)),
+             "logprob_token_ids", f"logprob_token_ids must be a list of 1 to {MAX_LOGPROB_TOKEN_IDS} non-negative "
+                                  "token ids"),
+            (self.logprob_token_ids is None or self.logprobs is not None, "logprob_token_ids",
+             "logprob_token_ids needs logprobs (the sampled token's logprob comes with theirs)"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -148,6 +157,7 @@ class SamplingParams:
             "presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
             "repetition_penalty": self.repetition_penalty != 1.0, "min_tokens": self.min_tokens != 0,
             "stop": bool(self.stop), "logprobs": self.logprobs is not None,
+            "logprob_token_ids": self.logprob_token_ids is not None,
             "prompt_logprobs": self.prompt_logprobs is not None, "structured_outputs": self.structured_outputs is not None,
             "logit_bias": bool(self.logit_bias), "allowed_token_ids": self.allowed_token_ids is not None,
         }

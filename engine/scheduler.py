@@ -478,4 +478,5 @@ class Scheduler:
             queue_time_s=(None if request.first_scheduled_time is None
                           else request.first_scheduled_time - request.arrival_time),
             prompt_logprobs=prompt_logprobs,
+            num_preemptions=request.num_preemptions,
         )

@@ -2,8 +2,9 @@
 
 A stream opens with one role delta per choice, then content deltas; each choice's
 ``finish_reason`` comes in its last chunk. A choice's text goes through two readers, each
-optional: the reasoning parser splits off the thinking (``reasoning_content``), then the tool
-plan reads tool calls out of the answer (server/reasoning.py, server/tools.py).
+optional: the reasoning parser splits off the thinking (``reasoning``, which vLLM also names
+``reasoning_content``), then the tool plan reads tool calls out of the answer
+(server/reasoning.py, server/tools.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from server.serving import (
     collect,
     load_report,
     prompt_logprobs_view,
+    request_metrics,
     respond,
     usage_info,
 )
@@ -85,7 +87,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     try:
         rendered = await render_chat_request(ctx, body.messages, options, tools.template_tools,
                                              keep_tokens(body.truncate_prompt_tokens, ctx.model.max_model_len),
-                                             raw_request)
+                                             raw_request, body.truncation_side)
     except ClientDisconnected:
         return client_closed_response()
     prompt_ids, mm_inputs = rendered.prompt_token_ids, None
@@ -101,7 +103,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, given), logprobs, defaults,
                                      tool_grammar=tool_grammar, skip_special_tokens=tools.skip_special_tokens,
                                      reasoning=reasoning)
-    prompt = truncate_prompt(TokenizedPrompt(prompt_ids), body.truncate_prompt_tokens, ctx.model.max_model_len)
+    prompt = truncate_prompt(TokenizedPrompt(prompt_ids), body.truncate_prompt_tokens, ctx.model.max_model_len,
+                             body.truncation_side)
     generation = ctx.start_generation("chatcmpl", [prompt], params, mm_inputs)
     view = _ChatView(ctx, body, generation, tools, thinking)
     return await respond(raw_request, bool(body.stream), view.chunks, view.response, headers)
@@ -113,14 +116,15 @@ UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request
 
 async def render_chat_request(ctx: ServingContext, messages: list[ChatMessageParam], options: ChatTemplateOptions,
                               tools: list[dict] | None, keep_tokens: int | None = None,
-                              raw_request: Request | None = None) -> RenderedChat:
+                              raw_request: Request | None = None, truncation_side: str | None = None) -> RenderedChat:
     """A request's conversation rendered, with its images: everything that can be refused without
     I/O is (a template of the request's own without --trust-request-chat-template, the conversation, text longer
     than the context can hold, then each part, and images for a model that does not take them), then the images
     are fetched and decoded (server/media.py), then the template runs in a thread of its own, within its bounds,
     and its text is tokenized in the tokenizer thread. A request that gives no template of its own gets the
     model's (``ServedModel.chat_template``). ``keep_tokens``: only the prompt's last tokens are kept
-    (``truncate_prompt_tokens``), so only the end of the text is tokenized. With ``raw_request``, a client that
+    (``truncate_prompt_tokens``; its first ones with ``truncation_side`` "right"), so only that part of the text is
+    tokenized. With ``raw_request``, a client that
     goes away stops the render (``ClientDisconnected``)."""
     request_template = options.chat_template is not None
     if request_template and not ctx.trust_request_chat_template:
@@ -137,7 +141,7 @@ async def render_chat_request(ctx: ServingContext, messages: list[ChatMessagePar
                                         ctx.model.accepts_images, limits, request_template=request_template,
                                         raw_request=raw_request)
     if keep_tokens is not None and not images:
-        text = ctx.text_bound.tail(text, keep_tokens)
+        text = ctx.text_bound.kept_text(text, keep_tokens, truncation_side)
     token_ids = await ctx.in_tokenizer_thread(encode, ctx.tokenizer, text, False, "messages")
     return RenderedChat(token_ids, text, images if ctx.model.accepts_images else [])
 
@@ -154,6 +158,9 @@ class _ChatView:
         self.thinking = thinking  # server/reasoning.py: "open", "optional" or "closed" (no reasoning parser)
         self.created = int(time.time())
         self.id = generation.request_id
+        self.as_id = ctx.tokens_as_ids(body.return_tokens_as_token_ids)  # logprob tokens as "token_id:N"
+        # --enable-force-include-usage: usage on every chunk and at the end, whatever the request asked (as vLLM).
+        self.continuous_usage = body.continuous_usage or ctx.force_include_usage
 
     def _logprobs(self, entries: list[Logprobs]) -> ChatLogprobs | None:
         if not self.body.logprobs:
@@ -161,9 +168,12 @@ class _ChatView:
         return ChatLogprobs(content=[self._token_logprob(entry) for entry in entries])
 
     def _token_logprob(self, entry: Logprobs) -> ChatLogprobToken:
-        tokenizer, as_id = self.ctx.tokenizer, bool(self.body.return_tokens_as_token_ids)
+        tokenizer, as_id = self.ctx.tokenizer, self.as_id
         top = []
-        for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs):
+        pairs = list(zip(entry.top_token_ids, entry.top_logprobs))
+        if self.body.logprob_token_ids:  # as vLLM: the sampled token first, then the named ones
+            pairs = [(entry.token_id, entry.logprob)] + [p for p in pairs if p[0] != entry.token_id]
+        for token_id, logprob in pairs:
             text = token_text(tokenizer, token_id, as_id)
             top.append(TopLogprob(token=text, logprob=clamp_logprob(logprob), bytes=list(text.encode())))
         text = token_text(tokenizer, entry.token_id, as_id)
@@ -184,15 +194,15 @@ class _ChatView:
         return self.generation.prompts[0].token_ids if self.body.return_token_ids else None
 
     def _prompt_logprobs(self, entries: list[Logprobs] | None):
-        return prompt_logprobs_view(self.ctx.tokenizer, entries, bool(self.body.return_tokens_as_token_ids))
+        return prompt_logprobs_view(self.ctx.tokenizer, entries, self.as_id)
 
     def _chunk(self, choices: list[ChatStreamChoice], usage=None, first: bool = False,
-               prompt_logprobs: list[Logprobs] | None = None) -> ChatCompletionChunk:
-        if usage is None and choices and self.body.continuous_usage:
+               prompt_logprobs: list[Logprobs] | None = None, metrics=None) -> ChatCompletionChunk:
+        if usage is None and choices and self.continuous_usage:
             usage = usage_info(self.generation.usage())
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.ctx.model.name,
                                    choices=choices, usage=usage, prompt_token_ids=self._prompt_ids() if first
-                                   else None, prompt_logprobs=self._prompt_logprobs(prompt_logprobs))
+                                   else None, prompt_logprobs=self._prompt_logprobs(prompt_logprobs), metrics=metrics)
 
     async def response(self) -> ChatCompletionResponse:
         results = await collect(self.generation)
@@ -205,14 +215,15 @@ class _ChatView:
             if self._echo:
                 content = self._echo + (content or "")
             finish_reason = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
-            message = ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
+            message = ChatMessage(content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=calls)
             choices.append(ChatChoice(index=index, message=message, logprobs=self._logprobs(result.logprobs),
-                                      finish_reason=finish_reason,
+                                      finish_reason=finish_reason, stop_reason=result.stop_reason,
                                       token_ids=result.token_ids if self.body.return_token_ids else None))
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name,
-                                      choices=choices, usage=usage_info(self.generation.usage()),
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name, choices=choices,
+                                      usage=usage_info(self.generation.usage(), self.ctx.prompt_tokens_details),
                                       prompt_token_ids=self._prompt_ids(),
-                                      prompt_logprobs=self._prompt_logprobs(results[0].prompt_logprobs))
+                                      prompt_logprobs=self._prompt_logprobs(results[0].prompt_logprobs),
+                                      metrics=request_metrics(self.ctx, self.generation))
 
     async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
         for index in range(self.generation.num_choices):
@@ -245,13 +256,15 @@ class _ChatView:
                     yield self._chunk([self._choice(delta, messages[-1], finish=finish)],
                                       prompt_logprobs=prompt_logprobs)
         if self.body.include_usage or self.ctx.force_include_usage:
-            yield self._chunk([], usage=usage_info(self.generation.usage()))
+            yield self._chunk([], usage=usage_info(self.generation.usage(), self.ctx.prompt_tokens_details),
+                              metrics=request_metrics(self.ctx, self.generation))
 
     def _choice(self, delta, message: DeltaMessage, final: bool = True, finish: str | None = None) -> ChatStreamChoice:
         """One delta's chunk choice; ``final``: the last of the chunks it becomes (logprobs, finish
         reason and token ids go there)."""
         return ChatStreamChoice(index=delta.index, delta=message, logprobs=self._logprobs(delta.logprobs) if final
                                 else None, finish_reason=(finish or delta.finish_reason) if final else None,
+                                stop_reason=delta.stop_reason if final else None,
                                 token_ids=list(delta.token_ids) if final and self.body.return_token_ids else None)
 
     @staticmethod
@@ -263,7 +276,7 @@ class _ChatView:
         if thoughts is not None:
             split = thoughts.feed(text, finished)
             if split.reasoning:
-                messages.append(DeltaMessage(reasoning_content=split.reasoning))
+                messages.append(DeltaMessage(reasoning=split.reasoning, reasoning_content=split.reasoning))
             text = split.content
         if calls is None:
             return messages + ([DeltaMessage(content=text)] if text else [])

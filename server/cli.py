@@ -189,10 +189,23 @@ def _add_server_args(group) -> None:
                        help="what every /metrics name starts with; 'vllm:' lets vLLM's Grafana dashboards and "
                             "alerts read this server (the names after it are vLLM's)")
     group.add_argument("--enable-force-include-usage", action="store_true",
-                       help="end every stream with a usage chunk, as if stream_options.include_usage were set")
+                       help="usage on every stream chunk and a usage chunk at the end, as if stream_options asked "
+                            "for include_usage and continuous_usage_stats (vLLM's flag)")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat template in a request (chat_template on chat and /tokenize); without it such "
                             "requests are a 400, as in vLLM. Templates render in a bounded sandbox either way")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
+                            "cache); left out of usage otherwise, as vLLM does")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="name logprob tokens 'token_id:N' unless a request's return_tokens_as_token_ids says "
+                            "otherwise")
+    group.add_argument("--enable-prompt-embeds", action="store_true",
+                       help="vLLM's flag for prompt embeddings, which minivllm does not take: refused at start-up "
+                            "(prompts are text or token ids)")
+    group.add_argument("--enable-per-request-metrics", action="store_true",
+                       help="timings (time to first token, queue time, ...) in a one-choice response's 'metrics' "
+                            "object, or in a stream's usage chunk")
     group.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 503 when this many requests already wait to be scheduled; default: no limit")
     _add_limit_args(group)
@@ -388,6 +401,9 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sockets = []
     try:
+        if args.enable_prompt_embeds:
+            raise ConfigError("--enable-prompt-embeds: minivllm does not take prompt embeddings; send prompts as text "
+                              "or token ids")
         limits = limits_from_args(args)
         check_media_args(args)
         # Listening before the model loads: a port in use is an error now, not once the model is loaded.
@@ -422,6 +438,9 @@ def serve(args: argparse.Namespace) -> int:
         ctx = ServingContext(engine, model, metrics, limits, media=media_limits_from_args(args),
                              force_include_usage=args.enable_force_include_usage,
                              trust_request_chat_template=args.trust_request_chat_template,
+                             prompt_tokens_details=args.enable_prompt_tokens_details,
+                             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                             per_request_metrics=args.enable_per_request_metrics,
                              api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
         # The prefix is the app's (server.routing.RootPath), not uvicorn's: uvicorn would add it to every path.
         uvicorn_config = uvicorn.Config(build_app(ctx, args.root_path), host=args.host, port=args.port,
@@ -431,6 +450,13 @@ def serve(args: argparse.Namespace) -> int:
                                         timeout_graceful_shutdown=_AFTER_DRAIN_GRACE_S)
         port = sockets[0].getsockname()[1] if not args.uds else args.port  # --port 0: the one the system chose
         server = DrainingServer(uvicorn_config, engine, args.shutdown_timeout, ready_line(args, ctx, engine, port))
+        if engine.model.max_logprobs == -1:
+            from server.serving import MAX_LOGPROB_ENTRIES
+
+            logger.warning("--max-logprobs -1: a request may ask for the logprobs of all %d tokens of the vocabulary "
+                           "at each position; a response carries at most %d logprob entries (%d such positions), a "
+                           "request that could return more is a 400", engine.model.vocab_size, MAX_LOGPROB_ENTRIES,
+                           MAX_LOGPROB_ENTRIES // (engine.model.vocab_size + 1))
         if ctx.api_key is None and not args.uds and not _is_loopback(args.host):
             logger.warning("listening on %s without an API key: anyone who can reach this host can use the model "
                            "(set --api-key or MINIVLLM_API_KEY, or --host 127.0.0.1)", args.host)

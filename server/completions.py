@@ -16,13 +16,21 @@ from engine.output_processor import ChoiceDelta
 from engine.outputs import Logprobs
 from server.errors import bad_request
 from server.generation import Generation
-from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+)
 from server.serving import (
     ServingContext,
     clamp_logprob,
     collect,
     load_report,
     prompt_logprobs_view,
+    request_metrics,
     respond,
     usage_info,
 )
@@ -44,6 +52,7 @@ DEFAULT_MAX_TOKENS = 16
 
 async def create_completion(body: CompletionRequest, raw_request: Request, ctx: ServingContext):
     ctx.check_model(body.model)
+    body.check_prompt()
     headers = load_report(raw_request)
     if body.logprobs is not None and body.logprobs < 0:
         raise bad_request("`logprobs` must be a positive value", param="logprobs")
@@ -57,11 +66,12 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
     ctx.limits.check_choices(num_prompts(body.prompt), params.n)
     keep = keep_tokens(body.truncate_prompt_tokens, ctx.model.max_model_len)
     if has_text(body.prompt):
-        text = admit_prompt_text(body.prompt, ctx.text_bound, keep)
+        text = admit_prompt_text(body.prompt, ctx.text_bound, keep, body.truncation_side)
         prompts = await ctx.in_tokenizer_thread(encode_completion_prompts, ctx.tokenizer, text)
     else:
         prompts = encode_completion_prompts(ctx.tokenizer, body.prompt)
-    prompts = [truncate_prompt(p, body.truncate_prompt_tokens, ctx.model.max_model_len) for p in prompts]
+    prompts = [truncate_prompt(p, body.truncate_prompt_tokens, ctx.model.max_model_len, body.truncation_side)
+               for p in prompts]
     generation = ctx.start_generation("cmpl", prompts, params)
     view = _CompletionView(ctx, body, generation)
     return await respond(raw_request, bool(body.stream), view.chunks, view.response, headers)
@@ -76,6 +86,7 @@ class _CompletionView:
         self.generation = generation
         self.created = int(time.time())
         self.id = generation.request_id
+        self.as_id = ctx.tokens_as_ids(body.return_tokens_as_token_ids)  # logprob tokens as "token_id:N"
 
     def _prompt_ids(self, choice_index: int) -> list[int]:
         return self.generation.prompts[choice_index // self.generation.params.n].token_ids
@@ -96,7 +107,7 @@ class _CompletionView:
             return None
         tokenizer = self.ctx.tokenizer
         out = CompletionLogprobs()
-        as_id = bool(self.body.return_tokens_as_token_ids)
+        as_id = self.as_id
         if prompt is not None:
             prompt_ids, prompt_entries = prompt
             first = token_text(tokenizer, prompt_ids[0], as_id)
@@ -109,15 +120,19 @@ class _CompletionView:
         return out
 
     def _append(self, out: CompletionLogprobs, entries: list[Logprobs], text_offset: int, as_id: bool) -> None:
+        """Each position's token, its logprob, and its ``top_logprobs`` entry: as vLLM's, the position's own
+        token first (sampled, or the prompt's), then the top N (or the ``logprob_token_ids``) not already there,
+        so ``logprobs: 0`` still names the chosen token and an entry has N or N + 1 keys."""
         tokenizer = self.ctx.tokenizer
         for entry in entries:
             token = token_text(tokenizer, entry.token_id, as_id)
+            logprob = clamp_logprob(entry.logprob)
             out.tokens.append(token)
-            out.token_logprobs.append(clamp_logprob(entry.logprob))
-            out.top_logprobs.append({
-                token_text(tokenizer, tid, as_id): clamp_logprob(lp)
-                for tid, lp in zip(entry.top_token_ids, entry.top_logprobs)
-            })
+            out.token_logprobs.append(logprob)
+            top = {token: logprob}
+            for tid, lp in zip(entry.top_token_ids, entry.top_logprobs):
+                top.setdefault(token_text(tokenizer, tid, as_id), clamp_logprob(lp))
+            out.top_logprobs.append(top)
             out.text_offset.append(text_offset)
             text_offset += len(token)
 
@@ -128,7 +143,7 @@ class _CompletionView:
         return self._prompt_ids(index), prompt_entries
 
     def _prompt_logprobs(self, entries: list[Logprobs] | None):
-        return prompt_logprobs_view(self.ctx.tokenizer, entries, bool(self.body.return_tokens_as_token_ids))
+        return prompt_logprobs_view(self.ctx.tokenizer, entries, self.as_id)
 
     async def response(self) -> CompletionResponse:
         results = await collect(self.generation)
@@ -138,30 +153,34 @@ class _CompletionView:
             choice = CompletionChoice(index=index, text=prefix + result.text,
                                       logprobs=self._logprobs(result.logprobs, len(prefix),
                                                               self._echoed(index, result.prompt_logprobs)),
-                                      finish_reason=result.finish_reason,
+                                      finish_reason=result.finish_reason, stop_reason=result.stop_reason,
                                       prompt_logprobs=self._prompt_logprobs(result.prompt_logprobs))
             if self.body.return_token_ids:
                 choice.prompt_token_ids = self._prompt_ids(index)
                 choice.token_ids = result.token_ids
             choices.append(choice)
-        return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name,
-                                  choices=choices, usage=usage_info(self.generation.usage()))
+        return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name, choices=choices,
+                                  usage=usage_info(self.generation.usage(), self.ctx.prompt_tokens_details),
+                                  metrics=request_metrics(self.ctx, self.generation))
 
-    async def chunks(self) -> AsyncIterator[CompletionResponse]:
+    async def chunks(self) -> AsyncIterator[CompletionChunk]:
         text_offsets: dict[int, int] = {}  # choice index -> where its next generated text starts
+        # --enable-force-include-usage: usage on every chunk and at the end, whatever the request asked (as vLLM).
+        continuous = self.body.continuous_usage or self.ctx.force_include_usage
         async with aclosing(self.generation.updates()) as updates:
             async for batch in updates:
                 for delta in batch:
                     chunk = self._chunk(delta, text_offsets)
                     if chunk is not None:
-                        if self.body.continuous_usage:
+                        if continuous:
                             chunk.usage = usage_info(self.generation.usage())
                         yield chunk
         if self.body.include_usage or self.ctx.force_include_usage:
-            yield CompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name,
-                                     choices=[], usage=usage_info(self.generation.usage()))
+            yield CompletionChunk(id=self.id, created=self.created, model=self.ctx.model.name, choices=[],
+                                  usage=usage_info(self.generation.usage(), self.ctx.prompt_tokens_details),
+                                  metrics=request_metrics(self.ctx, self.generation))
 
-    def _chunk(self, delta: ChoiceDelta, text_offsets: dict[int, int]) -> CompletionResponse | None:
+    def _chunk(self, delta: ChoiceDelta, text_offsets: dict[int, int]) -> CompletionChunk | None:
         text = delta.text
         first = delta.index not in text_offsets
         if first:
@@ -174,10 +193,11 @@ class _CompletionView:
         logprobs = self._logprobs(delta.logprobs, text_offsets[delta.index],
                                   self._echoed(delta.index, delta.prompt_logprobs) if first else None)
         text_offsets[delta.index] += len(delta.text)
-        choice = CompletionChoice(index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
-                                  prompt_logprobs=self._prompt_logprobs(delta.prompt_logprobs))
+        choice = CompletionStreamChoice(index=delta.index, text=text, logprobs=logprobs,
+                                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                                        prompt_logprobs=self._prompt_logprobs(delta.prompt_logprobs))
         if self.body.return_token_ids:
             choice.token_ids = list(delta.token_ids)
             if first:
                 choice.prompt_token_ids = self._prompt_ids(delta.index)
-        return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name, choices=[choice])
+        return CompletionChunk(id=self.id, created=self.created, model=self.ctx.model.name, choices=[choice])

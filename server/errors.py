@@ -90,7 +90,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     # Union members show up in the location ("prompt", "str"); keep the field path only.
     loc = [part for part in loc if not _is_type_name(part)]
     param = ".".join(loc) or None
-    message = first.get("msg", "invalid value")
+    # Pydantic's name for the failure goes with its words ("greater_than_equal"), as vLLM's clients read it.
+    message = f"{first.get('msg', 'invalid value')} [{first.get('type', 'invalid')}]"
     if param is None:
         return bad_request(f"the request body is invalid: {message}")
     return bad_request(f"{param}: {message}", param=param)

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from engine.output_processor import StepMetrics
+from engine.request_metrics import StepMetrics
 
 PREFIX = "minivllm:"  # the default
 FINISH_REASONS = ("stop", "length", "abort")
@@ -27,6 +27,10 @@ _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.
                   0.4, 0.5, 0.75, 1.0, 2.5)
 
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's
+_PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)  # vLLM's: the first holds the never-preempted too
+# vLLM's reasons for refusing a request before it reaches the engine (minivllm has the first: --max-waiting-requests).
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 
 # What a step's outputs may wait for and take in the API server: tens of microseconds to, at worst, seconds.
 _DELIVERY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
@@ -70,10 +74,15 @@ class EngineStatsCollector(Collector):
         by_reason.add_metric(["capacity"], stats.num_waiting - stats.num_waiting_for_grammar)
         by_reason.add_metric(["deferred"], stats.num_waiting_for_grammar)
         yield by_reason
-        config = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration (value 1).",
-                                   labels=["block_size", "cache_dtype", "num_gpu_blocks"])
+        config = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration (value 1); "
+                                   "max concurrency: how many requests of max_model_len tokens the pool holds.",
+                                   labels=["block_size", "cache_dtype", "num_gpu_blocks", "kv_cache_size_tokens",
+                                           "kv_cache_max_concurrency"])
         cache_dtype = self.engine.config.kv_cache_dtype if getattr(self.engine, "config", None) else "auto"
-        config.add_metric([str(kv.block_size), cache_dtype, str(kv.num_total_blocks)], 1)
+        size_tokens = kv.num_total_blocks * kv.block_size
+        max_model_len = self.engine.model.max_model_len
+        config.add_metric([str(kv.block_size), cache_dtype, str(kv.num_total_blocks), str(size_tokens),
+                           f"{size_tokens / max_model_len:.2f}"], 1)
         yield config
         counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_cache_queries),
@@ -158,8 +167,14 @@ class ServerMetrics:
         self.request_queue_time = BatchHistogram(PREFIX + "request_queue_time_seconds",
                                                  "Time from arrival to first scheduling.", _LATENCY_BUCKETS_S, reg)
         self.iteration_tokens = BatchHistogram(PREFIX + "iteration_tokens_total",
-                                               "Tokens per engine step (prompt and generated).",
+                                               "Tokens per engine step with outputs: prompt tokens computed for the "
+                                               "requests that got their first token, and tokens generated.",
                                                _ITERATION_TOKEN_BUCKETS, reg)
+        self.admission_rejections = Counter(PREFIX + "admission_rejections", "Requests refused before they reached "
+                                            "the engine, by reason (max_num_queued_reqs: --max-waiting-requests).",
+                                            ["reason"], registry=reg)
+        self._rejected = {reason: self.admission_rejections.labels(reason=reason) for reason in ADMISSION_REASONS}
+        self._add_request_histograms(engine.model.max_model_len)
         self.output_delay = BatchHistogram(
             PREFIX + "engine_output_delay_seconds",
             "Time from the engine core sending a step's outputs to the API server taking them up.",
@@ -169,12 +184,37 @@ class ServerMetrics:
             "API server time to handle one step's outputs (detokenization, stop strings, routing).",
             _DELIVERY_BUCKETS_S, reg)
 
+    def _add_request_histograms(self, max_model_len: int) -> None:
+        """vLLM's histograms of finished requests: sizes, parameters, and the time spent in each phase."""
+        prefix, reg = self.prefix, self.registry
+        token_buckets = tuple(_one_two_five(max_model_len))
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> BatchHistogram:
+            return BatchHistogram(prefix + name, doc, buckets, reg)
+
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of each finished request.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Tokens generated by each finished request.", token_buckets)
+        self.request_max_tokens = histogram("request_params_max_tokens", "The max_tokens parameter of each finished "
+                                            "request that set one.", token_buckets)
+        self.request_params_n = histogram("request_params_n", "The n parameter, once per prompt.", _PARAMS_N_BUCKETS)
+        self.request_max_generation_tokens = histogram("request_max_num_generation_tokens", "Per prompt, the most "
+                                                       "tokens one of its n choices generated.", token_buckets)
+        self.request_inference_time = histogram("request_inference_time_seconds", "Time from first scheduling to "
+                                                "the last token.", _LATENCY_BUCKETS_S)
+        self.request_prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduling to the "
+                                              "first token.", _LATENCY_BUCKETS_S)
+        self.request_decode_time = histogram("request_decode_time_seconds", "Time from the first token to the last.",
+                                             _LATENCY_BUCKETS_S)
+        self.request_preemptions = histogram("request_num_preemptions", "Times each finished request was preempted.",
+                                             _PREEMPTION_BUCKETS)
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def record_iteration(self, num_tokens: int) -> None:
-        """One engine step's scheduled tokens."""
-        self.iteration_tokens.observe_many([num_tokens])
+    def record_admission_rejection(self, reason: str) -> None:
+        self._rejected[reason].inc()
 
     def record_delivery(self, delay_s: float, processing_s: float) -> None:
         self.output_delay.observe_many([delay_s])
@@ -187,10 +227,39 @@ class ServerMetrics:
         if step.num_prompt_tokens:
             self.prompt_tokens.inc(step.num_prompt_tokens)
 
+        if step.num_iteration_tokens:
+            self.iteration_tokens.observe_many([step.num_iteration_tokens])
         self.time_to_first_token.observe_many(step.ttfts_s)
         self.inter_token_latency.observe_many(step.inter_token_s)
         self.request_queue_time.observe_many(step.queue_times_s)
+        self.request_params_n.observe_many(step.params_n)
+        self.request_max_generation_tokens.observe_many(step.max_generation_tokens)
         if step.finished:
-            self.e2e_request_latency.observe_many([e2e for _, e2e in step.finished])
-            for reason, _ in step.finished:
-                self._finished[reason.value].inc()
+            self._record_finished(step)
+
+    def _record_finished(self, step: StepMetrics) -> None:
+        done = step.finished
+        for histogram, values in (
+            (self.e2e_request_latency, [f.e2e_s for f in done]),
+            (self.request_prefill_time, [f.prefill_s for f in done]),
+            (self.request_decode_time, [f.decode_s for f in done]),
+            (self.request_inference_time, [f.inference_s for f in done]),
+            (self.request_prompt_tokens, [f.num_prompt_tokens for f in done]),
+            (self.request_generation_tokens, [f.num_generation_tokens for f in done]),
+            (self.request_max_tokens, [f.max_tokens for f in done if f.max_tokens]),
+            (self.request_preemptions, [f.num_preemptions for f in done]),
+        ):
+            histogram.observe_many(values)
+        for finished in done:
+            self._finished[finished.finish_reason.value].inc()
+
+
+def _one_two_five(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's buckets of token counts)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10

@@ -15,7 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from server.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse
+from server.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse
 
 
 class ErrorDetail(BaseModel):
@@ -54,7 +54,7 @@ def generation_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict[
             **error_responses(400, 401, 404, 408, 413, 503)}
 
 
-COMPLETION_RESPONSES = generation_responses(CompletionResponse, CompletionResponse)
+COMPLETION_RESPONSES = generation_responses(CompletionResponse, CompletionChunk)
 CHAT_RESPONSES = generation_responses(ChatCompletionResponse, ChatCompletionChunk)
 
 

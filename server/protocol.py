@@ -41,7 +41,8 @@ class StreamOptions(RequestModel):
 
 
 class _OmitNone(BaseModel):
-    """A response model whose vLLM extras (``omitted_when_none``) are left out of the JSON when not asked for."""
+    """A stream chunk whose vLLM extras (``omitted_when_none``) are left out of its JSON when not set, as vLLM
+    leaves them out of its chunks (a whole response carries them as null)."""
 
     omitted_when_none: ClassVar[tuple[str, ...]] = ()
 
@@ -94,9 +95,13 @@ class SamplingRequest(RequestModel):
     allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
     # vLLM: keep only the prompt's last N tokens (-1: as many as the context holds with max_tokens)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # vLLM: which end truncate_prompt_tokens cuts: "left" (the default) keeps the last N, "right" the first N
+    truncation_side: Literal["left", "right"] | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprob entries name tokens as "token_id:N"
     # vLLM: the top-N logprobs of every prompt token (scoring), -1 for the whole vocabulary
     prompt_logprobs: int | None = None
+    # vLLM: the logprobs of these token ids at each generated position, in place of the top-N (with logprobs)
+    logprob_token_ids: list[int] | None = None
     # vLLM: beam search of width n (the n best beams are the choices), scored with length_penalty
     use_beam_search: bool | None = None
     length_penalty: float | None = None
@@ -125,7 +130,8 @@ class SamplingRequest(RequestModel):
 
     @property
     def continuous_usage(self) -> bool:
-        """Usage so far on every chunk (vLLM's ``continuous_usage_stats``; needs ``include_usage``)."""
+        """Usage so far on every chunk (vLLM's ``continuous_usage_stats``). As in vLLM it takes effect with
+        ``include_usage`` only: without it no chunk carries usage."""
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None,
@@ -147,8 +153,16 @@ class SamplingRequest(RequestModel):
             prompt_logprobs = self.prompt_logprobs
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats and not self.include_usage:
-            raise SamplingParamsError("stream_options.continuous_usage_stats needs include_usage", "stream_options")
+        named = self.logprob_token_ids or None  # vLLM's: an empty list names none
+        if named is not None:
+            if self.use_beam_search:
+                raise SamplingParamsError("`logprob_token_ids` is not supported with beam search.",
+                                          "logprob_token_ids")
+            if logprobs is None:
+                raise SamplingParamsError(f"when using `logprob_token_ids`, `logprobs` must be "
+                                          f"{'set to true' if isinstance(self.logprobs, bool) else 'set'}.",
+                                          "logprob_token_ids")
+            logprobs = 0  # the named tokens take the top-N's place: only the sampled token's own is computed
         fields = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
@@ -183,9 +197,10 @@ class SamplingRequest(RequestModel):
             structured = dataclasses.replace(structured, reasoning=reasoning)
         return SamplingParams(**{**sampling, **given}, max_tokens=max_tokens, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(), structured_outputs=structured,
-                              allowed_token_ids=self.allowed_token_ids)
+                              allowed_token_ids=self.allowed_token_ids, logprob_token_ids=named)
 
     def _logit_bias(self) -> dict[int, float] | None:
+        """Token id keys (ASCII digits: ``"²"`` is no id) to biases; every key that is not one is named."""
         if not self.logit_bias:
             return None
         bias, bad = {}, []
@@ -257,9 +272,20 @@ def _vllm_spec(json_schema, regex, choice, grammar, json_object, param: str,
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # vLLM's prompt embeddings (base64 torch tensors, behind its --enable-prompt-embeds): refused, a 400 naming them.
+    prompt_embeds: str | list[str] | None = None
     echo: bool | None = False
     logprobs: int | None = None
+
+    def check_prompt(self) -> None:
+        """A prompt is given, as vLLM asks (an empty ``prompt_embeds`` list gives none), and not as embeddings."""
+        if self.prompt_embeds:
+            raise SamplingParamsError("prompt_embeds are not supported: minivllm takes prompts as text or token ids "
+                                      "(vLLM serves them with --enable-prompt-embeds; minivllm has no such mode)",
+                                      "prompt_embeds")
+        if self.prompt is None or self.prompt == "":
+            raise SamplingParamsError("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
 
 
 class ImageURL(RequestModel):
@@ -290,19 +316,26 @@ MessageContent = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[Cont
                            Discriminator(_content_kind)]
 
 
-class FunctionCallParam(RequestModel):
+class MessageModel(BaseModel):
+    """A part of a chat message: fields it does not know are ignored, as OpenAI and vLLM ignore them (clients
+    send back what they received, ``refusal`` or ``annotations`` included); the request's own fields stay strict."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class FunctionCallParam(MessageModel):
     name: str
     arguments: str  # JSON text
 
 
-class ToolCallParam(RequestModel):
+class ToolCallParam(MessageModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCallParam
 
 
-class ChatMessageParam(RequestModel):
-    role: str
+class ChatMessageParam(MessageModel):
+    role: str  # OpenAI's roles, or any other: the chat template gets it as given (as vLLM passes it)
     content: MessageContent | None = None
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None  # an assistant turn that called tools
@@ -376,7 +409,8 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
-class UsageInfo(BaseModel):
+class UsageInfo(_OmitNone):
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_tokens_details",)  # as vLLM: absent unless enabled
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
@@ -402,15 +436,45 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-class CompletionChoice(_OmitNone):
+class PerRequestMetrics(_OmitNone):
+    """vLLM's per-request timings (``--enable-per-request-metrics``), for a request of one choice; a timing
+    that cannot be known (the mean inter-token latency of a single token) is left out."""
+
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("time_to_first_token_ms", "generation_time_ms",
+                                                    "queue_time_ms", "mean_itl_ms", "tokens_per_second")
+    time_to_first_token_ms: float | None = None  # first scheduling to the first token
+    generation_time_ms: float | None = None  # the first token to the last
+    queue_time_ms: float | None = None  # arrival to first scheduling
+    mean_itl_ms: float | None = None
+    tokens_per_second: float | None = None  # generated tokens over first scheduling to the last token
+
+
+class CompletionChoice(BaseModel):
+    """A whole choice: vLLM's extras are always there, null when not asked for (clients read them as
+    attributes)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or stop_token_ids entry that ended it
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs, or echo with logprobs
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
+
+
+class CompletionStreamChoice(_OmitNone):
+    """A chunk's choice: vLLM's extras only where they are set."""
+
     omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "token_ids", "prompt_logprobs")
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs, or echo with logprobs
-    prompt_token_ids: list[int] | None = None  # with return_token_ids (a stream: in a choice's first chunk)
-    token_ids: list[int] | None = None  # with return_token_ids (a stream: the chunk's tokens)
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: in a choice's first chunk
+    token_ids: list[int] | None = None  # with return_token_ids: the chunk's tokens
 
 
 class CompletionResponse(BaseModel):
@@ -421,6 +485,19 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    metrics: PerRequestMetrics | None = None  # with --enable-per-request-metrics
+
+
+class CompletionChunk(_OmitNone):
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("metrics",)
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+    metrics: PerRequestMetrics | None = None  # with --enable-per-request-metrics: on the usage chunk
 
 
 class TopLogprob(BaseModel):
@@ -451,7 +528,9 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    reasoning_content: str | None = None  # a reasoning model's thinking (--reasoning-parser)
+    # A reasoning model's thinking (--reasoning-parser): vLLM's name, and the older reasoning_content (the same).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -475,17 +554,18 @@ class DeltaToolCall(BaseModel):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
-class ChatChoice(_OmitNone):
-    omitted_when_none: ClassVar[tuple[str, ...]] = ("token_ids",)
+class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
-    token_ids: list[int] | None = None  # with return_token_ids
+    stop_reason: int | str | None = None  # vLLM: the stop string or stop_token_ids entry that ended it
+    token_ids: list[int] | None = None  # with return_token_ids, else null
 
 
-class ChatCompletionResponse(_OmitNone):
-    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "prompt_logprobs")
+class ChatCompletionResponse(BaseModel):
+    """A whole chat completion: vLLM's extras are always there, null when not asked for."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
@@ -495,6 +575,7 @@ class ChatCompletionResponse(_OmitNone):
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
     prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs
+    metrics: PerRequestMetrics | None = None  # with --enable-per-request-metrics
 
 
 class DeltaMessage(BaseModel):
@@ -502,6 +583,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # the thinking, under both names (as ChatMessage)
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
@@ -516,11 +598,12 @@ class ChatStreamChoice(_OmitNone):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
+    stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # with return_token_ids: the chunk's tokens
 
 
 class ChatCompletionChunk(_OmitNone):
-    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "prompt_logprobs")
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "prompt_logprobs", "metrics")
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=_now)
@@ -530,6 +613,7 @@ class ChatCompletionChunk(_OmitNone):
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids: in the first chunks
     prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs=0: with the first token
+    metrics: PerRequestMetrics | None = None  # with --enable-per-request-metrics: on the usage chunk
 
 
 class ModelCard(BaseModel):
@@ -548,12 +632,11 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeResponse(_OmitNone):
-    omitted_when_none: ClassVar[tuple[str, ...]] = ("token_strs",)
+class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
-    token_strs: list[str] | None = None  # with return_token_strs: each token as the vocabulary writes it
+    token_strs: list[str] | None = None  # with return_token_strs (else null): each token as the vocabulary writes it
 
 
 class DetokenizeResponse(BaseModel):

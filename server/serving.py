@@ -30,7 +30,7 @@ from server.generation import Generation
 from server.limits import ServerLimits
 from server.media import MediaLimits
 from server.metrics import ServerMetrics
-from server.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, UsageInfo
+from server.protocol import PerRequestMetrics, PromptLogprob, PromptLogprobs, PromptTokensDetails, UsageInfo
 from server.streaming import (
     DONE,
     ClientDisconnected,
@@ -47,6 +47,10 @@ from server.tokenization import TokenizedPrompt, check_unicode, token_text
 logger = logging.getLogger("minivllm.server")
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+# The most logprob entries one response may carry (a token's own and its top-N count one each, at every prompt and
+# generated position of every choice): about 70 MB of JSON, and some 0.5 GB of the API server's memory to build.
+# Whole-vocabulary logprobs (-1, under --max-logprobs -1) fit for a few dozen positions of a 50k-token vocabulary.
+MAX_LOGPROB_ENTRIES = 2**20
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,10 @@ class ServingContext:
     limits: ServerLimits = field(default_factory=ServerLimits)
     media: MediaLimits = field(default_factory=MediaLimits)  # what images may be, and where they may come from
     api_key: str | None = None
-    force_include_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
+    force_include_usage: bool = False  # --enable-force-include-usage: usage on every chunk and a usage chunk last
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: a request's own field wins
+    per_request_metrics: bool = False  # --enable-per-request-metrics: a response's (or usage chunk's) timings
     # --trust-request-chat-template: requests may bring a chat template of their own (else a 400, as vLLM)
     trust_request_chat_template: bool = False
     # Tokenization runs here, off the event loop: one thread, so the tokenizer is never used by two
@@ -142,6 +149,11 @@ class ServingContext:
             raise bad_request(f"the chat template could not render these messages within its bounds: {exc}",
                               param="messages", code="chat_template_limit") from None
 
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """Whether logprob entries name their tokens ``token_id:N``: the request's own field when it has one,
+        else ``--return-tokens-as-token-ids`` (as vLLM decides it)."""
+        return self.return_tokens_as_token_ids if requested is None else requested
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model.name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model.name!r}",
@@ -156,6 +168,7 @@ class ServingContext:
             raise bad_request("stop strings need a tokenizer, and this model has none", param="stop")
         self.limits.check(len(prompts), params)
         check_params_for_engine(params, self.model.vocab_size)
+        check_logprob_entries([len(p.token_ids) for p in prompts], params, self.model.info)
         for i, prompt in enumerate(prompts):
             self.model.info.check_request(prompt.token_ids, params, mm_inputs[i] if mm_inputs else None)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -174,6 +187,29 @@ def check_params_for_engine(params: SamplingParams, vocab_size: int) -> None:
                           f"{vocab_size}", param="stop_token_ids")
 
 
+def check_logprob_entries(prompt_lens: list[int], params: SamplingParams, info: ModelInfo) -> None:
+    """Refuse a request whose logprobs could not be answered in a bounded response (MAX_LOGPROB_ENTRIES): whole-
+    vocabulary logprobs at every prompt token of a long prompt would take gigabytes to build."""
+    def per_position(asked: int | None, named: list[int] | None = None) -> int:
+        if named:
+            return len(named) + 1
+        return 0 if asked is None else 1 + (info.vocab_size if asked == -1 else asked)
+
+    prompt_each = per_position(params.prompt_logprobs)
+    sample_each = per_position(params.logprobs, params.logprob_token_ids)
+    if not prompt_each and not sample_each:
+        return
+    prompt_entries = sum((n - 1) * prompt_each for n in prompt_lens) * params.n
+    sample_entries = sum(params.max_tokens or max(info.max_model_len - n, 0) for n in prompt_lens) * sample_each
+    total = prompt_entries + sample_entries * params.n
+    if total > MAX_LOGPROB_ENTRIES:
+        param = "prompt_logprobs" if prompt_entries > MAX_LOGPROB_ENTRIES else "logprobs"
+        raise bad_request(f"this request could return {total:,} logprob entries ({prompt_entries:,} for prompt tokens,"
+                          f" {total - prompt_entries:,} for generated ones); a response carries at most "
+                          f"{MAX_LOGPROB_ENTRIES:,}: ask for fewer logprobs per token, fewer tokens (max_tokens) or a "
+                          "shorter prompt", param=param)
+
+
 @dataclass
 class ChoiceResult:
     """A whole choice, for non-streamed responses."""
@@ -182,6 +218,7 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it
     prompt_logprobs: list[Logprobs] | None = None  # prompt positions 1.., when asked for
 
 
@@ -197,16 +234,35 @@ async def collect(generation: Generation) -> list[ChoiceResult]:
                 if delta.prompt_logprobs is not None:
                     result.prompt_logprobs = delta.prompt_logprobs
                 result.finish_reason = delta.finish_reason
+                result.stop_reason = delta.stop_reason
     return results
 
 
-def usage_info(usage: Usage) -> UsageInfo:
+def usage_info(usage: Usage, prompt_tokens_details: bool = False) -> UsageInfo:
+    """OpenAI's usage; ``prompt_tokens_details`` (the prefix-cache hits) only when the server runs with
+    ``--enable-prompt-tokens-details``, as vLLM reports it."""
     return UsageInfo(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens) if prompt_tokens_details
+        else None,
     )
+
+
+def request_metrics(ctx: ServingContext, generation: Generation) -> PerRequestMetrics | None:
+    """vLLM's per-request timings (``--enable-per-request-metrics``), for a request of one choice only; None
+    otherwise (several choices' timings would not be one stream's)."""
+    timings = generation.stream.state.timings() if ctx.per_request_metrics else None
+    if timings is None:
+        return None
+
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * 1000.0
+
+    return PerRequestMetrics(time_to_first_token_ms=ms(timings.time_to_first_token_s),
+                             generation_time_ms=ms(timings.generation_s), queue_time_ms=ms(timings.queue_s),
+                             mean_itl_ms=ms(timings.mean_inter_token_s), tokens_per_second=timings.tokens_per_second)
 
 
 def clamp_logprob(value: float) -> float:

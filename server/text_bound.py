@@ -8,8 +8,8 @@ that into one token), so a text of more than ``max_model_len * chars_per_token``
 more than ``max_model_len`` tokens. A tokenizer whose normalizer drops some characters altogether
 (a probe makes no token) gets no bound.
 
-With ``truncate_prompt_tokens`` only the text's end survives, so only the characters the kept tokens
-can span (and a margin, where the cut may tokenize differently) are tokenized.
+With ``truncate_prompt_tokens`` only the text's end survives (its start, with ``truncation_side`` "right"), so
+only the characters the kept tokens can span (and a margin, where the cut may tokenize differently) are tokenized.
 """
 
 from __future__ import annotations
@@ -72,16 +72,20 @@ class TextBound:
                            f"of {self.max_model_len} tokens can hold (at most {self.max_chars:,} characters with its "
                            f"tokenizer)", param=param, code="context_length_exceeded")
 
-    def tail(self, text: str, keep_tokens: int) -> str:
-        """The end of ``text`` that holds its last ``keep_tokens`` tokens (``truncate_prompt_tokens``), and more."""
+    def kept_text(self, text: str, keep_tokens: int, side: str | None = None) -> str:
+        """The part of ``text`` that holds the ``keep_tokens`` tokens ``truncate_prompt_tokens`` keeps, and more:
+        its end, or its start with ``side`` "right" (``truncation_side``)."""
         if self.chars_per_token is None:
             return text
         num_chars = (min(keep_tokens, self.max_model_len) + _TAIL_MARGIN_TOKENS) * self.chars_per_token
-        return text[-num_chars:] if len(text) > num_chars else text
+        if len(text) <= num_chars:
+            return text
+        return text[:num_chars] if side == "right" else text[-num_chars:]
 
-    def admit(self, text: str, param: str, keep_tokens: int | None) -> str:
-        """The part of ``text`` to tokenize: all of it (a 400 when it cannot fit), or with ``keep_tokens`` its end."""
+    def admit(self, text: str, param: str, keep_tokens: int | None, side: str | None = None) -> str:
+        """The part of ``text`` to tokenize: all of it (a 400 when it cannot fit), or with ``keep_tokens`` the part
+        the truncation keeps (``kept_text``)."""
         if keep_tokens is None:
             self.check(text, param)
             return text
-        return self.tail(text, keep_tokens)
+        return self.kept_text(text, keep_tokens, side)

@@ -59,12 +59,14 @@ def num_prompts(prompt: str | list) -> int:
     return len(prompt)
 
 
-def admit_prompt_text(prompt: str | list, bound: TextBound, keep_tokens: int | None) -> str | list:
+def admit_prompt_text(prompt: str | list, bound: TextBound, keep_tokens: int | None,
+                      side: str | None = None) -> str | list:
     """A completion's prompt with each text checked against what the context can hold, before tokenizing: a 400
-    for a text too long, or with ``keep_tokens`` (``truncate_prompt_tokens``) only the end of it that can survive."""
+    for a text too long, or with ``keep_tokens`` (``truncate_prompt_tokens``) only the part of it that can survive
+    (its end, or its start with ``side`` "right")."""
     if isinstance(prompt, str):
-        return bound.admit(prompt, "prompt", keep_tokens)
-    return [bound.admit(p, "prompt", keep_tokens) if isinstance(p, str) else p for p in prompt]
+        return bound.admit(prompt, "prompt", keep_tokens, side)
+    return [bound.admit(p, "prompt", keep_tokens, side) if isinstance(p, str) else p for p in prompt]
 
 
 def encode_completion_prompts(tokenizer, prompt: str | list) -> list[TokenizedPrompt]:
@@ -206,7 +208,6 @@ def message_chars(messages: list[ChatMessageParam]) -> int:
     return total
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 CONTENT_PART_TYPES = ("text", "image_url")
 
 
@@ -227,9 +228,10 @@ def _check_part(index: int, position: int, part: ContentPart) -> None:
 
 
 def _plain_message(index: int, message: ChatMessageParam, multimodal: bool = False) -> dict:
-    if message.role not in CHAT_ROLES:
-        raise bad_request(f"messages.{index}.role must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}",
-                          param=f"messages.{index}.role")
+    # Any role reaches the template as given (OpenAI's, or a custom one, as vLLM passes them); a template that
+    # does not know a role says so (a 400 naming messages).
+    if not message.role:
+        raise bad_request(f"messages.{index}.role must not be empty", param=f"messages.{index}.role")
     content = message.content
     if isinstance(content, list):
         for position, part in enumerate(content):
@@ -272,8 +274,8 @@ def _arguments(text: str, index: int):
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise bad_request(f"token id {bad[0]} is out of range: the vocabulary has {vocab_size} tokens "
-                          f"(0..{vocab_size - 1})", param=param)
+        raise bad_request(f"token id {bad[0]} is out of vocabulary (out of range: the vocabulary has {vocab_size} "
+                          f"tokens, 0..{vocab_size - 1})", param=param)
 
 
 def decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -289,14 +291,16 @@ def token_text(tokenizer, token_id: int, as_id: bool = False) -> str:
 
 
 def keep_tokens(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
-    """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (-1: the context's worth); None: all."""
+    """How many of a prompt's tokens ``truncate_prompt_tokens`` keeps (-1: the context's worth); None: all."""
     if truncate_prompt_tokens is None:
         return None
     return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
-def truncate_prompt(prompt: TokenizedPrompt, keep: int | None, max_model_len: int) -> TokenizedPrompt:
-    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context's worth)."""
+def truncate_prompt(prompt: TokenizedPrompt, keep: int | None, max_model_len: int,
+                    side: str | None = None) -> TokenizedPrompt:
+    """vLLM's ``truncate_prompt_tokens``: ``keep`` of the prompt's tokens (-1: the context's worth), the last
+    ones, or the first ones with ``side`` "right" (vLLM's ``truncation_side``)."""
     if keep is None:
         return prompt
     keep = max_model_len if keep == -1 else keep
@@ -304,4 +308,5 @@ def truncate_prompt(prompt: TokenizedPrompt, keep: int | None, max_model_len: in
         raise bad_request("truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
     if len(prompt.token_ids) <= keep:
         return prompt
-    return TokenizedPrompt(prompt.token_ids[-keep:])  # its text is no longer the prompt's (echo decodes)
+    kept = prompt.token_ids[:keep] if side == "right" else prompt.token_ids[-keep:]
+    return TokenizedPrompt(kept)  # its text is no longer the prompt's (echo decodes)

@@ -48,7 +48,8 @@ SHAREGPT = [
 @pytest.fixture(scope="module")
 def bench_server(tmp_path_factory, tiny_model_path):
     server = start_server(tmp_path_factory.mktemp("servers"), "bench",
-                          ["--model", str(tiny_model_path), "--num-kvcache-blocks", "64", "--max-model-len", "256"])
+                          ["--model", str(tiny_model_path), "--num-kvcache-blocks", "64", "--max-model-len", "256",
+                           "--enable-prompt-tokens-details"])  # the cached tokens the bench reports
     yield server
     server.stop()
 

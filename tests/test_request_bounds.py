@@ -201,7 +201,7 @@ def test_the_bound_follows_what_the_tokenizer_folds_or_drops():
     assert max_chars_per_token(Tokenizer(None)) is None
     bound = TextBound.of(Tokenizer(None), 8)
     bound.check("x" * 10**6, "prompt")  # no bound: nothing refused
-    assert bound.tail("x" * 10**6, 4) == "x" * 10**6
+    assert bound.kept_text("x" * 10**6, 4) == "x" * 10**6
     bound = TextBound.of(Tokenizer(1), 8)
     assert bound.max_chars == 16
     with pytest.raises(Exception, match="16 characters"):
@@ -224,6 +224,18 @@ def test_truncation_tokenizes_only_the_end_and_keeps_its_tokens(http, tokenizer,
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=False)
     assert reply.json()["prompt_token_ids"] == tokenizer(rendered, add_special_tokens=False)["input_ids"][-keep:]
+
+
+@pytest.mark.parametrize("keep", [1, 500])
+def test_right_truncation_tokenizes_only_the_start_and_keeps_its_tokens(http, tokenizer, keep):
+    """truncation_side "right" keeps the first tokens: a lone surrogate at the end of a text far past the context
+    never reaches the tokenizer, and the tokens kept are the first ones of tokenizing the text whole."""
+    text = TEXT * 2000
+    body = {"prompt": text + SURROGATE, "max_tokens": 1, "truncate_prompt_tokens": keep, "truncation_side": "right",
+            "return_token_ids": True}
+    reply = post_raw(http, CMPL, body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["prompt_token_ids"] == tokenizer(text)["input_ids"][:keep]
 
 
 # ------------------------------------------------------------------------------------ tokenizer routes

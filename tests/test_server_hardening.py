@@ -251,8 +251,7 @@ def test_two_authorization_headers_are_refused(guarded):
 
 
 @pytest.mark.parametrize("message, param, words", [
-    ({"role": "wizard", "content": "hi"}, "messages.0.role", "must be one of"),
-    ({"role": "", "content": "hi"}, "messages.0.role", "must be one of"),
+    ({"role": "", "content": "hi"}, "messages.0.role", "must not be empty"),
     ({"role": "user", "content": [{"type": "text"}]}, "messages.0.content", "needs a 'text' string"),
 ])
 def test_chat_roles_and_parts_are_checked(http, message, param, words):
