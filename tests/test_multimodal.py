@@ -326,14 +326,24 @@ def test_async_engine_sends_each_prompt_its_images(llm):
 
     engine = AsyncEngine(llm.engine.config, llm.engine.model_info, llm.engine.stats(), llm.tokenizer, process=None,
                          control=None, sockets=None)
-    sent = []
-    engine._send = sent.append
+    from engine.core import AddRequests
+
+    sent, encoder = [], engine._encoder
+
+    class RecordingEncoder:  # what generate encodes for the core, kept; nothing is sent (no core here)
+        def encode(self, message):
+            sent.append(message)
+            return encoder.encode(message)
+
+    engine._encoder = RecordingEncoder()
+    engine._send_frame = lambda frame: None
     proc = llm._images()
     first = proc.process_text("USER: <image> one", [image(60, 32, 32)])
     second = proc.process_text("USER: <image> two <image>", [image(61, 32, 32), image(62, 40, 32)])
     engine.generate("r", [first[0], second[0], [5, 6, 7]], dataclasses.replace(GREEDY, n=2),
                     mm_inputs=[first[1], second[1], None])
-    requests = sent[0].requests
+    (added,) = [message for message in sent if isinstance(message, AddRequests)]
+    requests = added.requests
     assert [r.mm_inputs for r in requests] == [first[1], first[1], second[1], second[1], None, None]
     assert [r.prompt_token_ids for r in requests[::2]] == [first[0], second[0], [5, 6, 7]]
 
