@@ -14,6 +14,7 @@ from fastapi import Request
 
 from engine.output_processor import ChoiceDelta
 from engine.outputs import Logprobs
+from engine.structured_output import check_structured_outputs
 from server.errors import bad_request
 from server.generation import Generation
 from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
@@ -44,6 +45,9 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
     echo_logprobs = body.logprobs if body.echo else None
     params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, "max_tokens"), body.logprobs, defaults,
                                      prompt_logprobs=echo_logprobs)
+    if params.structured_outputs is not None:  # once per request, off the event loop: it builds the grammar
+        await ctx.in_tokenizer_thread(check_structured_outputs, params.structured_outputs,
+                                      ctx.model.info.structured_outputs_max_bytes)
     if has_text(body.prompt):
         prompts = await ctx.in_tokenizer_thread(encode_completion_prompts, ctx.tokenizer, body.prompt)
     else:
