@@ -175,8 +175,7 @@ class RequestGrammar:
             if job.error is not None:
                 self.error = f"{self.param}: this grammar cannot be compiled: {_reason(job.error) or repr(job.error)}"
             else:
-                # No rollback history: tokens are never taken back (speculative decoding would).
-                self.matcher = xgr.GrammarMatcher(job.result, max_rollback_tokens=0)
+                self.matcher = xgr.GrammarMatcher(job.result)
         return self.matcher is not None
 
     @property

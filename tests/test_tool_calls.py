@@ -288,16 +288,16 @@ def test_a_call_cut_by_max_tokens_streams_its_name_and_arguments_so_far(client, 
 
 
 def test_forced_calls_are_written_compactly(default_server):
-    """One call costs its content's tokens, not newlines and indentation: ", " and ": " between items."""
+    """No tokens go to layout: the text is the calls with ", " and ": " between items and no other whitespace
+    (the model used to spend a third of a call's tokens on newlines and indentation)."""
     client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     reply = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
-                                           parallel_tool_calls=False, temperature=0, max_tokens=200)
-    calls = reply.choices[0].message.tool_calls
-    assert reply.choices[0].finish_reason == "tool_calls" and len(calls) == 1
-    arguments = calls[0].function.arguments
-    assert arguments == json.dumps(json.loads(arguments), ensure_ascii=False)
-    # [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}] and the end of text.
-    assert reply.usage.completion_tokens <= 30, reply.usage
+                                           parallel_tool_calls=False, temperature=0, max_tokens=200, logprobs=True)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0].function
+    written = "".join(entry.token for entry in choice.logprobs.content[:-1])  # the last one ends the text
+    assert written == json.dumps([{"name": call.name, "parameters": json.loads(call.arguments)}], ensure_ascii=False)
 
 
 # vLLM's own tool-call cases (tests/entrypoints/openai/chat_completion/test_completion_with_function_calling.py)
