@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding on xgrammar: checked in the API server, compiled off the step path, masks filled per step.
+"""Grammar-constrained decoding on xgrammar: checked by the API server, compiled off the step path, masks per step.
 
     API server  ──> check_structured_outputs, once per request and off the event loop: size and
                     nesting bounds first, then the grammar is built (not compiled): a bad one is a 400

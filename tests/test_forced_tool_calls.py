@@ -36,7 +36,8 @@ def streamed(plan_: ToolPlan, text: str, finish_reason: str, piece_size: int = 1
     stream, calls = ChoiceToolStream(plan_), {}
     pieces = [text[i:i + piece_size] for i in range(0, len(text), piece_size)]
     for i, piece in enumerate(pieces):
-        for index, call_id, name, arguments in stream.feed(piece, finish_reason if i == len(pieces) - 1 else None).calls:
+        last = i == len(pieces) - 1
+        for index, call_id, name, arguments in stream.feed(piece, finish_reason if last else None).calls:
             if call_id is not None:
                 assert index == len(calls) and name and arguments == ""
                 calls[index] = [name, ""]
