@@ -331,6 +331,8 @@ class AsyncEngine:
             self._num_added_seen = step.num_requests_added
             for child_id, reason in step.failed:
                 self._fail_request(child_id, reason)
+            for child_id, reason, param in step.rejected:  # the client's input: a 400 (or the stream's error)
+                self._fail_request(child_id, reason, RequestError(reason, param=param))
             if step.outputs:
                 to_abort = self.processor.process(step.outputs)
                 if to_abort:  # stopped by a stop string
@@ -338,12 +340,12 @@ class AsyncEngine:
                 if self._metrics is not None:
                     self._metrics.record_delivery(received - step.sent_s, time.monotonic() - received)
 
-    def _fail_request(self, child_id: str, reason: str) -> None:
+    def _fail_request(self, child_id: str, reason: str, error: BaseException | None = None) -> None:
         request_id = child_id.rpartition("-")[0]
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             self.abort(request_id)
-            stream.fail(RuntimeError(f"the engine refused the request: {reason}"))
+            stream.fail(error or RuntimeError(f"the engine refused the request: {reason}"))
 
     def _on_process_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)

@@ -54,6 +54,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    # Structured outputs: the largest spec a request may give (its schema, regex, EBNF or choices, in UTF-8
+    # bytes; the API server refuses larger ones before anything starts), how long one grammar may compile
+    # before its request fails, and what xgrammar's cache of compiled grammars may hold (vLLM's
+    # VLLM_XGRAMMAR_CACHE_MB; 0: no cache).
+    structured_outputs_max_bytes: int = 256 * 1024
+    structured_outputs_compile_timeout_s: float = 60.0
+    xgrammar_cache_mb: int = 512
     # Execution.
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     enforce_eager: bool = False
@@ -109,6 +116,11 @@ class EngineConfig:
                                       f"{self.max_logprobs}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        need(self.structured_outputs_max_bytes >= 1,
+             f"structured_outputs_max_bytes must be at least 1, got {self.structured_outputs_max_bytes}")
+        need(self.structured_outputs_compile_timeout_s > 0, f"structured_outputs_compile_timeout_s must be positive, "
+                                                            f"got {self.structured_outputs_compile_timeout_s}")
+        need(self.xgrammar_cache_mb >= 0, f"xgrammar_cache_mb must be at least 0, got {self.xgrammar_cache_mb}")
         need(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be at least 1, got {self.max_model_len}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len,

@@ -8,8 +8,11 @@
 
 The loop busy-polls its inputs between steps and blocks on them only when no request is
 left, so the device goes from one step to the next whatever the server is doing: the
-server detokenizes and writes SSE in its own process. Messages are msgspec structs
-(msgpack): a step's outputs for 256 requests encode in ~30 us.
+server detokenizes and writes SSE in its own process. While every request waits for its
+grammar to compile, nothing can be scheduled: the loop then blocks on its inputs and the
+compiles' wake-up pipe, until a compile ends or the next compile time bound passes. A
+message goes out only when something changed (outputs, tokens computed, failures, stats).
+Messages are msgspec structs (msgpack): a step's outputs for 256 requests encode in ~30 us.
 
 Lifetime: the process exits when it is told to (``Shutdown``), when its parent dies
 (multiprocessing's parent sentinel, so no orphan holds a GPU), or after a failed step,
@@ -86,6 +89,9 @@ class StepOutputs(msgspec.Struct, array_like=True, gc=False):
     failed: list[tuple[str, str]] = []  # (request id, why) for requests the engine refused
     sent_s: float = 0.0  # time.monotonic() when the core sent it, to measure the delivery delay
     num_scheduled_tokens: int = 0  # the step's tokens (prompt and decode): vLLM's iteration_tokens_total
+    # (request id, why, the request field) for requests the client's input failed: a grammar that did
+    # not compile, or not within its time bound (a 400 for the client, not a server error)
+    rejected: list[tuple[str, str, str]] = []
 
 
 def _enc_hook(obj):
@@ -129,6 +135,7 @@ class EngineCore:
         self._last_stats_s = 0.0
         self._last_counts: tuple[int, int] | None = None
         self._idle_since: float | None = None  # None while requests run, or once checked in this idle period
+        self._wakeup_fd: int | None = None  # the grammar compiles' wake-up pipe, once the engine has one
 
     def run(self) -> None:
         """Serve until told to stop or orphaned."""
@@ -136,22 +143,42 @@ class EngineCore:
         poller.register(self.inputs, zmq.POLLIN)
         if self.parent_sentinel is not None:
             poller.register(self.parent_sentinel, zmq.POLLIN)
+        engine = self.engine
         while True:
-            busy = self.engine.has_unfinished_requests()
-            events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
+            events = dict(poller.poll(self._poll_timeout_ms(poller)))
             if self.parent_sentinel is not None and self.parent_sentinel in events:
                 logger.warning("the API server process is gone: the engine core stops")
                 return
             if self.inputs in events and not self._apply_inputs():
                 logger.info("engine core: shutting down")
                 return
-            if self.engine.has_unfinished_requests():
+            if self._wakeup_fd is not None and self._wakeup_fd in events:
+                engine.grammars.clear_wakeup()
+            if engine.has_unfinished_requests():
                 self._idle_since = time.monotonic()
-                self._send(self.engine.step())
-            elif self._stats_dirty or self._failed:
+                if engine.waiting_for_grammars():
+                    self._send(engine.settle_grammars(), only_if_changed=True)
+                else:
+                    outputs = engine.step()
+                    self._send(outputs, engine.last_num_scheduled_tokens, only_if_changed=True)
+            elif self._stats_dirty or self._failed or engine.grammar_failures:
                 self._send([])
             elif not events:
                 self._check_when_idle()
+
+    def _poll_timeout_ms(self, poller: zmq.Poller) -> int:
+        """0 while steps can run; while every request waits for a grammar, until the first compile's time
+        bound (a compile that ends wakes the loop through its pipe); when idle, ``_IDLE_POLL_MS``."""
+        engine = self.engine
+        if not engine.has_unfinished_requests():
+            return _IDLE_POLL_MS
+        if not engine.waiting_for_grammars():
+            return 0
+        if self._wakeup_fd is None:
+            self._wakeup_fd = engine.grammars.wakeup_fd
+            poller.register(self._wakeup_fd, zmq.POLLIN)
+        wait_s = engine.grammars.seconds_to_deadline()
+        return _IDLE_POLL_MS if wait_s is None else min(_IDLE_POLL_MS, 1 + int(wait_s * 1000))
 
     def _check_when_idle(self) -> None:
         """Check the KV invariants once the engine has been idle for a while: a request that arrives
@@ -185,19 +212,26 @@ class EngineCore:
             else:
                 return False
 
-    def _send(self, outputs: list[EngineOutput]) -> None:
-        """One message for the step; a stats snapshot rides along when counts changed, when idle,
-        and at least every ``_STATS_INTERVAL_S`` (a snapshot costs ~30 us for 256 requests)."""
+    def _send(self, outputs: list[EngineOutput], num_tokens: int = 0, only_if_changed: bool = False) -> None:
+        """One message for the step (which computed ``num_tokens``); a stats snapshot rides along when
+        counts changed, when idle, and at least every ``_STATS_INTERVAL_S`` (a snapshot costs ~30 us for
+        256 requests). ``only_if_changed``: no message for a step that produced nothing (no outputs, no
+        tokens computed, no failures) unless a snapshot is due."""
+        engine = self.engine
         now = time.monotonic()
-        scheduler = self.engine.scheduler
+        scheduler = engine.scheduler
         counts = (scheduler.num_running, scheduler.num_waiting)
         stats = None
         due = now - self._last_stats_s >= _STATS_INTERVAL_S
-        if self._stats_dirty or due or counts != self._last_counts or not self.engine.has_unfinished_requests():
-            stats, self._last_counts, self._last_stats_s, self._stats_dirty = self.engine.stats(), counts, now, False
+        if self._stats_dirty or due or counts != self._last_counts or not engine.has_unfinished_requests():
+            stats, self._last_counts, self._last_stats_s, self._stats_dirty = engine.stats(), counts, now, False
+        if (only_if_changed and not outputs and stats is None and not num_tokens and not self._failed
+                and not engine.grammar_failures):
+            return
         failed, self._failed = self._failed, []
-        message = StepOutputs(outputs, stats, self._num_added, failed, time.monotonic(),
-                              self.engine.last_num_scheduled_tokens)
+        rejected, engine.grammar_failures = engine.grammar_failures, []
+        message = StepOutputs(outputs, stats, self._num_added, failed, sent_s=time.monotonic(),
+                              num_scheduled_tokens=num_tokens, rejected=rejected)
         self.outputs.send(self._encoder.encode(message), copy=False)
 
 

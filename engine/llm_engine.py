@@ -140,12 +140,16 @@ class LLMEngine:
             input_modalities=("text", "image") if images else ("text",),
             image_token_id=self.model_config.multimodal.image_token_id if images else None,
             max_tokens_per_image=max_encoder_tokens or None,
+            structured_outputs_max_bytes=config.structured_outputs_max_bytes,
         )
         if self.model_info.sampling_defaults:
             logger.info("sampling defaults from the generation config (requests override them; "
                         "--generation-config vllm ignores them): %s",
                         ", ".join(f"{k}={v}" for k, v in self.model_info.sampling_defaults.items()))
         self._grammar_requests: set[str] = set()  # unfinished requests with a grammar
+        # (request id, why, the request field) of requests ended because their grammar failed to compile
+        # (or took too long); the engine core reports them to the API server as errors.
+        self.grammar_failures: list[tuple[str, str, str]] = []
         self.step_timings: list[StepTiming] = []
         self._last_sync: float | None = None
         self._inflight: tuple | None = None  # (SchedulerOutput, StepHandle, prepare start) of a launched step
@@ -232,7 +236,7 @@ class LLMEngine:
             return self._add_beam_search(request_id, prompt_token_ids, params, arrival_time, mm_inputs, mrope)
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time, mm_inputs, mrope)
         if params.structured_outputs is not None:
-            request.grammar = self._grammar_manager().attach(params.structured_outputs)
+            request.grammar = self._grammar_manager().attach(request_id, params.structured_outputs)
         self.scheduler.add_request(request)
         if request.grammar is not None:
             self._grammar_requests.add(request_id)
@@ -313,15 +317,40 @@ class LLMEngine:
                                    param="structured_outputs")
             from engine.structured_output import GrammarManager
 
+            config = self.config
             self.grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                                           self.config.max_num_seqs)
+                                           config.max_num_seqs, config.xgrammar_cache_mb,
+                                           config.structured_outputs_compile_timeout_s)
         return self.grammars
+
+    def waiting_for_grammars(self) -> bool:
+        """True when nothing can be scheduled until a grammar compiles: no step runs or waits to, and every
+        waiting request waits for its grammar (the engine core then sleeps instead of stepping)."""
+        if self.grammars is None or not self.grammars.num_pending or self._inflight is not None:
+            return False
+        scheduler = self.scheduler
+        return self._masks_filling is None and not scheduler.running and not any(r.ready for r in scheduler.waiting)
+
+    def settle_grammars(self) -> list[EngineOutput]:
+        """End the requests whose grammar failed to compile or passed its time bound (``grammar_failures``
+        says why); their outputs finish with "abort"."""
+        failures = self.grammars.settle() if self.grammars is not None else []
+        if not failures:
+            return []
+        for request_id, why, _ in failures:
+            logger.warning("request %s: %s", request_id, why)
+        self.grammar_failures += failures
+        return self.abort_requests([request_id for request_id, _, _ in failures])
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams,
                          mm_inputs: list | None = None) -> SamplingParams:
         """Check a prompt (and its images) against the model and the context; return params with max_tokens
         resolved."""
         params = self.model_info.check_request(prompt_token_ids, params, mm_inputs)
+        if params.structured_outputs is not None:
+            from engine.structured_output import check_structured_outputs
+
+            check_structured_outputs(params.structured_outputs, self.config.structured_outputs_max_bytes)
         if mm_inputs:
             self._check_image_sizes(mm_inputs)
         return params
@@ -349,6 +378,8 @@ class LLMEngine:
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         self._grammar_requests.difference_update(request_ids)
+        if self.grammars is not None:
+            self.grammars.forget(request_ids)
         outputs = []
         groups = self.scheduler.beam_groups
         for rid in request_ids:
@@ -372,7 +403,16 @@ class LLMEngine:
         outputs (detokenization, streaming) and while the next call waits on it. Requests
         added or aborted in between take effect from the step after; an aborted request's
         result from the step in flight is dropped.
+
+        Requests whose grammar failed to compile end first (``settle_grammars``); when every request waits
+        for its grammar, this waits for a compile to end (or a time bound to pass) instead of stepping.
         """
+        settled = self.settle_grammars()
+        if self.waiting_for_grammars():
+            self.grammars.wait(self.grammars.seconds_to_deadline())
+            return settled + self.settle_grammars()
+        if not self.scheduler.has_unfinished_requests() and self._inflight is None:
+            return settled
         self._launch_masked_sampling()
         if self._inflight is None:
             self._inflight = self._launch_next()
@@ -405,7 +445,7 @@ class LLMEngine:
         if self._inflight is None and self.overlap_steps and self.scheduler.has_unfinished_requests():
             self._inflight = self._launch_next()
             self._complete_sampling(self._inflight)
-        return outputs
+        return settled + outputs
 
     def _advance_grammars(self, runner_out) -> None:
         requests = self.scheduler.requests

@@ -45,6 +45,8 @@ class ModelInfo:
     input_modalities: tuple[str, ...] = ("text",)
     image_token_id: int | None = None
     max_tokens_per_image: int | None = None
+    # The largest structured-output spec a request may give (engine.structured_output.check_structured_outputs).
+    structured_outputs_max_bytes: int | None = None
 
     @property
     def accepts_images(self) -> bool:
@@ -53,7 +55,8 @@ class ModelInfo:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       mm_inputs: list | None = None) -> SamplingParams:
         """Check a prompt (and its images, ``engine.multimodal.ImageInput``s) against the vocabulary and the
-        context; return params with max_tokens resolved."""
+        context; return params with max_tokens resolved. A structured-output spec is checked once per request,
+        not here (``engine.structured_output.check_structured_outputs``: it builds the grammar)."""
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty: it must contain at least one token", param="prompt")
@@ -78,10 +81,6 @@ class ModelInfo:
                                f"vocabulary has {vocab} tokens", param="allowed_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             self.check_num_logprobs(getattr(params, name), name)
-        if params.structured_outputs is not None:
-            from engine.structured_output import check_structured_outputs
-
-            check_structured_outputs(params.structured_outputs)
         if mm_inputs:
             from engine.multimodal import check_image_inputs
 

@@ -23,6 +23,10 @@ class StructuredOutputsParams:
     "open" - the output begins inside the thinking (the prompt opened it), "optional" - the output
     may begin with a whole thinking block; the constraint applies after it. None: from the first
     token. (A structural tag says this itself.)
+
+    ``any_whitespace``: False lays JSON out one way only, ``", "`` and ``": "`` between items and no
+    other whitespace (tool calls: no tokens spent on layout). ``param``: the request field the
+    constraint came from, named by the errors about it.
     """
 
     json: str | None = None
@@ -33,6 +37,8 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
     strict: bool = True
     reasoning: str | None = None
+    any_whitespace: bool = True
+    param: str = "structured_outputs"
 
     def __post_init__(self) -> None:
         given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,

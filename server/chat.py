@@ -17,6 +17,7 @@ from contextlib import aclosing
 from fastapi import Request
 
 from engine.outputs import Logprobs
+from engine.structured_output import check_structured_outputs
 from server.errors import bad_request
 from server.generation import Generation
 from server.media import fetch_images
@@ -103,6 +104,9 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, given), logprobs, defaults,
                                      tool_grammar=tool_grammar, skip_special_tokens=tools.skip_special_tokens,
                                      reasoning=reasoning)
+    if params.structured_outputs is not None:  # once per request, off the event loop: it builds the grammar
+        await ctx.in_tokenizer_thread(check_structured_outputs, params.structured_outputs,
+                                      ctx.model.info.structured_outputs_max_bytes)
     prompt = truncate_prompt(TokenizedPrompt(prompt_ids), body.truncate_prompt_tokens, ctx.model.max_model_len,
                              body.truncation_side)
     generation = ctx.start_generation("chatcmpl", [prompt], params, mm_inputs)
@@ -209,12 +213,12 @@ class _ChatView:
         choices = []
         for index, result in enumerate(results):
             reasoning, answer = split_reasoning(result.text, self.thinking)
-            content, calls = self.tools.extract(answer)
+            content, calls = self.tools.extract(answer, result.finish_reason)
             if reasoning is not None and not content:
                 content = None  # all thinking (cut off) or all calls: no answer text
             if self._echo:
                 content = self._echo + (content or "")
-            finish_reason = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
+            finish_reason = self.tools.finish_reason(result.finish_reason, bool(calls))
             message = ChatMessage(content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=calls)
             choices.append(ChatChoice(index=index, message=message, logprobs=self._logprobs(result.logprobs),
                                       finish_reason=finish_reason, stop_reason=result.stop_reason,
@@ -252,7 +256,7 @@ class _ChatView:
                     for message in messages[:-1]:
                         yield self._chunk([self._choice(delta, message, final=False)], prompt_logprobs=prompt_logprobs)
                         prompt_logprobs = None
-                    finish = "tool_calls" if calls and calls.num_calls and delta.finish_reason == "stop" else None
+                    finish = self.tools.finish_reason(delta.finish_reason, bool(calls and calls.num_calls))
                     yield self._chunk([self._choice(delta, messages[-1], finish=finish)],
                                       prompt_logprobs=prompt_logprobs)
         if self.body.include_usage or self.ctx.force_include_usage:
@@ -280,7 +284,7 @@ class _ChatView:
             text = split.content
         if calls is None:
             return messages + ([DeltaMessage(content=text)] if text else [])
-        out = calls.feed(text, finished)
+        out = calls.feed(text, delta.finish_reason)
         if out.content:
             messages.append(DeltaMessage(content=out.content))
         for index, call_id, name, arguments in out.calls:

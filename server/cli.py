@@ -173,6 +173,16 @@ def _add_scheduler_args(group) -> None:
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="also plan each step before the previous step's tokens are known, so the device "
                             "does not wait for the host between decode steps; default: on with CUDA")
+    group.add_argument("--structured-outputs-max-bytes", type=int, default=_DEFAULTS["structured_outputs_max_bytes"],
+                       help="largest structured-output spec a request may give (its JSON schema, regex, EBNF "
+                            "grammar, structural tag or choices, in UTF-8 bytes; 400 beyond)")
+    group.add_argument("--structured-outputs-compile-timeout", type=float,
+                       default=_DEFAULTS["structured_outputs_compile_timeout_s"],
+                       help="seconds a grammar may take to compile; past it its request fails with a 400 (or its "
+                            "stream's error event) and the server goes on")
+    group.add_argument("--xgrammar-cache-mb", type=int, default=_DEFAULTS["xgrammar_cache_mb"],
+                       help="memory xgrammar's cache of compiled grammars may hold, least recently used out first "
+                            "(vLLM's VLLM_XGRAMMAR_CACHE_MB); 0: no cache")
 
 
 def _add_server_args(group) -> None:
@@ -315,6 +325,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         overlap_steps=args.overlap_steps, async_scheduling=args.async_scheduling, max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, distributed_timeout_s=args.distributed_timeout,
+        structured_outputs_max_bytes=args.structured_outputs_max_bytes,
+        structured_outputs_compile_timeout_s=args.structured_outputs_compile_timeout,
+        xgrammar_cache_mb=args.xgrammar_cache_mb,
     )
 
 

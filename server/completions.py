@@ -14,6 +14,7 @@ from fastapi import Request
 
 from engine.output_processor import ChoiceDelta
 from engine.outputs import Logprobs
+from engine.structured_output import check_structured_outputs
 from server.errors import bad_request
 from server.generation import Generation
 from server.protocol import (
@@ -65,6 +66,9 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
     # Counted and measured before anything is tokenized: refusals cost nothing, and only text that can fit is encoded.
     ctx.limits.check_choices(num_prompts(body.prompt), params.n)
     keep = keep_tokens(body.truncate_prompt_tokens, ctx.model.max_model_len)
+    if params.structured_outputs is not None:  # once per request, off the event loop: it builds the grammar
+        await ctx.in_tokenizer_thread(check_structured_outputs, params.structured_outputs,
+                                      ctx.model.info.structured_outputs_max_bytes)
     if has_text(body.prompt):
         text = admit_prompt_text(body.prompt, ctx.text_bound, keep, body.truncation_side)
         prompts = await ctx.in_tokenizer_thread(encode_completion_prompts, ctx.tokenizer, text)

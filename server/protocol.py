@@ -17,7 +17,6 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
 
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
-from engine.structured_output import check_structured_outputs
 
 MAX_N = 128  # parallel samples per prompt
 _INT32_MAX = 2**31 - 1
@@ -217,17 +216,18 @@ class SamplingRequest(RequestModel):
         return bias
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The one grammar the request asks for, by whichever name it used; checked here, so a schema,
-        regex or grammar that cannot be compiled is a 400 naming the field it came in."""
+        """The one grammar the request asks for, by whichever name it used (``param`` names it: the handler
+        checks it once, off the event loop, with ``check_structured_outputs``). Every JSON schema is
+        compiled strictly, as vLLM does whatever ``strict`` says: no properties beyond those it lists."""
         asked = []
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
-            asked.append(("response_format", StructuredOutputsParams(json_object=True)))
+            asked.append(("response_format", StructuredOutputsParams(json_object=True, param="response_format")))
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise SamplingParamsError("response_format: json_schema needs a schema", "response_format")
-            asked.append(("response_format", StructuredOutputsParams(json=json.dumps(fmt.json_schema.schema_),
-                                                                     strict=bool(fmt.json_schema.strict))))
+            asked.append(("response_format", _vllm_spec(fmt.json_schema.schema_, None, None, None, None,
+                                                        "response_format")))
         so = self.structured_outputs
         if so is not None:
             asked.append(("structured_outputs", _vllm_spec(so.json_, so.regex, so.choice, so.grammar,
@@ -243,9 +243,7 @@ class SamplingRequest(RequestModel):
         if len(asked) > 1:
             names = ", ".join(name for name, _ in asked)
             raise SamplingParamsError(f"ask for one structured output, not several ({names})", asked[1][0])
-        param, spec = asked[0]
-        check_structured_outputs(spec, param)
-        return spec
+        return asked[0][1]
 
 
 
@@ -260,13 +258,16 @@ def _ascii_int(text: str) -> int | None:
 
 def _vllm_spec(json_schema, regex, choice, grammar, json_object, param: str,
                structural_tag=None) -> StructuredOutputsParams:
-    if isinstance(json_schema, dict):
-        json_schema = json.dumps(json_schema)
-    if isinstance(structural_tag, dict):
-        structural_tag = json.dumps(structural_tag)
+    try:
+        if isinstance(json_schema, dict):
+            json_schema = json.dumps(json_schema)
+        if isinstance(structural_tag, dict):
+            structural_tag = json.dumps(structural_tag)
+    except RecursionError:
+        raise SamplingParamsError(f"{param}: the JSON is nested too deeply", param) from None
     try:
         return StructuredOutputsParams(json=json_schema, regex=regex, choice=choice, grammar=grammar,
-                                       json_object=bool(json_object), structural_tag=structural_tag, strict=False)
+                                       json_object=bool(json_object), structural_tag=structural_tag, param=param)
     except SamplingParamsError as exc:
         raise SamplingParamsError(str(exc).replace("structured outputs", param), param) from None
 
@@ -531,7 +532,14 @@ class ChatMessage(BaseModel):
     # A reasoning model's thinking (--reasoning-parser): vLLM's name, and the older reasoning_content (the same).
     reasoning: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # left out of the JSON when empty, as vLLM does
+
+    @model_serializer(mode="wrap")
+    def _omit_no_tool_calls(self, handler):
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class DeltaFunctionCall(BaseModel):

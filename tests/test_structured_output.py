@@ -117,6 +117,29 @@ def test_max_tokens_mid_object_is_length(tiny_server):
     assert choice["finish_reason"] == "length"
 
 
+STRICT_SCHEMA = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("ask", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": STRICT_SCHEMA}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": STRICT_SCHEMA,
+                                                                "strict": False}}},
+    {"structured_outputs": {"json": STRICT_SCHEMA}},
+    {"guided_json": STRICT_SCHEMA},
+], ids=["response_format", "response_format_strict_false", "structured_outputs", "guided_json"])
+def test_every_json_schema_is_strict(tiny_server, tiny_model_path, ask):
+    """As vLLM compiles them, whatever ``strict`` says: no keys beyond those the schema names. Every token
+    that starts with a comma is pushed as hard as a bias goes, so any room for another key is taken."""
+    import transformers
+
+    vocab = transformers.AutoTokenizer.from_pretrained(str(tiny_model_path)).get_vocab()
+    bias = {str(i): 100 for token, i in vocab.items() if token.startswith(",")}
+    body = {"model": TINY_MODEL_NAME, "prompt": "x", "temperature": 0, "max_tokens": 60, "logit_bias": bias, **ask}
+    choice = many(tiny_server.url, CMPL, [body])[0]["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert set(json.loads(choice["text"])) == {"a"}
+
+
 class Capital(BaseModel):
     country: str
     capital: str

@@ -124,7 +124,7 @@ def test_named_function_gets_arguments_for_its_schema(client):
                                                tool_choice={"type": "function", "function": {"name": "add"}},
                                                max_tokens=400, extra_body=NO_THINKING)
         choice = reply.choices[0]
-        assert choice.finish_reason == "tool_calls"
+        assert choice.finish_reason == "stop"  # a forced function ends with "stop", as OpenAI and vLLM say
         assert [c.function.name for c in choice.message.tool_calls] == ["add"]
         assert_valid_calls(choice.message, names=("add",))
 
@@ -134,7 +134,7 @@ def test_default_model_required_and_named_calls(default_server):
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         reply = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=ASK, tools=TOOLS,
                                                tool_choice=choice, temperature=0, max_tokens=200)
-        assert reply.choices[0].finish_reason == "tool_calls"
+        assert reply.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop")
         assert_valid_calls(reply.choices[0].message)
         if choice != "required":
             assert reply.choices[0].message.tool_calls[0].function.name == "get_weather"
@@ -162,7 +162,7 @@ def test_auto_without_a_call_is_content(client):
                                            extra_body={"structured_outputs": {"regex": "It is sunny\\."},
                                                        **NO_THINKING})
     choice = reply.choices[0]
-    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == ("It is sunny.", [], "stop")
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == ("It is sunny.", None, "stop")
 
 
 def test_strict_tool_under_auto_is_constrained(client, server):
@@ -193,7 +193,7 @@ def test_streamed_calls_reassemble_to_the_same_calls(client, how):
     whole = client.chat.completions.create(model=MODEL, messages=ASK, extra_body=extra, **kwargs).choices[0]
     chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, stream=True, extra_body=extra, **kwargs))
     _, content, calls, finishes = reassemble(chunks)
-    assert finishes == ["tool_calls"] == [whole.finish_reason]
+    assert finishes == ["stop" if how == "named" else "tool_calls"] == [whole.finish_reason]
     assert content == (whole.message.content or "")
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
@@ -202,6 +202,135 @@ def test_streamed_calls_reassemble_to_the_same_calls(client, how):
         final = stream.get_final_completion().choices[0].message
     assert [(c.function.name, c.function.arguments) for c in final.tool_calls] == [
         (c["name"], c["arguments"]) for c in calls]
+
+
+# ----------------------------------------------------------------------------- references, cut-off and compact calls
+
+
+# Parameters with references: pydantic's "$defs", the older "definitions", and a pointer into the parameters
+# themselves. Nested in the "required" array as they are, every one of them would point at the array.
+REFS = {"type": "function", "function": {"name": "set_alarm", "parameters": {
+    "type": "object",
+    "properties": {"when": {"$ref": "#/$defs/Time"}, "repeat": {"$ref": "#/definitions/Days"},
+                   "snooze": {"$ref": "#/properties/when"}},
+    "required": ["when", "repeat", "snooze"], "additionalProperties": False,
+    "$defs": {"Time": {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                                                         "half": {"type": "boolean"}},
+                       "required": ["hour", "half"], "additionalProperties": False}},
+    "definitions": {"Days": {"enum": ["never", "weekdays", "daily"]}}}}}
+# Another tool with a definition of the same name: hoisted side by side, neither may shadow the other.
+CLASH = {"type": "function", "function": {"name": "ring", "parameters": {
+    "type": "object", "properties": {"how": {"$ref": "#/$defs/Time"}}, "required": ["how"],
+    "additionalProperties": False, "$defs": {"Time": {"enum": ["now", "later"]}}}}}
+REF_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (REFS, CLASH)}
+
+
+@pytest.mark.parametrize("how", ["required", "named"])
+def test_parameters_with_references_are_forced_calls(client, how):
+    choice = "required" if how == "required" else {"type": "function", "function": {"name": "set_alarm"}}
+    for seed in range(3):
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[REFS, CLASH], tool_choice=choice,
+                                               parallel_tool_calls=False, temperature=1.0, seed=seed,
+                                               max_tokens=400, extra_body=NO_THINKING)
+        calls = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == ("tool_calls" if how == "required" else "stop")
+        assert len(calls) == 1 and (how == "required" or calls[0].function.name == "set_alarm")
+        jsonschema.validate(json.loads(calls[0].function.arguments), REF_SCHEMAS[calls[0].function.name])
+
+
+@pytest.mark.parametrize("how", ["required", "named"])
+def test_one_token_is_no_call(client, how):
+    """vLLM's test_max_tokens_with_tool_choice_required: cut before any call is written, there is none."""
+    choice = "required" if how == "required" else {"type": "function", "function": {"name": "set_alarm"}}
+    kwargs = {"model": MODEL, "messages": ASK, "tools": [REFS, CLASH], "tool_choice": choice, "temperature": 0,
+              "max_completion_tokens": 1, "extra_body": NO_THINKING}
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert (choice.finish_reason, choice.message.tool_calls, choice.message.content) == ("length", None, None)
+    _, content, calls, finishes = reassemble(client.chat.completions.create(stream=True, **kwargs))
+    assert (finishes, calls, content) == (["length"], [], "")
+
+
+def generated_tokens(client, **kwargs) -> tuple[list[str], object]:
+    """The tokens of a greedy reply (as text) and its choice."""
+    reply = client.chat.completions.create(temperature=0, logprobs=True, extra_body=NO_THINKING, **kwargs).choices[0]
+    return [entry.token for entry in reply.logprobs.content], reply
+
+
+@pytest.mark.parametrize("how", ["required", "named"])
+def test_a_call_cut_by_max_tokens_streams_its_name_and_arguments_so_far(client, how):
+    choice = "required" if how == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}
+    tokens, whole = generated_tokens(client, max_tokens=400, **kwargs)
+    full = whole.message.tool_calls[0].function
+    # Cut where the arguments have just begun: the first argument's key is complete.
+    opening = '"parameters": ' if how == "required" else ""
+    text, start = "", -1
+    for num_tokens, token in enumerate(tokens, start=1):
+        text += token
+        start = text.find(opening)
+        if start >= 0 and ":" in text[start + len(opening):]:
+            break
+    cut = text[start + len(opening):]
+    assert len(cut) < len(full.arguments) and full.arguments.startswith(cut), (cut, full)
+    cut_kwargs = dict(kwargs, max_tokens=num_tokens)
+    _, reply = generated_tokens(client, **cut_kwargs)
+    assert reply.finish_reason == "length"
+    assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls] == [(full.name, cut)]
+    stream = client.chat.completions.create(temperature=0, stream=True, extra_body=NO_THINKING, **cut_kwargs)
+    chunks = list(stream)
+    _, content, calls, finishes = reassemble(chunks)
+    assert (content, finishes) == ("", ["length"])
+    assert [(c["name"], c["arguments"]) for c in calls] == [(full.name, cut)]
+    # The name came before the end: in a chunk of its own, not with the finish reason.
+    named = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls
+             and c.choices[0].delta.tool_calls[0].function.name]
+    assert named and named[0].choices[0].finish_reason is None
+
+
+def test_forced_calls_are_written_compactly(default_server):
+    """No tokens go to layout: the text is the calls with ", " and ": " between items and no other whitespace
+    (the model used to spend a third of a call's tokens on newlines and indentation)."""
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, temperature=0, max_tokens=200, logprobs=True)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0].function
+    written = "".join(entry.token for entry in choice.logprobs.content[:-1])  # the last one ends the text
+    assert written == json.dumps([{"name": call.name, "parameters": json.loads(call.arguments)}], ensure_ascii=False)
+
+
+# vLLM's own tool-call cases (tests/entrypoints/openai/chat_completion/test_completion_with_function_calling.py)
+# against the default model: a tool whose parameters refer to their "$defs", with required and a named tool.
+VLLM_STYLE_TOOLS = [
+    {"type": "function", "function": {"name": "get_current_weather", "parameters": {
+        "type": "object", "strict": True,
+        "properties": {"city": {"type": "string", "default": "Vienna"}, "country": {"type": "string"},
+                       "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                       "options": {"$ref": "#/$defs/WeatherOptions"}},
+        "required": ["country", "unit"],
+        "$defs": {"WeatherOptions": {"type": "object", "additionalProperties": False, "properties": {
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"},
+            "include_forecast": {"type": "boolean", "default": False}}}}}}},
+    {"type": "function", "function": {"name": "get_forecast", "parameters": {
+        "type": "object", "properties": {"country": {"type": "string"}, "days": {"type": "integer"},
+                                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["country", "days", "unit"]}}},
+]
+VLLM_STYLE_ASK = [{"role": "user", "content": "What is the weather in Berlin now, and the forecast for the next 5 "
+                                              "days, in fahrenheit?"}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_current_weather"}}],
+                         ids=["required", "named"])
+def test_vllm_style_tools_with_defs(default_server, choice):
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=VLLM_STYLE_ASK, tools=VLLM_STYLE_TOOLS,
+                                           tool_choice=choice, temperature=0, max_tokens=300)
+    assert reply.choices[0].message.tool_calls, reply
+    cut = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=VLLM_STYLE_ASK, tools=VLLM_STYLE_TOOLS,
+                                         tool_choice=choice, temperature=0, max_completion_tokens=1).choices[0]
+    assert (cut.finish_reason, cut.message.tool_calls) == ("length", None)
 
 
 # ----------------------------------------------------------------------------- conversations
