@@ -111,7 +111,7 @@ def main() -> None:
     compiled = llm.engine.grammars.compiler.compile_json_schema(spec.json, strict_mode=spec.strict,
                                                                  max_whitespace_cnt=32)
     replay = [half_out[i].outputs[0].token_ids for i in sorted(constrained)]
-    matchers = [xgr.GrammarMatcher(compiled, max_rollback_tokens=0) for _ in replay]
+    matchers = [xgr.GrammarMatcher(compiled) for _ in replay]
     buckets = {"0-127": [0.0, 0], "128-511": [0.0, 0], "512+": [0.0, 0]}  # by position in the output
     start, fed = time.perf_counter(), 0
     for position in range(max(len(r) for r in replay)):

@@ -198,7 +198,7 @@ class AsyncEngine:
         """Stop the engine core process; requests still in flight end with EngineDeadError."""
         self._stopping = True
         if self.dead_error is None:
-            self._fail_all(EngineDeadError("the engine was stopped"))
+            self._fail_all(EngineDeadError("the server shut down before this request finished"))
         if self._task is not None:
             asyncio.get_running_loop().remove_reader(self._process.sentinel)
             self._task.cancel()
@@ -322,6 +322,14 @@ class AsyncEngine:
         self._sockets.inputs.send(frame, flags=zmq.NOBLOCK, copy=False)
 
     async def _receive_outputs(self) -> None:
+        try:
+            await self._receive_steps()
+        except Exception as exc:  # noqa: BLE001 - a bug here would leave every stream waiting: fail them, say why
+            logger.exception("the API server could not handle the engine's outputs")
+            self.dead_error = EngineDeadError(f"the API server could not handle the engine's outputs: {exc!r}")
+            self._fail_all(EngineDeadError(f"the engine stopped after an error: {self.dead_error}"))
+
+    async def _receive_steps(self) -> None:
         while True:
             frame = await self._sockets.outputs.recv(copy=False)
             received = time.monotonic()

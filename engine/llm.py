@@ -175,6 +175,9 @@ class LLM:
                 to_abort = self.processor.process(self.engine.step())
                 if to_abort:  # ended by a stop string
                     self.engine.abort_requests(to_abort)
+                # A grammar that failed to compile in time ended its request ("abort", logged); the list is the
+                # server's, for its 400s: nothing reads it here.
+                self.engine.grammar_failures.clear()
         finally:
             bar.close()
         if self.engine.config.check_invariants_when_idle:

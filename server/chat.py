@@ -78,8 +78,6 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     defaults = ctx.model.info.sampling_defaults
-    if max_tokens is None:
-        max_tokens = defaults.get("max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     ctx.limits.check_choices(1, body.n or 1)  # before anything is rendered
     tools = ToolPlan.of(body, get_parser(ctx.model.tool_parser))
@@ -101,7 +99,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     thinking = thinking_state(ctx.tokenizer, prompt_ids) if ctx.model.reasoning_parser else "closed"
     reasoning = None if thinking == "closed" else thinking  # where constraints start (after the thinking)
     tool_grammar = tools.grammar(parallel=body.parallel_tool_calls is not False, reasoning=reasoning)
-    params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, given), logprobs, defaults,
+    params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, given, defaults.get("max_tokens")), logprobs, defaults,
                                      tool_grammar=tool_grammar, skip_special_tokens=tools.skip_special_tokens,
                                      reasoning=reasoning)
     if params.structured_outputs is not None:  # once per request, off the event loop: it builds the grammar

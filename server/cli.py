@@ -510,6 +510,8 @@ def chat_default_limit(ctx: ServingContext) -> str:
     limit = ctx.limits.max_tokens_limit
     configured = ctx.model.info.sampling_defaults.get("max_tokens")  # the generation config's max_new_tokens
     if configured is not None:
+        if limit is not None and limit < configured:
+            return f"chat requests without max_tokens: {limit} tokens (--max-tokens-limit, below the generation config's)"
         cap = f"at most {limit}" if limit is not None else "no cap"
         return f"chat requests without max_tokens: {configured} tokens (generation config; --max-tokens-limit: {cap})"
     if limit is not None:

@@ -58,11 +58,10 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
     if body.logprobs is not None and body.logprobs < 0:
         raise bad_request("`logprobs` must be a positive value", param="logprobs")
     defaults = ctx.model.info.sampling_defaults
-    max_tokens = body.max_tokens if body.max_tokens is not None else defaults.get("max_tokens", DEFAULT_MAX_TOKENS)
     # echo with logprobs scores the prompt too (how evaluation harnesses compute log-likelihoods).
     echo_logprobs = body.logprobs if body.echo else None
-    params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, "max_tokens"), body.logprobs, defaults,
-                                     prompt_logprobs=echo_logprobs)
+    max_tokens = ctx.limits.apply_max_tokens(body.max_tokens, "max_tokens", defaults.get("max_tokens", DEFAULT_MAX_TOKENS))
+    params = body.to_sampling_params(max_tokens, body.logprobs, defaults, prompt_logprobs=echo_logprobs)
     # Counted and measured before anything is tokenized: refusals cost nothing, and only text that can fit is encoded.
     ctx.limits.check_choices(num_prompts(body.prompt), params.n)
     keep = keep_tokens(body.truncate_prompt_tokens, ctx.model.max_model_len)

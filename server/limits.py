@@ -46,14 +46,15 @@ class ServerLimits:
             raise bad_request(f"the stop strings have {total} characters together; the server allows at most "
                               f"{self.max_stop_chars}", param="stop")
 
-    def apply_max_tokens(self, max_tokens: int | None, param: str) -> int | None:
-        """The request's max_tokens under the server's ceiling (the ceiling itself when it gave none)."""
+    def apply_max_tokens(self, max_tokens: int | None, param: str, default: int | None = None) -> int | None:
+        """The request's max_tokens under the server's ceiling (a 400 beyond it); for a request that gave none,
+        ``default`` (the model's generation config, or the endpoint's own) within the ceiling, or the ceiling."""
         limit = self.max_tokens_limit
-        if limit is None:
-            return max_tokens
         if max_tokens is None:
-            return limit
-        if max_tokens > limit:
+            if limit is None or default is None:
+                return default if limit is None else limit
+            return min(default, limit)
+        if limit is not None and max_tokens > limit:
             raise bad_request(f"{param}={max_tokens} is more than this server allows ({limit}, --max-tokens-limit)",
                               param=param)
         return max_tokens

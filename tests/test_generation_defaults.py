@@ -43,3 +43,21 @@ def test_unusable_defaults_are_refused_at_start_up(tmp_path):
 
 def test_the_default_model_samples_as_its_model_card_says(default_model_path):
     assert load_sampling_defaults("auto", str(default_model_path)) == {"temperature": 0.2, "top_p": 0.9}
+
+
+def test_a_default_max_tokens_is_capped_by_the_server_limit_not_refused():
+    """--max-tokens-limit refuses what a request asks beyond it, but caps what the request did not ask: the model's
+    generation config (max_new_tokens) or the endpoint's default (16 for completions)."""
+    from server.errors import APIError
+    from server.limits import ServerLimits
+
+    limited, open_ = ServerLimits(max_tokens_limit=64), ServerLimits()
+    assert limited.apply_max_tokens(None, "max_tokens", default=512) == 64
+    assert limited.apply_max_tokens(None, "max_tokens", default=16) == 16
+    assert limited.apply_max_tokens(None, "max_tokens") == 64
+    assert limited.apply_max_tokens(40, "max_tokens", default=512) == 40
+    with pytest.raises(APIError, match="max_completion_tokens=65 is more than this server allows"):
+        limited.apply_max_tokens(65, "max_completion_tokens", default=16)
+    assert open_.apply_max_tokens(None, "max_tokens", default=512) == 512
+    assert open_.apply_max_tokens(None, "max_tokens") is None
+    assert open_.apply_max_tokens(10_000, "max_tokens") == 10_000

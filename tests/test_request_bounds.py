@@ -133,6 +133,34 @@ def test_a_request_is_registered_only_once_it_was_encoded_and_sent():
     assert engine.num_in_flight == 1 and len(engine.processor) == 1 and len(sent) == 1
 
 
+def test_outputs_the_server_cannot_handle_end_the_engine_loudly(caplog):
+    """A step message the API server fails on (here: bytes that are no message) would end the task that reads the
+    core's outputs; the engine is then marked dead with the reason logged, and every open stream fails at once
+    instead of waiting for ever."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from engine.async_engine import AsyncEngine, EngineDeadError
+    from engine.sampling_params import SamplingParams
+
+    class Outputs:
+        async def recv(self, copy=True):
+            return SimpleNamespace(buffer=b"\xc1 not msgpack")
+
+    sockets = SimpleNamespace(inputs=SimpleNamespace(send=lambda frame, flags=0, copy=True: None), outputs=Outputs())
+    engine = AsyncEngine(SimpleNamespace(max_num_seqs=4), None, None, None, None, None, sockets)
+
+    async def scenario():
+        stream = engine.generate("a", [[1, 2]], SamplingParams(max_tokens=4))
+        await engine._receive_outputs()
+        with pytest.raises(EngineDeadError, match="could not handle the engine's outputs"):
+            await stream.__anext__()
+
+    asyncio.run(scenario())
+    assert engine.dead_error is not None and engine.num_in_flight == 0
+    assert "could not handle the engine's outputs" in caplog.text
+
+
 def test_deeply_nested_json_is_a_400(default_server, http):
     deep = "[" * 10000 + "]" * 10000
     for path in ("/invocations", CMPL):

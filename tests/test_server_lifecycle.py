@@ -423,7 +423,7 @@ def test_second_ctrl_c_ends_the_drain_at_once_and_quietly(tmp_path, tiny_model_p
         events = asyncio.run(scenario())
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
-        assert error["type"] == "server_error" and error["message"]
+        assert error["type"] == "server_error" and "shut down before this request finished" in error["message"]
         assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
         assert server.wait(timeout_s=60) == 0  # far less than the 600 s drain it was given
         log = server.log_path.read_text()
