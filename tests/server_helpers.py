@@ -179,6 +179,11 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, head_dim: int = 16, qwe
 # -------------------------------------------------------------------------- metrics
 
 
+def tokenize(url: str, **body) -> list[int]:
+    """The token ids a server's /tokenize gives for ``body`` (a prompt, or chat messages)."""
+    return httpx.post(f"{url}/tokenize", json=body).json()["tokens"]
+
+
 def scrape_metrics(url: str) -> dict[str, float]:
     """``/metrics`` as {'name{label="value"}': value} (and bare names for unlabelled samples)."""
     text = httpx.get(f"{url}/metrics", timeout=10.0).text

@@ -17,6 +17,7 @@ from tests.server_helpers import (  # noqa: E402
     build_tiny_model,
     start_server,
     tiny_server_args,
+    tokenize,
     wait_until_idle,
 )
 
@@ -30,10 +31,6 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def client(tiny_server):
     return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def tokenize(url: str, **body) -> list[int]:
-    return httpx.post(f"{url}/tokenize", json=body).json()["tokens"]
 
 
 # ----------------------------------------------------------------------------- reasoning

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 pytest.register_assert_rewrite("tests.server_helpers")
-from tests.server_helpers import TINY_MODEL_NAME, assert_error_shape, wait_until_idle  # noqa: E402
+from tests.server_helpers import TINY_MODEL_NAME, assert_error_shape, tokenize, wait_until_idle  # noqa: E402
 
 pytest_plugins = ["tests.server_helpers"]
 pytestmark = pytest.mark.usefixtures("server_logs_on_failure")
@@ -20,10 +20,6 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def client(tiny_server):
     return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def tokenize(url: str, **body) -> list[int]:
-    return httpx.post(f"{url}/tokenize", json=body).json()["tokens"]
 
 
 def detokenize(url: str, tokens: list[int]) -> str:
