@@ -235,6 +235,9 @@ def _add_limit_args(group) -> None:
     group.add_argument("--max-tokens-limit", type=int, default=None,
                        help="largest max_tokens a request may ask for, and the default for those that give none; "
                             "default: no limit but the context")
+    group.add_argument("--max-logprob-entries", type=int, default=limits.max_logprob_entries,
+                       help="most logprob entries one response may carry (a whole-vocabulary position counts the "
+                            "vocabulary's size): a request that could return more is a 400; 0: no bound, as vLLM")
     group.add_argument("--request-header-timeout", type=float, default=limits.header_timeout_s,
                        help="seconds a connection gets to send a request's headers before it is closed")
     group.add_argument("--request-body-timeout", type=float, default=limits.body_timeout_s,
@@ -304,9 +307,12 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
         raise ConfigError("--max-request-body-mb must be positive and --max-choices-per-request at least 1")
     if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
         raise ConfigError("--max-tokens-limit must be at least 1")
+    if args.max_logprob_entries < 0:
+        raise ConfigError("--max-logprob-entries must be at least 0 (0: no bound)")
     return ServerLimits(max_request_body_bytes=int(args.max_request_body_mb * 2**20),
                         max_choices_per_request=args.max_choices_per_request, max_tokens_limit=args.max_tokens_limit,
-                        header_timeout_s=args.request_header_timeout, body_timeout_s=args.request_body_timeout)
+                        header_timeout_s=args.request_header_timeout, body_timeout_s=args.request_body_timeout,
+                        max_logprob_entries=args.max_logprob_entries or None)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -463,13 +469,8 @@ def serve(args: argparse.Namespace) -> int:
                                         timeout_graceful_shutdown=_AFTER_DRAIN_GRACE_S)
         port = sockets[0].getsockname()[1] if not args.uds else args.port  # --port 0: the one the system chose
         server = DrainingServer(uvicorn_config, engine, args.shutdown_timeout, ready_line(args, ctx, engine, port))
-        if engine.model.max_logprobs == -1:
-            from server.serving import MAX_LOGPROB_ENTRIES
-
-            logger.warning("--max-logprobs -1: a request may ask for the logprobs of all %d tokens of the vocabulary "
-                           "at each position; a response carries at most %d logprob entries (%d such positions), a "
-                           "request that could return more is a 400", engine.model.vocab_size, MAX_LOGPROB_ENTRIES,
-                           MAX_LOGPROB_ENTRIES // (engine.model.vocab_size + 1))
+        if engine.model.max_logprobs == -1 or engine.model.max_logprobs >= engine.model.vocab_size:
+            _warn_whole_vocabulary_logprobs(engine.model.vocab_size, limits.max_logprob_entries)
         if ctx.api_key is None and not args.uds and not _is_loopback(args.host):
             logger.warning("listening on %s without an API key: anyone who can reach this host can use the model "
                            "(set --api-key or MINIVLLM_API_KEY, or --host 127.0.0.1)", args.host)
@@ -482,6 +483,18 @@ def serve(args: argparse.Namespace) -> int:
         if args.uds:
             remove_unix_socket(args.uds)
         engine.shutdown()
+
+
+def _warn_whole_vocabulary_logprobs(vocab_size: int, max_entries: int | None) -> None:
+    """Requests may ask for every token's logprob at every position: say what one response may then cost."""
+    if max_entries is None:
+        logger.warning("--max-logprobs allows the logprobs of all %d tokens of the vocabulary at each position, and "
+                       "--max-logprob-entries 0 puts no bound on a response: one prompt token's worth is some %.0f MB "
+                       "of JSON", vocab_size, vocab_size * 50 / 1e6)
+        return
+    logger.warning("--max-logprobs allows the logprobs of all %d tokens of the vocabulary at each position; a response "
+                   "carries at most %d logprob entries (%d such positions, --max-logprob-entries), a request that "
+                   "could return more is a 400", vocab_size, max_entries, max_entries // (vocab_size + 1))
 
 
 def _import_server_modules() -> None:

@@ -31,6 +31,9 @@ class ServerLimits:
     max_tokens_limit: int | None = None  # a ceiling on max_tokens, and its default; None: the context
     header_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
+    # Logprob entries one response may carry (a whole-vocabulary position is vocab_size + 1 of them): some 70 MB of
+    # JSON and ~1 GB to build at 2**20. None: no bound (vLLM has none).
+    max_logprob_entries: int | None = 2**20
 
     def check_choices(self, num_prompts: int, n: int) -> None:
         if num_prompts * n > self.max_choices_per_request:

@@ -50,7 +50,6 @@ LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 # The most logprob entries one response may carry (a token's own and its top-N count one each, at every prompt and
 # generated position of every choice): about 70 MB of JSON, and some 0.5 GB of the API server's memory to build.
 # Whole-vocabulary logprobs (-1, under --max-logprobs -1) fit for a few dozen positions of a 50k-token vocabulary.
-MAX_LOGPROB_ENTRIES = 2**20
 
 
 @dataclass(frozen=True)
@@ -168,7 +167,8 @@ class ServingContext:
             raise bad_request("stop strings need a tokenizer, and this model has none", param="stop")
         self.limits.check(len(prompts), params)
         check_params_for_engine(params, self.model.vocab_size)
-        check_logprob_entries([len(p.token_ids) for p in prompts], params, self.model.info)
+        check_logprob_entries([len(p.token_ids) for p in prompts], params, self.model.info,
+                              self.limits.max_logprob_entries)
         for i, prompt in enumerate(prompts):
             self.model.info.check_request(prompt.token_ids, params, mm_inputs[i] if mm_inputs else None)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -187,9 +187,11 @@ def check_params_for_engine(params: SamplingParams, vocab_size: int) -> None:
                           f"{vocab_size}", param="stop_token_ids")
 
 
-def check_logprob_entries(prompt_lens: list[int], params: SamplingParams, info: ModelInfo) -> None:
-    """Refuse a request whose logprobs could not be answered in a bounded response (MAX_LOGPROB_ENTRIES): whole-
-    vocabulary logprobs at every prompt token of a long prompt would take gigabytes to build."""
+def check_logprob_entries(prompt_lens: list[int], params: SamplingParams, info: ModelInfo,
+                          max_entries: int | None) -> None:
+    """Refuse a request whose logprobs could not be answered in a bounded response (``max_entries``,
+    --max-logprob-entries; None: no bound): whole-vocabulary logprobs at every prompt token of a long prompt would
+    take gigabytes to build."""
     def per_position(asked: int | None, named: list[int] | None = None) -> int:
         if named:
             return len(named) + 1
@@ -197,17 +199,17 @@ def check_logprob_entries(prompt_lens: list[int], params: SamplingParams, info: 
 
     prompt_each = per_position(params.prompt_logprobs)
     sample_each = per_position(params.logprobs, params.logprob_token_ids)
-    if not prompt_each and not sample_each:
+    if max_entries is None or (not prompt_each and not sample_each):
         return
     prompt_entries = sum((n - 1) * prompt_each for n in prompt_lens) * params.n
     sample_entries = sum(params.max_tokens or max(info.max_model_len - n, 0) for n in prompt_lens) * sample_each
     total = prompt_entries + sample_entries * params.n
-    if total > MAX_LOGPROB_ENTRIES:
-        param = "prompt_logprobs" if prompt_entries > MAX_LOGPROB_ENTRIES else "logprobs"
+    if total > max_entries:
+        param = "prompt_logprobs" if prompt_entries > max_entries else "logprobs"
         raise bad_request(f"this request could return {total:,} logprob entries ({prompt_entries:,} for prompt tokens,"
                           f" {total - prompt_entries:,} for generated ones); a response carries at most "
-                          f"{MAX_LOGPROB_ENTRIES:,}: ask for fewer logprobs per token, fewer tokens (max_tokens) or a "
-                          "shorter prompt", param=param)
+                          f"{max_entries:,} (--max-logprob-entries): ask for fewer logprobs per token, fewer tokens "
+                          "(max_tokens) or a shorter prompt", param=param)
 
 
 @dataclass

@@ -475,7 +475,7 @@ def test_enable_prompt_embeds_is_refused_at_start_up(tiny_model_path):
 
 def test_whole_vocabulary_logprobs_are_bounded_and_said_at_start_up(vllm_client, vllm_server):
     vocab = httpx.get(f"{vllm_server.url}/tokenizer_info").json()["vocab_size"]
-    assert "--max-logprobs -1" in vllm_server.log_path.read_text()
+    assert "a response carries at most 1048576 logprob entries" in vllm_server.log_path.read_text()
     short = vllm_client.completions.create(model=TINY_MODEL_NAME, prompt=[1000, 1001, 1002], max_tokens=1,
                                            extra_body={"prompt_logprobs": -1})
     assert [len(entry) for entry in short.choices[0].prompt_logprobs[1:]] == [vocab, vocab]
@@ -490,3 +490,27 @@ def test_whole_vocabulary_logprobs_are_bounded_and_said_at_start_up(vllm_client,
     with pytest.raises(openai.BadRequestError, match="max_tokens") as refused:  # the rest of the context, each
         vllm_client.chat.completions.create(model=TINY_MODEL_NAME, messages=CHAT, logprobs=True, top_logprobs=-1)
     assert refused.value.body["param"] == "logprobs"
+
+
+def test_the_logprob_entry_bound_is_a_flag_and_0_lifts_it():
+    """--max-logprob-entries sets the bound (a 400 past it, naming the flag); 0 lifts it, as vLLM has none."""
+    from types import SimpleNamespace
+
+    from engine.sampling_params import SamplingParams
+    from server.cli import build_parser, limits_from_args
+    from server.errors import APIError
+    from server.serving import check_logprob_entries
+
+    def limits(*flags):
+        return limits_from_args(build_parser().parse_args(["serve", *flags]))
+
+    assert limits().max_logprob_entries == 2**20
+    assert limits("--max-logprob-entries", "1000").max_logprob_entries == 1000
+    assert limits("--max-logprob-entries", "0").max_logprob_entries is None
+    info = SimpleNamespace(vocab_size=49152, max_model_len=2048)
+    whole = SamplingParams(max_tokens=1, prompt_logprobs=-1)
+    check_logprob_entries([40], whole, info, None)  # 39 positions x 49,153 entries: no bound, no refusal
+    with pytest.raises(APIError, match="--max-logprob-entries") as refused:
+        check_logprob_entries([40], whole, info, 2**20)
+    assert refused.value.param == "prompt_logprobs"
+    check_logprob_entries([3], whole, info, 2**20)
