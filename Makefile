@@ -28,7 +28,7 @@ TORCH_INDEX_URL ?=
 define TORCH_FROM_INDEX
 @echo "installing torch from $(TORCH_INDEX_URL)$(if $(filter $(CPU_TORCH_INDEX_URL),$(TORCH_INDEX_URL)), (no NVIDIA GPU \
 found: the CPU build; TORCH_INDEX_URL= takes PyPI's CUDA build))"
-$(PY) -m pip install --index-url $(TORCH_INDEX_URL) torch || echo "could not install torch from $(TORCH_INDEX_URL): \
+$(PY) -m pip install --retries 1 --timeout 20 --index-url $(TORCH_INDEX_URL) torch || echo "could not install torch from $(TORCH_INDEX_URL): \
 taking PyPI's torch"
 endef
 

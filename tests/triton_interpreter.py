@@ -1,4 +1,5 @@
-"""Triton's interpreter without its per-call re-patching of ``triton.language``.
+"""Triton's interpreter for the kernel tests: without its per-call re-patching of ``triton.language``, and with
+masks read as truth values.
 
 Under ``TRITON_INTERPRET=1`` a kernel launch patches ``triton.language`` (every builtin, every tensor method) so that
 the kernel's Python runs on NumPy, and restores it when the launch ends. Triton 3.x also patches it again at every
@@ -11,6 +12,11 @@ language module the helper can see, which is the case whenever the helper's modu
 kernel's does. A helper that sees a module the launch did not patch is patched as before. The kernels compute the
 same values either way: a kernel that ran unpatched code would fail, not drift (``tl`` functions refuse to run
 outside a kernel's scope).
+
+``masks_as_truth_values()`` works around Triton 3.9's interpreter, where a mask combined from a block comparison and a
+scalar one (``offs < n & (row < num_rows)``) holds int32 values, which its masked loads and stores refuse ("mask has
+unsupported dtype"); compiled kernels take such masks, and so does the interpreter of Triton 3.6-3.8. A mask is a
+truth value per lane, so the loads and stores get it as booleans.
 """
 
 from __future__ import annotations
@@ -57,3 +63,28 @@ def skip_nested_repatching() -> None:
 
     patch_once.skips_nested = True
     interpreter._patch_lang = patch_once
+
+
+def masks_as_truth_values() -> None:
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or getattr(builder.create_masked_load, "casts_masks", False):
+        return
+
+    def as_bool(mask):
+        if mask.data.dtype == np.bool_:
+            return mask
+        return interpreter.TensorHandle(mask.data.astype(np.bool_), mask.dtype)
+
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def create_masked_load(self, ptrs, mask, other, *args):
+        return load(self, ptrs, as_bool(mask), other, *args)
+
+    def create_masked_store(self, ptrs, value, mask, *args):
+        return store(self, ptrs, value, as_bool(mask), *args)
+
+    create_masked_load.casts_masks = True
+    builder.create_masked_load, builder.create_masked_store = create_masked_load, create_masked_store
