@@ -132,14 +132,37 @@ def test_fp8_weights_and_kv_cache_at_tp2_generate_what_tp1_does(tmp_path):
     """``--quantization fp8 --kv-cache-dtype fp8`` at TP=2: a row-parallel rank holds some of each output channel's
     input columns and scales them by the whole channel's maximum (over the ranks), so the weights round as on one
     rank and the greedy tokens are TP=1's. The ranks' shares are whole 128-column groups, as the activations'
-    scales are on one rank. (Each rank scaling by its own share's maximum gave 2 of these 8 prompts' tokens.)"""
+    scales are on one rank. (Each rank scaling by its own share's maximum gave 2 of these 8 prompts' tokens.)
+
+    The ranks' partial sums still add in another order than one rank's product, and FP8 rounds what comes out,
+    so a step whose two best tokens are within rounding of each other may pick either; the test allows that
+    (and nothing else): a prompt may part from TP=1 only where TP=1's first two logprobs are that close."""
     config = transformers.LlamaConfig(**{**SMALL_CONFIG, "hidden_size": 256, "intermediate_size": 512})
     model_dir = save_checkpoint(config, tmp_path / "llama")
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (40, 70, 25, 90, 55, 33, 61, 48)]
     common = dict(max_model_len=256, num_kvcache_blocks=64, max_num_batched_tokens=64, quantization="fp8",
                   kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+
+    def run(llm):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0] for o in outputs]
+
     with LLM(str(model_dir), tensor_parallel_size=2, **common) as tp2:
         assert tp2.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
-        got = greedy(tp2, prompts, max_tokens=16)
-    assert got == greedy(LLM(str(model_dir), **common), prompts, max_tokens=16)
+        got = run(tp2)
+    with LLM(str(model_dir), **common) as tp1:
+        expected = run(tp1)
+    parted = 0
+    for mine, theirs in zip(got, expected):
+        assert len(mine.token_ids) == len(theirs.token_ids) == 16
+        at = next((i for i, (a, b) in enumerate(zip(mine.token_ids, theirs.token_ids)) if a != b), None)
+        if at is None:
+            continue
+        parted += 1
+        top = theirs.logprobs[at]
+        assert top.top_token_ids[:2] in ([theirs.token_ids[at], mine.token_ids[at]],
+                                         [mine.token_ids[at], theirs.token_ids[at]])
+        assert top.top_logprobs[0] - top.top_logprobs[1] < 0.02, (at, top)
+    assert parted <= 1, f"{parted} of {len(prompts)} prompts generated other tokens at TP=2"
