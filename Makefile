@@ -48,7 +48,7 @@ install: $(SERVE_STAMP)
 install-dev: $(DEV_STAMP)
 
 model: install
-	$(PY) -m engine.default_model
+	$(PY) -m engine.loading.default_model
 
 serve: model
 	$(VENV)/bin/minivllm serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)

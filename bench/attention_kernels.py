@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend, write_kv  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from engine.attention.triton_kernels import (  # noqa: E402
+from engine.ops.attention import (  # noqa: E402
     choose_num_splits,
     num_sms,
     paged_decode_attention,

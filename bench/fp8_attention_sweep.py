@@ -15,7 +15,7 @@ tokens in all, across (BLOCK_M rows, BLOCK_N keys, warps, stages).
     python bench/fp8_attention_sweep.py --baseline old_triton_kernels.py
 
 times the FP8 decode kernel as the engine picks it against the one in ``old_triton_kernels.py`` (a copy of
-engine/attention/triton_kernels.py from another commit, e.g. ``git show HEAD~1:engine/attention/triton_kernels.py``),
+engine/ops/attention.py from another commit, e.g. ``git show HEAD~1:engine/ops/attention.py``),
 alternating, in one process, and prints how far their outputs are apart; ``--baseline-cache bf16`` does the
 same for the decode kernel on a bf16 cache.
 
@@ -41,10 +41,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from roofline import graph_time  # noqa: E402
 
+from engine.ops.attention import (  # noqa: E402
+    _decode_kv_heads,
+    _decode_tiles,
+    _prefill_tiles,
+    choose_num_splits,
+    num_sms,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
 from kvcache.paged_cache import quantize_fp8  # noqa: E402
-from engine.attention.triton_kernels import (  # noqa: E402
-    _decode_kv_heads, _decode_tiles, _prefill_tiles, choose_num_splits, num_sms, paged_decode_attention,
-    paged_prefill_attention)
 
 VARIANTS = {  # (BLOCK_N, warps, stages, registers a thread at most[, FP8: KV heads a program])
     "bf16": [(128, 4, 2, None), (128, 4, 3, None), (128, 4, 4, None), (128, 8, 3, None), (128, 8, 4, None),
@@ -179,8 +185,8 @@ def load_module(path: Path):
 
 def quantized_output(groups: list[int], baseline_path: Path | None) -> None:
     """The decode kernels writing o_proj's quantized input against a plain output quantized afterwards."""
-    from engine.attention import triton_kernels as current
-    from engine.models.fp8_kernels import quantize_rows
+    from engine.ops import attention as current
+    from engine.ops.fp8 import quantize_rows
 
     baseline = load_module(baseline_path) if baseline_path else None
     device = torch.device("cuda")
@@ -216,7 +222,7 @@ def quantized_output(groups: list[int], baseline_path: Path | None) -> None:
 def against_baseline(groups: list[int], path: Path, cache_kind: str = "fp8") -> None:
     """The decode kernel on an FP8 (or bf16) cache, the engine's tiles, against another version of the kernels'
     module, each timed twice, alternating, on the W1-like batch and on 8 and 32 rows with split contexts."""
-    from engine.attention import triton_kernels as current
+    from engine.ops import attention as current
 
     baseline = load_module(path)
     device = torch.device("cuda")

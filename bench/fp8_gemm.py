@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models import fp8, fp8_kernels  # noqa: E402
+from engine.models import fp8
+from engine.ops import fp8 as fp8_kernels  # noqa: E402
 
 SHAPES = {
     "llama-3.1-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},

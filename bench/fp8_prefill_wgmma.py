@@ -25,9 +25,10 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models import fp8_kernels  # noqa: E402
 from fp8_gemm import graph_time  # noqa: E402
 from fp8_wgmma import cli, products, time_configs  # noqa: E402
+
+from engine.ops import fp8 as fp8_kernels  # noqa: E402
 
 try:  # Gluon ships with recent Tritons only
     from triton.experimental import gluon

@@ -40,8 +40,10 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models import fp8, fp8_kernels  # noqa: E402
 from fp8_gemm import SHAPES, copies_needed, graph_time, weights  # noqa: E402
+
+from engine.models import fp8
+from engine.ops import fp8 as fp8_kernels  # noqa: E402
 
 try:  # Gluon ships with recent Tritons only
     from triton.experimental import gluon

@@ -11,8 +11,8 @@ With ``--kv-cache-dtype fp8`` or ``--quantization fp8`` the bf16 engine runs fir
 in the same invocation, and each run is given the roofline of its own bytes (FP8 weights and K/V are
 half of bf16's; their scales count too) and, for FP8 weights, the FP8 matmul rate measured here.
 With ``--env`` each of those runs once per setting given, in that order, on the same requests: a setting is
-environment variables the engine reads when its kernels first launch (``MINIVLLM_PDL``, ``engine.pdl``;
-``MINIVLLM_L2_PREFETCH``, ``engine.l2_prefetch``; ``MINIVLLM_DECODE_KSPLIT``, ``engine.models.layers``) or torch's
+environment variables the engine reads when its kernels first launch (``MINIVLLM_PDL``, ``engine.ops.pdl``;
+``MINIVLLM_L2_PREFETCH``, ``engine.ops.l2_prefetch``; ``MINIVLLM_DECODE_KSPLIT``, ``engine.models.layers``) or torch's
 ``TORCH_BLAS_PREFER_CUBLASLT``, comma-separated.
 
 Measures copy bandwidth and matmul rate in the same run, computes the workload's
@@ -46,7 +46,6 @@ from roofline import cuda_time, full_model_costs, measure_ceilings, model_costs,
 from workloads import WORKLOADS, shape_dir  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-
 
 ALL_REDUCE_BATCHES = (1, 8, 32, 64, 128, 192, 256)
 # What --env sets; a run's record shows them. TORCH_BLAS_PREFER_CUBLASLT=1: the bf16 products through cuBLASLt
@@ -114,7 +113,7 @@ def all_reduce_time(table: dict[int, float]):
 
 def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: str = "auto",
                  quantization: str | None = None, env: str | None = None) -> tuple[dict, LLM]:
-    from engine import l2_prefetch, pdl
+    from engine.ops import l2_prefetch, pdl
 
     if env is not None:  # read when the engine's kernels first launch on a device; each run sets only its own
         for name, value in _ENV_AT_START.items():
@@ -273,7 +272,7 @@ def main() -> None:
 
     model_dir = shape_dir(args.shape)
     workload = WORKLOADS[args.workload]
-    from engine.model_config import ModelConfig
+    from engine.loading.model_config import ModelConfig
 
     config = ModelConfig.from_pretrained(model_dir)
     prompts, output_lens = workload.sample(config.vocab_size)

@@ -1,4 +1,4 @@
-"""The greedy argmax of a decode step's logits: torch.argmax against ``engine.greedy``'s two passes (needs a GPU).
+"""The greedy argmax of a decode step's logits: torch.argmax against ``engine.ops.greedy``'s two passes (needs a GPU).
 
     python bench/greedy_argmax.py [--rows 1,64,151,256] [--vocabs 151936,128256]
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from roofline import cuda_time, graph_time  # noqa: E402
 
-from engine.greedy import greedy_tokens  # noqa: E402
+from engine.ops.greedy import greedy_tokens  # noqa: E402
 
 VARIANTS = {"torch.argmax": None, **{f"2-pass {b}/{w}w": (b, w) for b in (2048, 4096, 8192) for w in (4, 8)}}
 

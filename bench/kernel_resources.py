@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.attention import triton_kernels as tk  # noqa: E402
+from engine.ops import attention as tk  # noqa: E402
 
 SHARED_PER_SM = 228 * 1024
 SHARED_RESERVED_PER_PROGRAM = 1024

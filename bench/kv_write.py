@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from roofline import graph_time  # noqa: E402
 
-from engine.attention.triton_kernels import _splits_queries, _write_tokens, write_paged_kv  # noqa: E402
-from engine.models import fused_ops  # noqa: E402
-from engine.models.fp8_kernels import scale_columns_  # noqa: E402
 from engine.models.layers import RMSNorm, get_rope  # noqa: E402
+from engine.ops import fused as fused_ops  # noqa: E402
+from engine.ops.attention import _splits_queries, _write_tokens, write_paged_kv  # noqa: E402
+from engine.ops.fp8 import scale_columns_  # noqa: E402
 from kvcache.paged_cache import FP8_DTYPE  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""What asking the L2 for a projection's weight saves, one projection at a time (``engine.l2_prefetch``; sm_90).
+"""What asking the L2 for a projection's weight saves, one projection at a time (``engine.ops.l2_prefetch``; sm_90).
 
     python bench/l2_weights.py --shape qwen3-0.6b
     python bench/l2_weights.py --shape llama-3.1-8b --batches 151
@@ -30,8 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp8_gemm import L2_BYTES, SHAPES, graph_time  # noqa: E402
 
-from engine import l2_prefetch, pdl  # noqa: E402
-from engine.models import fused_ops  # noqa: E402
+from engine.ops import fused as fused_ops  # noqa: E402
+from engine.ops import (
+    l2_prefetch,
+    pdl,  # noqa: E402
+)
 
 
 def _settings(prefetch: bool, pdl_mode: str) -> None:

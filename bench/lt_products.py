@@ -27,10 +27,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_gemm import SHAPES, graph_time  # noqa: E402  (puts the repo root on the path)
-from decode_gemm import weights  # noqa: E402
-
 import cublaslt  # noqa: E402
+from decode_gemm import weights  # noqa: E402
+from fp8_gemm import SHAPES, graph_time  # noqa: E402  (puts the repo root on the path)
+
 from engine.models.layers import k_slice_products  # noqa: E402
 
 

@@ -95,14 +95,14 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from engine.llm_engine import resolve_model_path
     from engine.config import EngineConfig
+    from engine.core.llm_engine import resolve_model_path
 
     model_path = args.model or resolve_model_path(EngineConfig())
     workload = WORKLOADS[args.workload]
     if args.num_requests:
         workload = Workload(workload.name, args.num_requests, workload.prompt_len, workload.output_len, workload.seed)
-    from engine.model_config import ModelConfig
+    from engine.loading.model_config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model_path).vocab_size
     prompts, output_lens = workload.sample(vocab)

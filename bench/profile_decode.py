@@ -32,7 +32,7 @@ from roofline import measure_ceilings, model_costs  # noqa: E402
 from workloads import WORKLOADS, shape_dir  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
+from engine.loading.model_config import ModelConfig  # noqa: E402
 
 
 def kernel_table(prof, num_steps: int) -> list[tuple[str, int, float]]:

@@ -48,9 +48,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    from offline_throughput import git_commit
 
     from engine import LLM, SamplingParams
-    from offline_throughput import git_commit
 
     on_cuda = torch.cuda.is_available()
     model, kwargs, workload = model_and_workload(args.shape, args.tokenizer, args.num_requests, on_cuda)

@@ -29,8 +29,13 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_client import ClientConfig, RequestResult, first_model_id, send_request, warm_up  # noqa: E402
-from serve_datasets import SampleRequest, allowed_token_ids, load_tokenizer, sample_random  # noqa: E402
-from serve_datasets import sample_sharegpt  # noqa: E402
+from serve_datasets import (  # noqa: E402
+    SampleRequest,
+    allowed_token_ids,
+    load_tokenizer,
+    sample_random,
+    sample_sharegpt,  # noqa: E402
+)
 from serve_metrics import (  # noqa: E402
     BenchmarkMetrics,
     compute_metrics,

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-
 from serve_datasets import SampleRequest
 
 

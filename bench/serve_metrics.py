@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
-
 from serve_client import RequestResult
 
 LATENCY_NAMES = {"ttft": "Time to first token", "tpot": "Time per output token (excl. 1st)",

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
 from serve_metrics import LATENCY_NAMES
 
 

@@ -319,12 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     import torch
-
-    from engine.config import EngineConfig
-    from engine.llm_engine import resolve_model_path
-    from engine.model_config import ModelConfig
     from offline_throughput import git_commit
     from serve_datasets import load_tokenizer
+
+    from engine.config import EngineConfig
+    from engine.core.llm_engine import resolve_model_path
+    from engine.loading.model_config import ModelConfig
 
     logging.basicConfig(level=logging.WARNING)
     on_cuda = torch.cuda.is_available()

@@ -68,10 +68,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    from offline_throughput import git_commit
 
     from engine import LLM, SamplingParams
     from engine.sampling_params import StructuredOutputsParams
-    from offline_throughput import git_commit
 
     on_cuda = torch.cuda.is_available()
     model, kwargs, workload = model_and_workload(args.shape, args.tokenizer, args.num_requests, on_cuda)

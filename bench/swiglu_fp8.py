@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from roofline import graph_time, measure_ceilings  # noqa: E402
 
-from engine.models import fused_ops  # noqa: E402
-from engine.models.fp8_kernels import GROUP, empty_quantized  # noqa: E402
+from engine.ops import fused as fused_ops  # noqa: E402
+from engine.ops.fp8 import GROUP, empty_quantized  # noqa: E402
 
 _GROUP = tl.constexpr(GROUP)
 

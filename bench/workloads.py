@@ -87,7 +87,7 @@ def model_and_workload(shape: str | None, tokenizer: str | None, num_requests: i
     """What an offline benchmark runs: a real shape with dummy weights (and a tokenizer for its text) or the
     default model; W1 on CUDA, C1 on the CPU, cut to ``num_requests``. Returns (model, LLM kwargs, workload)."""
     from engine.config import EngineConfig
-    from engine.llm_engine import resolve_model_path
+    from engine.core.llm_engine import resolve_model_path
 
     if shape:
         kwargs = dict(load_format="dummy", tokenizer=tokenizer or resolve_model_path(EngineConfig()))

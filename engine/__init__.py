@@ -10,13 +10,13 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "LLM": "engine.llm",
-    "CompletionOutput": "engine.llm",
-    "RequestOutput": "engine.llm",
+    "LLM": "engine.frontend.llm",
+    "CompletionOutput": "engine.frontend.llm",
+    "RequestOutput": "engine.frontend.llm",
     "ConfigError": "engine.config",
     "EngineConfig": "engine.config",
-    "LLMEngine": "engine.llm_engine",
-    "RequestError": "engine.llm_engine",
+    "LLMEngine": "engine.core.llm_engine",
+    "RequestError": "engine.errors",
     "SamplingParams": "engine.sampling_params",
     "SamplingParamsError": "engine.sampling_params",
 }
@@ -24,8 +24,9 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from engine.config import ConfigError, EngineConfig
-    from engine.llm import LLM, CompletionOutput, RequestOutput
-    from engine.llm_engine import LLMEngine, RequestError
+    from engine.core.llm_engine import LLMEngine
+    from engine.errors import RequestError
+    from engine.frontend.llm import LLM, CompletionOutput, RequestOutput
     from engine.sampling_params import SamplingParams, SamplingParamsError
 
 

@@ -74,7 +74,7 @@ class EngineConfig:
     # Steps that mix decodes with prefill chunks (and decode batches past the largest decode graph) replay a CUDA
     # graph up to this many tokens (``graph_token_sizes``); larger steps run eagerly. 0: all of them do.
     cuda_graph_max_tokens: int = 2048
-    # Tensor parallelism (engine/distributed.py, engine/worker.py): one process per rank, this one rank 0.
+    # Tensor parallelism (engine/distributed.py, engine/worker/ranks.py): one process per rank, this one rank 0.
     tensor_parallel_size: int = 1
     # Several machines: each runs tensor_parallel_size / nnodes ranks; node 0 runs the engine (rank 0), the
     # others `minivllm worker` (torch.distributed's rendezvous at master_addr:master_port).
@@ -189,7 +189,7 @@ class EngineConfig:
         return sorted(set(s for s in sizes if s <= self.max_num_seqs) | {self.max_num_seqs})
 
     def graph_token_sizes(self) -> list[int]:
-        """Token counts of the mixed-step CUDA graphs (``engine.cuda_graphs.MixedGraphs``), up to
+        """Token counts of the mixed-step CUDA graphs (``engine.worker.cuda_graphs.MixedGraphs``), up to
         ``cuda_graph_max_tokens`` and the step's token budget: every 16 tokens up to 128, every 32 up to 256, then
         every 64. A step is padded up to the next one. Padding costs device time where a step is bound by its
         products (a few hundred tokens on an 8B model), so past 256 tokens a step gains at most 63 tokens, 6% at

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from engine.encoder_cache import EncoderCacheStats
-from engine.mrope import MRopePositions
+from engine.core.encoder_cache import EncoderCacheStats
+from engine.loading.mrope import MRopePositions
 from engine.sampling_params import SamplingParams
 from kvcache.metrics import KVCacheStats
 
@@ -123,7 +123,7 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     queue_time_s: float | None = None  # arrival to first scheduling; None until the request is scheduled
     # With the first token, when the request asked for them: one entry per prompt token after the first.
     prompt_logprobs: list[Logprobs] | None = None
-    # A finished beam search (engine/beam_search.py): its best beams, best first.
+    # A finished beam search (engine/core/beam_search.py): its best beams, best first.
     beams: list[BeamResult] | None = None
     num_preemptions: int = 0  # times the request was preempted so far (its KV dropped and recomputed)
 
@@ -143,5 +143,5 @@ class EngineStats:
     # int8 [num_blocks], BlockPool.visual_blocks(): 1 for the blocks holding image tokens.
     visual_blocks: np.ndarray | None = field(default=None, compare=False, repr=False)
     encoder: EncoderCacheStats | None = None  # a model that takes images: its encoder cache
-    # Forward passes run so far, by how: "decode_graph", "mixed_graph" (engine/cuda_graphs.py) or "eager".
+    # Forward passes run so far, by how: "decode_graph", "mixed_graph" (engine/worker/cuda_graphs.py) or "eager".
     num_steps_by_kind: dict[str, int] = field(default_factory=dict)

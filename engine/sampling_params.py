@@ -89,7 +89,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (OpenAI: -100..100)
     allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
-    # Beam search of width n (engine/beam_search.py), scored as transformers' generate(num_beams=n):
+    # Beam search of width n (engine/core/beam_search.py), scored as transformers' generate(num_beams=n):
     # the n best beams come back, ranked by cumulative logprob / generated_len ** length_penalty.
     use_beam_search: bool = False
     length_penalty: float = 1.0

@@ -15,8 +15,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 from fastapi.responses import PlainTextResponse
+from pydantic import ValidationError
 
 from server import __version__
 from server.chat import create_chat_completion, render_chat_request

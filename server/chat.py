@@ -16,8 +16,8 @@ from contextlib import aclosing
 
 from fastapi import Request
 
+from engine.core.structured_output import check_structured_outputs
 from engine.outputs import Logprobs
-from engine.structured_output import check_structured_outputs
 from server.errors import bad_request
 from server.generation import Generation
 from server.media import fetch_images
@@ -37,9 +37,6 @@ from server.protocol import (
     TopLogprob,
 )
 from server.reasoning import ReasoningStream, split_reasoning, thinking_state
-from server.streaming import ClientDisconnected, client_closed_response
-from server.tool_parsers import get_parser
-from server.tools import ToolPlan
 from server.serving import (
     ServingContext,
     clamp_logprob,
@@ -50,6 +47,7 @@ from server.serving import (
     respond,
     usage_info,
 )
+from server.streaming import ClientDisconnected, client_closed_response
 from server.tokenization import (
     ChatTemplateOptions,
     RenderedChat,
@@ -63,6 +61,8 @@ from server.tokenization import (
     token_text,
     truncate_prompt,
 )
+from server.tool_parsers import get_parser
+from server.tools import ToolPlan
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, ctx: ServingContext):

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from engine.async_engine import AsyncEngine, EngineStartupError
 from engine.config import ConfigError, EngineConfig
-from engine.default_model import DEFAULT_MODEL_NAME, default_cache_dir
+from engine.frontend.async_engine import AsyncEngine, EngineStartupError
+from engine.loading.default_model import DEFAULT_MODEL_NAME, default_cache_dir
 from server import __version__
 from server.limits import ServerLimits, guarded_http_protocol
 from server.listeners import bind_tcp, bind_unix, close_all, remove_unix_socket
@@ -445,7 +445,7 @@ def serve(args: argparse.Namespace) -> int:
         modalities = engine.model.input_modalities  # ("text", "image") for a model that takes images
         image_processor = None
         if engine.model.accepts_images:
-            from engine.multimodal import MultiModalProcessor
+            from engine.loading.multimodal import MultiModalProcessor
 
             image_processor = MultiModalProcessor.from_pretrained(engine.model.model_path, engine.model.image_token_id,
                                                                   args.trust_remote_code)
@@ -548,7 +548,7 @@ def _is_loopback(host: str) -> bool:
 
 def worker(args: argparse.Namespace) -> int:
     """This node's ranks (``--node-rank`` > 0) of an engine whose rank 0 is a `minivllm serve` elsewhere."""
-    from engine.worker import run_node
+    from engine.worker.ranks import run_node
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -12,9 +12,9 @@ from contextlib import aclosing
 
 from fastapi import Request
 
-from engine.output_processor import ChoiceDelta
+from engine.core.structured_output import check_structured_outputs
+from engine.frontend.output_processor import ChoiceDelta
 from engine.outputs import Logprobs
-from engine.structured_output import check_structured_outputs
 from server.errors import bad_request
 from server.generation import Generation
 from server.protocol import (
@@ -45,7 +45,6 @@ from server.tokenization import (
     token_text,
     truncate_prompt,
 )
-
 
 # OpenAI's and vLLM's default for completions (chat's is the rest of the context).
 DEFAULT_MAX_TOKENS = 16

@@ -15,8 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import EngineDeadError, EngineOverloadedError
-from engine.model_info import RequestError
+from engine.errors import RequestError
+from engine.frontend.async_engine import EngineDeadError, EngineOverloadedError
 from engine.sampling_params import SamplingParamsError
 
 logger = logging.getLogger("minivllm.server")

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.async_engine import RequestStream
-from engine.output_processor import ChoiceDelta, Usage
+from engine.frontend.async_engine import RequestStream
+from engine.frontend.output_processor import ChoiceDelta, Usage
 from engine.sampling_params import SamplingParams
 from server.tokenization import TokenizedPrompt
 

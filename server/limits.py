@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from engine.sampling_params import SamplingParams
-from server.errors import APIError, INVALID_REQUEST, bad_request
+from server.errors import INVALID_REQUEST, APIError, bad_request
 
 
 @dataclass(frozen=True)

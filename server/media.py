@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import httpx
 from PIL import Image
 
-from engine.multimodal import image_content_hash as content_hash
-from engine.multimodal import to_rgb, upright
+from engine.loading.multimodal import image_content_hash as content_hash
+from engine.loading.multimodal import to_rgb, upright
 from server import __version__
 from server.errors import bad_request
 
@@ -112,7 +112,7 @@ class ImageRef:
 @dataclass(frozen=True, eq=False)
 class DecodedImage:
     """One decoded image of a request, for the model's image processor (which makes the engine's
-    ``engine.multimodal.ImageInput`` of it)."""
+    ``engine.loading.multimodal.ImageInput`` of it)."""
 
     image: Image.Image  # RGB, fully loaded
     content_hash: str  # engine.multimodal.image_content_hash: equal pixels, equal hash, however sent
@@ -239,7 +239,7 @@ def open_image(data: bytes, limits: MediaLimits, *, param: str = "image_url") ->
 
 def finish_decoding(image: Image.Image, param: str = "image_url", detail: str = "auto") -> DecodedImage:
     """An opened image's pixels: the first frame of a GIF or an animated WebP, transparency laid over white,
-    an EXIF orientation tag applied (``engine.multimodal.upright``), RGB, with its content hash."""
+    an EXIF orientation tag applied (``engine.loading.multimodal.upright``), RGB, with its content hash."""
     image_format = image.format or ""
     try:
         image.load()

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from engine.request_metrics import StepMetrics
+from engine.frontend.request_metrics import StepMetrics
 
 PREFIX = "minivllm:"  # the default
 FINISH_REASONS = ("stop", "length", "abort")

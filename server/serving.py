@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from fastapi import Request, Response
 from pydantic import BaseModel
 
-from engine.async_engine import AsyncEngine
-from engine.model_info import ModelInfo
-from engine.output_processor import Usage
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.output_processor import Usage
+from engine.loading.model_info import ModelInfo
 from engine.outputs import FinishReason, Logprobs
 from engine.sampling_params import SamplingParams
-from server.errors import APIError, INVALID_REQUEST, as_api_error, bad_request
+from server.chat_templates import TemplateRunner
+from server.errors import INVALID_REQUEST, APIError, as_api_error, bad_request
 from server.generation import Generation
 from server.limits import ServerLimits
 from server.media import MediaLimits
@@ -39,7 +40,6 @@ from server.streaming import (
     run_until_disconnected,
     sse_event,
 )
-from server.chat_templates import TemplateRunner
 from server.template_sandbox import TemplateLimits, TemplateTimeout
 from server.text_bound import TextBound
 from server.tokenization import TokenizedPrompt, check_unicode, token_text
@@ -162,7 +162,7 @@ class ServingContext:
                          mm_inputs: list[list] | None = None) -> Generation:
         """Admit a request: every prompt is checked before anything reaches the engine, so a bad
         prompt (or a full queue) answers a plain error instead of a half-started stream. ``mm_inputs``: per
-        prompt, its images (``engine.multimodal.ImageInput``s)."""
+        prompt, its images (``engine.loading.multimodal.ImageInput``s)."""
         if params.stop and self.tokenizer is None:
             raise bad_request("stop strings need a tokenizer, and this model has none", param="stop")
         self.limits.check(len(prompts), params)

@@ -39,7 +39,7 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The converted default model (SmolLM2-135M-Instruct); downloaded and converted once, then cached."""
-    from engine.default_model import ensure_default_model
+    from engine.loading.default_model import ensure_default_model
 
     return ensure_default_model()
 
@@ -50,6 +50,6 @@ def tokenizer_dir() -> Path:
     GPU hosts without PyPI), else the converted default model."""
     if os.environ.get("MINIVLLM_TEST_TOKENIZER"):
         return Path(os.environ["MINIVLLM_TEST_TOKENIZER"])
-    from engine.default_model import ensure_default_model
+    from engine.loading.default_model import ensure_default_model
 
     return ensure_default_model()

@@ -223,7 +223,6 @@ def test_serve_vs_offline_counts_the_forward_passes_of_a_run(bench_server):
     """bench/serve_vs_offline.py reports each run's forward passes by how they ran, from /metrics: a request for
     five tokens is one prefill and four decodes, every one eager on the CPU."""
     import httpx
-
     from serve_vs_offline import scrape, step_counts
 
     model = httpx.get(f"{bench_server.url}/v1/models").json()["data"][0]["id"]

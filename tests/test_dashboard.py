@@ -12,7 +12,6 @@ import random
 import shutil
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -26,7 +25,6 @@ from tests.server_helpers import (  # noqa: E402
     REPO_ROOT,
     TINY_MODEL_NAME,
     assert_error_shape,
-    scrape_metrics,
     start_server,
     wait_until_idle,
 )

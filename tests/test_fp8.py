@@ -17,8 +17,9 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig
-from engine.loader import load_model
-from engine.model_config import ModelConfig
+from engine.loading import fp8_weights
+from engine.loading.loader import load_model
+from engine.loading.model_config import ModelConfig
 from engine.models import fp8
 from kvcache.paged_cache import PagedKVCache
 from tests.helpers import PagedRunner, save_checkpoint, save_tiny_model
@@ -232,7 +233,7 @@ def test_cublas_scale_layouts_describe_the_same_weight_and_tiles_serve_large_bat
 def test_scaled_matmul_kernel_matches_the_reference_product(m, n, k, block, config):
     """The Triton FP8 matmul (run by Triton's interpreter here, on the GPU in tests/test_gpu.py) computes what
     the CPU path computes: the same FP8 operands and scales, split over K or not."""
-    from engine.models import fp8_kernels
+    from engine.ops import fp8 as fp8_kernels
 
     gen = torch.Generator().manual_seed(m + n + k)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / 16
@@ -245,7 +246,7 @@ def test_scaled_matmul_kernel_matches_the_reference_product(m, n, k, block, conf
 
 
 def test_matmul_configs_split_k_for_decode_batches_only():
-    from engine.models.fp8_kernels import matmul_config
+    from engine.ops.fp8 import matmul_config
 
     decode = matmul_config(8, 4096, 4096, num_sms=132)  # an 8B o_proj at batch 8: 64 tiles without a split
     assert decode.block_m == 16 and decode.split > 1
@@ -263,7 +264,7 @@ def test_quantization_fp8_halves_the_weights_and_keeps_the_logits(llama_dir, blo
     config = ModelConfig.from_pretrained(dense_dir)
     plain = load_model(config, torch.float32, "cpu")
     quantized = load_model(config, torch.float32, "cpu", quantization="fp8")
-    linears = dict(fp8.quantizable_linears(quantized))
+    linears = dict(fp8_weights.quantizable_linears(quantized))
     assert len(linears) == 4 * config.num_hidden_layers
     assert all(m.weight.dtype == torch.float8_e4m3fn and m.weight_scale_inv.shape == (m.weight.shape[0],)
                for m in linears.values())
@@ -332,7 +333,7 @@ def test_unsupported_quantization_configs_are_refused_by_name(block_dirs, tmp_pa
 def test_scale_columns_kernel_multiplies_each_column_in_float32_and_rounds_once():
     """The kernel that applies per-channel weight scales to a product's columns (run by Triton's interpreter here,
     on the GPU in tests/test_gpu.py): each column times its scale, in place, for partial tiles and row strides."""
-    from engine.models import fp8_kernels
+    from engine.ops import fp8 as fp8_kernels
 
     gen = torch.Generator().manual_seed(7)
     base = torch.randn(37, 300, generator=gen)

@@ -17,10 +17,10 @@ import torch
 pytest.importorskip("triton")
 
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from engine.loader import load_model  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.models import fused_ops  # noqa: E402
+from engine.loading.loader import load_model  # noqa: E402
+from engine.loading.model_config import ModelConfig  # noqa: E402
 from engine.models.layers import RMSNorm, SiluAndMul, get_rope, set_use_triton  # noqa: E402
+from engine.ops import fused as fused_ops  # noqa: E402
 from tests.helpers import VOCAB, PagedRunner, save_tiny_model  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -253,7 +253,7 @@ def test_fp8_outputs_are_what_the_linear_would_quantize(dtype, num_tokens, swigl
     """The norms and SwiGLU written as an FP8 linear's input: the float8 values and scales of quantizing their
     ordinary output with ``fp8_kernels.quantize_rows`` (SwiGLU's bit for bit), the padding rows zeros, the residual
     sum unchanged."""
-    from engine.models import fp8_kernels
+    from engine.ops import fp8 as fp8_kernels
 
     monkeypatch.setattr(fused_ops, "_SWIGLU_ROWS_FROM", swiglu_rows_from)
 
@@ -398,10 +398,9 @@ def test_decode_products_split_along_k_give_the_whole_products_logits(use_triton
     added by the kernel that reads them next (the rope and KV-cache write, the add-norm, SwiGLU; on the fused path with
     the Triton attention backend), give the logits of whole products (float32), one count for all or counts by
     product; prompts longer than the decode sizes stay whole."""
-    from engine.models import layers
-
     import transformers
 
+    from engine.models import layers
     from tests.helpers import SMALL_CONFIG, save_checkpoint
 
     config = transformers.Qwen3Config(**{**SMALL_CONFIG, "hidden_size": 128, "intermediate_size": 256}, head_dim=32,
@@ -525,7 +524,7 @@ def test_host_integer_helpers_match_tritons():
     import numpy as np
     import triton
 
-    from engine.intmath import cdiv, next_power_of_2
+    from engine.ops.intmath import cdiv, next_power_of_2
 
     sizes = list(range(0, 4200)) + [2**k + d for k in range(12, 32) for d in (-1, 0, 1)]
     for n in sizes:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine.config import ConfigError
-from engine.generation_defaults import load_sampling_defaults
+from engine.loading.generation_defaults import load_sampling_defaults
 
 
 def write(folder, config: dict):

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
-from engine.default_model import _fetch_gguf
-from engine.gguf import gguf_file
+from engine.loading.default_model import _fetch_gguf
+from engine.loading.gguf import gguf_file
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,8 @@ def test_a_gguf_file_is_served_as_its_model(gguf_path, default_model_path, tmp_p
                      SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
     assert reply.outputs[0].text == "The capital of France is Paris."
     # Converted once: the next load finds it in the cache (the marker is there, nothing is written again).
-    from engine.default_model import default_cache_dir
-    from engine.gguf import ensure_converted
+    from engine.loading.default_model import default_cache_dir
+    from engine.loading.gguf import ensure_converted
 
     before = (Path(converted) / "model.safetensors").stat().st_mtime_ns
     assert str(ensure_converted(gguf_path, default_cache_dir())) == converted

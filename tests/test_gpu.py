@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.loader import load_model
-from engine.model_config import ModelConfig
+from engine.loading.loader import load_model
+from engine.loading.model_config import ModelConfig
 from tests.helpers import TINY_CONFIGS, VOCAB, PagedRunner, random_image, save_checkpoint, save_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -33,8 +33,8 @@ def _greedy(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
 @pytest.mark.parametrize("rows", [1, 151, 256])
 @pytest.mark.parametrize("vocab", [151936, 128256, 1000])
 def test_greedy_kernels_give_torch_argmax_tokens_on_bfloat16_logits(rows, vocab):
-    """The sampler's two-pass argmax (``engine.greedy``) on the GPU: ties planted across chunks go to the first."""
-    from engine.greedy import greedy_tokens
+    """The sampler's two-pass argmax (``engine.ops.greedy``) on the GPU: ties planted across chunks go to the first."""
+    from engine.ops.greedy import greedy_tokens
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     logits = torch.randn(rows, vocab, device="cuda", generator=gen).bfloat16()
@@ -116,9 +116,10 @@ def test_fp8_kv_cache_and_weights_on_cuda_match_the_torch_reference(tmp_path):
     """Triton attention on an FP8 cache with CUDA graphs, and FP8 linears through the Triton scaled matmul (per
     channel and block scales, K split or not), give the CPU reference's arithmetic: the same quantized values,
     float32 accumulation; greedy tokens equal torch eager on the same FP8 cache."""
-    from engine.attention.triton_kernels import write_paged_kv
     from engine.attention.torch_backend import write_kv
-    from engine.models import fp8, fp8_kernels
+    from engine.models import fp8
+    from engine.ops import fp8 as fp8_kernels
+    from engine.ops.attention import write_paged_kv
 
     gen = torch.Generator().manual_seed(0)
     k, v = torch.randn(50, 2, 64, generator=gen).cuda() * 3, torch.randn(50, 2, 64, generator=gen).cuda() / 40
@@ -194,6 +195,7 @@ def test_fp8_inputs_quantized_by_norms_and_swiglu_agree_with_separate_kernels(nu
     one norm's scales already changes greedy tokens of a random 2-layer model.)"""
     from types import SimpleNamespace
 
+    from engine.loading import fp8_weights
     from engine.models import fp8
     from engine.models.layers import Fp8Weights, RMSNorm
     from engine.models.llama import LlamaMLP
@@ -204,7 +206,7 @@ def test_fp8_inputs_quantized_by_norms_and_swiglu_agree_with_separate_kernels(nu
         norm = RMSNorm(512, 1e-5).to(torch.bfloat16)
         for p in (*mlp.parameters(), norm.weight):
             p.data.normal_(0.0, 0.05 if p.dim() > 1 else 1.0)
-        assert fp8.quantize_model_weights(mlp) == 2
+        assert fp8_weights.quantize_model_weights(mlp) == 2
         x, residual = torch.randn(2, num_tokens, 512, dtype=torch.bfloat16).unbind(0)
 
     def run():
@@ -242,10 +244,10 @@ def test_rope_fused_into_the_kv_write_matches_rope_then_write(fp8_cache, qk_norm
     write. As the engine calls it, bit for bit. The FP8 write kernel roping q and K itself (``fuse_rope``): V and
     its scales bit for bit, K's rotation summed as two dots may put a rare value one float8 step away and the
     rotated queries one bf16 rounding away."""
-    from engine.attention.triton_kernels import write_paged_kv
-    from engine.models import fused_ops
-    from engine.models.fp8_kernels import scale_columns_
     from engine.models.layers import RMSNorm, get_rope
+    from engine.ops import fused as fused_ops
+    from engine.ops.attention import write_paged_kv
+    from engine.ops.fp8 import scale_columns_
 
     heads, kv_heads, head_dim, block = 32, 8, 128, 16
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
@@ -352,7 +354,7 @@ def test_sliding_window_gemma_and_experts_on_cuda_match_transformers(tmp_path):
     """Mistral's sliding window, Gemma 2's soft-capping and query scale, Gemma 3's local RoPE base and q/k norms
     through the Triton kernels, and Qwen3-MoE's fused Triton experts, all under CUDA graphs, in float32 against
     transformers on the same GPU; start-up compiled every MoE kernel variant the steps pick."""
-    from engine.models import moe_kernels
+    from engine.ops import moe as moe_kernels
 
     small = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -393,8 +395,7 @@ def _engine_kernels() -> dict:
 
     from triton.runtime.jit import JITFunction
 
-    from engine.attention import triton_kernels  # noqa: F401  (imported so that they are listed)
-    from engine.models import fp8_kernels, fused_ops, moe_kernels  # noqa: F401
+    from engine.ops import attention, fp8, fused, moe  # noqa: F401  (imported so that they are listed)
 
     return {f"{name}.{attr}": obj for name, module in list(sys.modules.items()) if name.startswith("engine.")
             for attr, obj in vars(module).items() if isinstance(obj, JITFunction)}
@@ -407,7 +408,7 @@ def test_no_kernel_compiles_after_start_up(tmp_path, fp8):
     256 and 1,024 tokens) compiles nothing new. With FP8 weights and KV cache on a shape whose products take
     FP8 inputs (cuBLAS's block scaling) and defer their column scales."""
     from engine.models import fp8 as fp8_module
-    from engine.models import fused_ops
+    from engine.ops import fused as fused_ops
 
     # cuBLAS's block scaling takes inner sizes of 4 x 128 columns and more.
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
@@ -420,8 +421,8 @@ def test_no_kernel_compiles_after_start_up(tmp_path, fp8):
         assert llm.engine.runner.model.model.layers[0].mlp.gate_up_proj.takes_fp8_input
     assert fused_ops._SWIGLU_ROWS_FROM < 2048 and fp8_module.BLOCK_SCALES_MIN_ROWS < 1000
     kernels = _engine_kernels()
-    assert {"fused_ops._rope_kernel", "fused_ops._silu_and_mul_kernel", "fused_ops._rms_norm_kernel"} <= {
-        name.removeprefix("engine.models.") for name in kernels}
+    assert {"fused._rope_kernel", "fused._silu_and_mul_kernel", "fused._rms_norm_kernel"} <= {
+        name.removeprefix("engine.ops.") for name in kernels}
     before = {name: _compiled_variants(k) for name, k in kernels.items()}
     # Alone and chunked at 2,048 next to decodes: 1,0xx-token steps (not multiples of 16), 300-900, under 256.
     for lens, max_tokens in (([1037], 3), ([700, 333], 5), ([1500, 1200, 900, 17, 1, 64], 30),
@@ -440,9 +441,9 @@ def test_launch_options_give_plain_launches_tokens(tmp_path, monkeypatch, settin
     """Programmatic dependent launch (``MINIVLLM_PDL``) and weights asked of the L2 (``MINIVLLM_L2_PREFETCH``), in
     eager steps and CUDA-graph replays, give the greedy tokens of plain launches: a 16-bit cache, and FP8 weights
     and KV. The kernels that ran carry the launch attribute and the prefetches."""
-    from engine import l2_prefetch, pdl
-    from engine.attention import triton_kernels
-    from engine.models import fused_ops
+    from engine.ops import attention as triton_kernels
+    from engine.ops import fused as fused_ops
+    from engine.ops import l2_prefetch, pdl
 
     config = TINY_CONFIGS["qwen3"]()
     config.max_position_embeddings = 1024  # room for the 700-token prompt and its 40 tokens
@@ -661,7 +662,7 @@ def test_fused_moe_matches_the_torch_reference_in_bf16(num_tokens):
     import copy
 
     from engine.models.moe import FusedExperts
-    from engine.models.moe_kernels import fused_moe
+    from engine.ops.moe import fused_moe
 
     num_experts, top_k, hidden, inter = 128, 8, 2048, 768
     gen = torch.Generator().manual_seed(0)

@@ -59,8 +59,8 @@ def _rank_logits(rank: int, port: int, model_dir: str, prompts: list[list[int]],
     logits of a prefill step and of a chunk after a cached prefix."""
     from engine.attention.triton_backend import TritonAttentionBackend
     from engine.distributed import destroy_tensor_parallel, init_tensor_parallel
-    from engine.loader import load_model
-    from engine.model_config import ModelConfig
+    from engine.loading.loader import load_model
+    from engine.loading.model_config import ModelConfig
     from tests.helpers import PagedRunner
 
     torch.cuda.set_device(rank)

@@ -204,8 +204,8 @@ def test_grammar_manager_passes_the_cache_bound_to_xgrammar(default_model_path):
     """Distinct schemas of ~0.2 MB each compiled after each other: the cache stays within its 1 MiB."""
     import transformers
 
+    from engine.core.structured_output import GrammarManager
     from engine.sampling_params import StructuredOutputsParams
-    from engine.structured_output import GrammarManager
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(default_model_path))
     manager = GrammarManager(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}), max_num_seqs=4,

@@ -1,4 +1,4 @@
-"""The two-pass greedy argmax (``engine.greedy``) gives torch.argmax's tokens (Triton's interpreter on the CPU)."""
+"""The two-pass greedy argmax (``engine.ops.greedy``) gives torch.argmax's tokens (Triton's interpreter on the CPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.greedy import argmax_rows, greedy_tokens
+from engine.ops.greedy import argmax_rows, greedy_tokens
 
 
 @settings(max_examples=25, deadline=None)
@@ -40,7 +40,7 @@ def test_the_sampler_takes_torchs_argmax_where_the_kernels_do_not_run(monkeypatc
     """Even with ``MINIVLLM_GREEDY_ARGMAX=kernel``, CPU logits (the interpreter is for tests, not for serving) and
     column-major ones go to torch.argmax, never to the kernels; the kernels refuse what they cannot read; a misspelt
     setting is an error naming it."""
-    from engine import greedy
+    from engine.ops import greedy
 
     def no_kernels(logits, *args, **kwargs):
         raise AssertionError("the kernels ran on CPU logits")

@@ -1,5 +1,5 @@
-"""Launch options of the engine's Triton kernels on Hopper: programmatic dependent launch (``engine.pdl``) and weights
-asked of the L2 cache (``engine.l2_prefetch``). Both need an sm_90 GPU to run (``tests/test_gpu.py`` compares
+"""Launch options of the engine's Triton kernels on Hopper: programmatic dependent launch (``engine.ops.pdl``) and weights
+asked of the L2 cache (``engine.ops.l2_prefetch``). Both need an sm_90 GPU to run (``tests/test_gpu.py`` compares
 their tokens with plain launches); here the kernels are compiled for sm_90 on the CPU and their PTX is read, and
 the arithmetic that splits a weight among the programs runs in Triton's interpreter.
 """
@@ -19,7 +19,7 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import l2_prefetch, pdl
+from engine.ops import l2_prefetch, pdl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,7 +114,7 @@ def test_a_kernel_waits_for_the_one_before_ahead_of_its_first_memory_access(mode
     ``griddepcontrol.wait`` (the kernel before may still write its input); "early" also lets the next kernel be
     dispatched; off, neither instruction is there and the launch carries no attribute."""
     lines, launch_pdl = _sm90_ptx_lines(
-        "engine.models.fused_ops:_silu_and_mul_kernel",
+        "engine.ops.fused:_silu_and_mul_kernel",
         dict(COL_SCALES=False, FP8_GROUP=0, BLOCK=1024, ROWS=1, PDL=mode, PREFETCH=False, NUM_SLICES=1),
         {"col_scale_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "prefetch_ptr": "*u8"},
         {"launch_pdl": True} if mode else {})
@@ -133,7 +133,7 @@ def test_the_norm_asks_for_the_next_weight_before_it_waits(prefetch):
     product's weight before ``griddepcontrol.wait`` (the weight is never written, so it need not wait), and reads
     its own inputs only after it; without, no prefetch is there."""
     lines, _ = _sm90_ptx_lines(
-        "engine.models.fused_ops:_rms_norm_kernel", dict(HAS_RESIDUAL=True, COL_SCALES=False, FP8_GROUP=0, BLOCK=1024, PDL=1,
+        "engine.ops.fused:_rms_norm_kernel", dict(HAS_RESIDUAL=True, COL_SCALES=False, FP8_GROUP=0, BLOCK=1024, PDL=1,
                                  PREFETCH=prefetch, NUM_SLICES=1),
         {"col_scale_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "prefetch_ptr": "*u8", "eps": "fp32",
          "prefetch_bytes": "i64"}, {"launch_pdl": True})
@@ -153,7 +153,7 @@ def test_decode_attention_asks_for_o_weight_after_its_output_is_stored():
     types = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
              "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "prefetch_ptr": "*u8",
              "qk_scale": "fp32", "softcap": "fp32", "prefetch_bytes": "i64"}
-    lines, _ = _sm90_ptx_lines("engine.attention.triton_kernels:_decode_split_kernel", cons, types, {})
+    lines, _ = _sm90_ptx_lines("engine.ops.attention:_decode_split_kernel", cons, types, {})
     fetches = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line]
     stores = [i for i, line in enumerate(lines) if line.startswith(("st.global", "@")) and "st.global" in line]
     assert len(fetches) >= 1 and stores and min(fetches) > max(stores)

@@ -132,7 +132,7 @@ def test_an_exif_orientation_is_applied_by_the_server_and_the_offline_engine():
     """A photo stored sideways with an EXIF orientation tag (6: turn 90 degrees clockwise to view) reaches the model
     upright, as a viewer shows it, through the server's decoder and the offline ``load_image`` alike; the hash is
     the upright pixels'."""
-    from engine.multimodal import image_content_hash, load_image
+    from engine.loading.multimodal import image_content_hash, load_image
 
     stored = picture(size=(48, 32))
     exif = Image.Exif()

@@ -15,8 +15,8 @@ import pytest
 import torch
 import transformers
 
-from engine.loader import load_model
-from engine.model_config import ModelConfig, normalize_rope_scaling
+from engine.loading.loader import load_model
+from engine.loading.model_config import ModelConfig, normalize_rope_scaling
 from engine.models import MODEL_REGISTRY, get_model_class
 from tests.helpers import SMALL_CONFIG, TINY_CONFIGS, VOCAB, PagedRunner, spread_weights
 

@@ -8,8 +8,8 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.loader import load_model
-from engine.model_config import ModelConfig
+from engine.loading.loader import load_model
+from engine.loading.model_config import ModelConfig
 from tests.helpers import VOCAB, PagedRunner, save_checkpoint
 from tests.test_engine import make_prompts
 

@@ -1,4 +1,4 @@
-"""The fused-MoE Triton path (``engine.models.moe_kernels``) against the torch reference of ``FusedExperts``.
+"""The fused-MoE Triton path (``engine.ops.moe``) against the torch reference of ``FusedExperts``.
 
 The routing layout is checked directly (every (token, slot) pair once, expert-pure ``BLOCK_M``-aligned
 segments, padding and the blocks past the end marked), then ``fused_moe`` against ``FusedExperts``' reference
@@ -20,11 +20,11 @@ import transformers
 
 pytest.importorskip("triton")
 
-from engine.loader import load_model  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
+from engine.loading.loader import load_model  # noqa: E402
+from engine.loading.model_config import ModelConfig  # noqa: E402
 from engine.models import moe as moe_module  # noqa: E402
 from engine.models.moe import FusedExperts  # noqa: E402
-from engine.models.moe_kernels import MoEBlocks, align_routing, choose_blocks, fused_moe, max_padded_rows  # noqa: E402
+from engine.ops.moe import MoEBlocks, align_routing, choose_blocks, fused_moe, max_padded_rows  # noqa: E402
 from tests.helpers import VOCAB, PagedRunner  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"

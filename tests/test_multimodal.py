@@ -21,14 +21,15 @@ import transformers
 from PIL import Image
 
 from engine import LLM, SamplingParams
-from engine.core import AddRequests, CoreRequest, input_decoder, make_encoder
-from engine.loader import load_model
-from engine.model_config import ModelConfig
-from engine.model_info import RequestError
-from engine.multimodal import MultiModalProcessor, image_content_hash, image_spans
+from engine.core.process import AddRequests, CoreRequest, input_decoder, make_encoder
+from engine.loading.loader import load_model
+from engine.loading.model_config import ModelConfig
+from engine.loading.model_info import RequestError
+from engine.loading.multimodal import MultiModalProcessor, image_content_hash, image_spans
 from kvcache.block_pool import hash_block_tokens
 from kvcache.manager import KVCacheManager
-from tests.helpers import SMALL_CONFIG, PagedRunner, random_image as image, record_image_cuts, spread_weights
+from tests.helpers import SMALL_CONFIG, PagedRunner, record_image_cuts, spread_weights
+from tests.helpers import random_image as image
 
 IMAGE_TOKENS = 16  # (32 / 8)^2 patches; the CLS position is dropped ("default" strategy)
 TEMPLATE = (
@@ -322,11 +323,11 @@ def test_images_cross_the_process_boundary(llm):
 
 def test_async_engine_sends_each_prompt_its_images(llm):
     """AsyncEngine.generate (the API server's side) gives each engine request the images of its own prompt."""
-    from engine.async_engine import AsyncEngine
+    from engine.frontend.async_engine import AsyncEngine
 
     engine = AsyncEngine(llm.engine.config, llm.engine.model_info, llm.engine.stats(), llm.tokenizer, process=None,
                          control=None, sockets=None)
-    from engine.core import AddRequests
+    from engine.core.process import AddRequests
 
     sent, encoder = [], engine._encoder
 

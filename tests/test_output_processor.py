@@ -12,8 +12,8 @@ import transformers
 
 pytest.register_assert_rewrite("tests.server_helpers")
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.async_engine import RequestStream  # noqa: E402
-from engine.output_processor import ChoiceDelta, OutputProcessor  # noqa: E402
+from engine.frontend.async_engine import RequestStream  # noqa: E402
+from engine.frontend.output_processor import ChoiceDelta, OutputProcessor  # noqa: E402
 from engine.outputs import EngineOutput, FinishReason, Logprobs  # noqa: E402
 from tests.server_helpers import DEFAULT_MODEL_NAME  # noqa: E402
 

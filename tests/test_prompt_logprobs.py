@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import RequestError
+from engine.errors import RequestError
 from tests.helpers import VOCAB, save_tiny_model
 from tests.test_engine import make_prompts
 

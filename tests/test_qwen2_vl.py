@@ -22,15 +22,16 @@ import transformers
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
-from engine.core import AddRequests, CoreRequest, input_decoder, make_encoder
-from engine.llm_engine import check_tensor_parallel
-from engine.loader import load_model
-from engine.model_config import ModelConfig
-from engine.model_info import RequestError
+from engine.core.llm_engine import check_tensor_parallel
+from engine.core.process import AddRequests, CoreRequest, input_decoder, make_encoder
+from engine.loading.loader import load_model
+from engine.loading.model_config import ModelConfig
+from engine.loading.model_info import RequestError
+from engine.loading.mrope import mrope_positions
+from engine.loading.multimodal import MultiModalProcessor
 from engine.models.layers import RMSNorm, get_rope
-from engine.mrope import mrope_positions
-from engine.multimodal import MultiModalProcessor
-from tests.helpers import PagedRunner, random_image as image, record_image_cuts, spread_weights
+from tests.helpers import PagedRunner, record_image_cuts, spread_weights
+from tests.helpers import random_image as image
 
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 MROPE_SECTION = [2, 3, 3]  # head_dim 16: 8 rotary frequencies
@@ -172,7 +173,7 @@ def test_mrope_kernel_matches_torch_and_transformers(dtype, with_norm):
     as the one-position rope does."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding, apply_rotary_pos_emb
 
-    from engine.models import fused_ops
+    from engine.ops import fused as fused_ops
 
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     section, head_dim = (4, 6, 6), 32
@@ -283,12 +284,11 @@ def test_the_server_renders_a_chat_with_the_processors_template(llm, qwen_dir, p
     import base64
     import io
 
+    from server.chat import render_chat_request
     from server.media import MediaLimits
     from server.protocol import ChatMessageParam
     from server.serving import ServedModel, ServingContext
     from server.tokenization import ChatTemplateOptions
-
-    from server.chat import render_chat_request
 
     picture = image(50, 84, 56)
     png = io.BytesIO()

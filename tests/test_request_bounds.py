@@ -104,8 +104,8 @@ def test_a_request_is_registered_only_once_it_was_encoded_and_sent():
     encoded is a RequestError (a 400), one whose send fails raises; neither leaves a stream or a request behind."""
     from types import SimpleNamespace
 
-    from engine.async_engine import AsyncEngine
-    from engine.model_info import RequestError
+    from engine.frontend.async_engine import AsyncEngine
+    from engine.loading.model_info import RequestError
     from engine.sampling_params import SamplingParams
 
     sent = []
@@ -140,7 +140,7 @@ def test_outputs_the_server_cannot_handle_end_the_engine_loudly(caplog):
     import asyncio
     from types import SimpleNamespace
 
-    from engine.async_engine import AsyncEngine, EngineDeadError
+    from engine.frontend.async_engine import AsyncEngine, EngineDeadError
     from engine.sampling_params import SamplingParams
 
     class Outputs:

@@ -53,10 +53,10 @@ def test_tensor_parallel_roofline_by_hand():
 def test_costs_from_the_config_equal_the_ones_counted_on_the_model(tmp_path, tied):
     import torch
     import transformers
-
-    from engine.loader import load_model
-    from engine.model_config import ModelConfig
     from roofline import full_model_costs, model_costs
+
+    from engine.loading.loader import load_model
+    from engine.loading.model_config import ModelConfig
 
     hf = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
@@ -82,10 +82,10 @@ def test_moe_decode_reads_the_experts_its_tokens_are_routed_to():
 def test_moe_costs_count_k_experts_per_token(tmp_path):
     import torch
     import transformers
-
-    from engine.loader import load_model
-    from engine.model_config import ModelConfig
     from roofline import model_costs
+
+    from engine.loading.loader import load_model
+    from engine.loading.model_config import ModelConfig
 
     hf = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

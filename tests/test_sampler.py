@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingTensors, apply_penalties, apply_top_k_top_p
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.worker.sampler import Sampler, SamplingTensors, apply_penalties, apply_top_k_top_p
 
 
 def tensors(n: int, temperature=1.0, top_k=None, top_p=None, min_p=None, **kw) -> SamplingTensors:

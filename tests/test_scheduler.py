@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 from kvcache.manager import KVCacheManager
 
 BLOCK = 16

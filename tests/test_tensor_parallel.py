@@ -17,8 +17,8 @@ import transformers
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
-from engine.loader import load_model
-from engine.model_config import ModelConfig
+from engine.loading.loader import load_model
+from engine.loading.model_config import ModelConfig
 from tests.helpers import SMALL_CONFIG, TINY_CONFIGS, VOCAB, PagedRunner, save_checkpoint
 
 CONFIGS = {

@@ -24,16 +24,16 @@ pytest.importorskip("triton")
 
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend, write_kv  # noqa: E402
-from engine.attention import triton_kernels  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from kvcache.paged_cache import quantize_fp8, rotate_heads  # noqa: E402
-from engine.attention.triton_kernels import (  # noqa: E402
+from engine.ops import attention as triton_kernels  # noqa: E402
+from engine.ops.attention import (  # noqa: E402
     choose_num_splits,
     compile_variants,
     paged_decode_attention,
     paged_prefill_attention,
     write_paged_kv,
 )
+from kvcache.paged_cache import quantize_fp8, rotate_heads  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -338,7 +338,7 @@ def test_backend_decode_only_with_padding_rows():
 
 
 def as_captured(case: Case, extra_tokens: int, extra_reqs: int, seed: int) -> tuple[Case, int]:
-    """The case laid out as a mixed step's CUDA graph sees it (engine/cuda_graphs.py, ``MixedGraphs``): padding
+    """The case laid out as a mixed step's CUDA graph sees it (engine/worker/cuda_graphs.py, ``MixedGraphs``): padding
     tokens past the last request's (slot 0), padding requests with no tokens whose table rows hold stale block ids,
     no host-side count of decodes, and each row's decode length on the device. Returns it and the real token count."""
     gen = torch.Generator().manual_seed(seed)
@@ -616,7 +616,7 @@ def test_decode_writes_its_output_quantized_as_the_next_projection_takes_it(fp8_
     """With ``fp8_out`` the decode kernels' merge (either cache) writes the output as an FP8 projection's input,
     one scale per token and head of 128: bit for bit what ``fp8_kernels.quantize_rows`` makes of the plain
     output in cuBLAS's layout, rows padded to 4 with zeros. Unsplit contexts refuse it."""
-    from engine.models.fp8_kernels import empty_quantized, quantize_rows
+    from engine.ops.fp8 import empty_quantized, quantize_rows
 
     case = make_case(70 + num_splits, reqs, 2, 2, 128, 16)
     q, kw = case.q.to(dtype), {}
@@ -648,7 +648,7 @@ def test_decode_writes_its_output_quantized_as_the_next_projection_takes_it(fp8_
 def test_backend_quantizes_the_output_of_decode_only_steps_with_128_wide_heads():
     """``fp8_out``: a decode-only step of a few rows (contexts split) comes back quantized (the plain output's
     quantize_rows); a mixed step, 64-wide heads and a batch too large to split come back plain."""
-    from engine.models.fp8_kernels import quantize_rows
+    from engine.ops.fp8 import quantize_rows
 
     case = make_case(15, [(61, 1), (200, 1), (7, 1), PAD], 2, 4, 128, 16)
     backend = TritonAttentionBackend()
@@ -792,8 +792,8 @@ def _qkv_case(seed: int, rows: int, num_heads: int, num_kv_heads: int, head_dim:
 
 def _unfused(qkv: torch.Tensor, pending, num_heads: int, num_kv_heads: int, head_dim: int):
     """q, k, v as the two-kernel path leaves them: the column-scale pass, then the rope kernel (with the norms)."""
-    from engine.models import fused_ops
-    from engine.models.fp8_kernels import scale_columns_
+    from engine.ops import fused as fused_ops
+    from engine.ops.fp8 import scale_columns_
 
     rows = qkv.shape[0]
     if pending.column_scales is not None:
@@ -1012,7 +1012,7 @@ def test_backends_agree_on_a_pending_rope(fp8_cache):
 def test_compile_write_variants_covers_every_launch_choice(fp8_cache):
     """Start-up compiles the write as steps call it: one variant on a 16-bit cache, the three (tokens per program,
     queries apart) choices on an FP8 one; each twice where FP8 q|k|v products may leave their column scales."""
-    from engine.attention.triton_kernels import compile_write_variants
+    from engine.ops.attention import compile_write_variants
 
     _, _, _, _, pending = _qkv_case(3, 1, 4, 2, 32, torch.float32, "mrope+norm")
     shape = (3, 16, 2, 32)
@@ -1034,8 +1034,8 @@ def test_compile_write_variants_covers_every_launch_choice(fp8_cache):
 def test_tiny_qwen3_ropes_in_the_kv_write(kv_cache_dtype, tmp_path):
     """A whole model (Qwen3: q/k norms, then rope) hands its rope to attention: prefill, then a decode and a mixed
     step on the Triton backend (rope in the KV-cache write) give the torch backend's logits (rope op by op)."""
-    from engine.loader import load_model
-    from engine.model_config import ModelConfig
+    from engine.loading.loader import load_model
+    from engine.loading.model_config import ModelConfig
     from tests.helpers import VOCAB, PagedRunner, save_tiny_model
 
     model = load_model(ModelConfig.from_pretrained(save_tiny_model("qwen3", tmp_path)), torch.float32, DEVICE)

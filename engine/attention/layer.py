@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
-from engine.feeds import FeedsLinear
+from engine.ops.feeds import FeedsLinear
 
 if TYPE_CHECKING:
     from engine.models.layers import PendingRope
@@ -24,7 +24,7 @@ class Attention(FeedsLinear, nn.Module):
     ``rope``: the rotary embedding (with Qwen3's q/k norms) that the q and k handed to ``forward`` still need,
     from ``RotaryEmbedding.pending``. The backend applies it with the KV-cache write (on the Triton path with a
     16-bit cache in the same kernel launch); the model runner compiles that write's variants before the first step.
-    ``feeds``: the output projection, whose weight decode steps may have the L2 fetch (``engine.l2_prefetch``).
+    ``feeds``: the output projection, whose weight decode steps may have the L2 fetch (``engine.ops.l2_prefetch``).
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int,

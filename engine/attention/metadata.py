@@ -41,7 +41,7 @@ class AttentionMetadata:
     block_size: int
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, on the CPU
     seq_lens_cpu: torch.Tensor  # [num_reqs] int32, on the CPU
-    # A mixed step run as a CUDA graph (engine/cuda_graphs.py, ``MixedGraphs``) does not know which rows are
+    # A mixed step run as a CUDA graph (engine/worker/cuda_graphs.py, ``MixedGraphs``) does not know which rows are
     # decodes when it is captured: num_decodes is 0, and this [num_reqs] int32 device tensor holds each row's
     # context length if it is a decode (one new token) and 0 if not. The decode kernel then runs over every row
     # with these lengths, the prefill kernel over every row but the decodes. Requests may have no new tokens

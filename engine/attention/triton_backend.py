@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.triton_kernels import (
+from engine.models.fp8 import ACTIVATION_GROUP
+from engine.ops.attention import (
     choose_num_splits,
     compile_variants,
     compile_write_variants,
@@ -14,8 +15,7 @@ from engine.attention.triton_kernels import (
     paged_prefill_attention,
     write_paged_kv,
 )
-from engine.models.fp8 import ACTIVATION_GROUP
-from engine.models.fp8_kernels import empty_quantized
+from engine.ops.fp8 import empty_quantized
 
 
 class TritonAttentionBackend:
@@ -51,7 +51,7 @@ class TritonAttentionBackend:
         [rows padded to 4, num_heads * head_dim], float32 scales, one per token and head, token-major;
         ``fp8_kernels.empty_quantized``'s cuBLAS layout). Other steps return the plain output: unsplit, quantizing
         in the decode kernel was slower than the projection's own pass (bench/RESULTS.md). ``prefetch``: in
-        decode-only steps the decode kernels ask the L2 for it as they finish (``engine.l2_prefetch``)."""
+        decode-only steps the decode kernels ask the L2 for it as they finish (``engine.ops.l2_prefetch``)."""
         num_tokens = meta.slot_mapping.shape[0]
         if meta.decode_seq_lens is not None:
             return self._mixed_graph_step(q, k, v, k_cache, v_cache, meta, scale, window, kv_scales, softcap, rope)

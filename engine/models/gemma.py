@@ -25,7 +25,7 @@ from torch import nn
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.distributed import kv_head_range, shard_range
-from engine.model_config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from engine.models.layers import (
     FusedLinear,
     ParallelLMHead,

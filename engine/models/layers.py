@@ -6,7 +6,7 @@ float32 and bfloat16 alike.
 
 ``RMSNorm``, ``SiluAndMul`` and ``RotaryEmbedding`` each have two paths: the torch code here,
 the reference (CPU tests compare it with transformers), and a fused Triton kernel from
-``engine.models.fused_ops`` that rounds in the same order. Each module's ``use_triton``
+``engine.ops.fused`` that rounds in the same order. Each module's ``use_triton``
 picks one: ``None`` (the default) means Triton for CUDA tensors when triton is installed,
 torch otherwise; ``set_use_triton`` forces one path on a whole model.
 """
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_gather_last_dim, all_reduce, shard_range, tp_size
-from engine.feeds import FeedsLinear
+from engine.ops.feeds import FeedsLinear
 
 
 @functools.cache
@@ -43,7 +43,7 @@ def _use_triton(setting: bool | None, x: torch.Tensor) -> bool:
 
 def _fused_ops():
     # Imported on first use so that the torch path never needs triton.
-    from engine.models import fused_ops
+    from engine.ops import fused as fused_ops
 
     return fused_ops
 

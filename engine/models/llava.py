@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.model_config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from engine.models.image_text import ImageTextModel
 from engine.models.layers import without_transformers_init
 from engine.models.llama import LlamaForCausalLM

@@ -10,7 +10,7 @@ split) and one all-reduce sums the partial outputs.
 
 Two paths for the experts. The torch reference gathers tokens per expert, as transformers does it, so that
 float32 outputs match it closely; it reads the routing on the host (a data-dependent loop), so a model on it
-runs eagerly. On CUDA the experts run ``engine.models.moe_kernels.fused_moe`` instead: routing sorted on the
+runs eagerly. On CUDA the experts run ``engine.ops.moe.fused_moe`` instead: routing sorted on the
 device and two grouped-GEMM Triton kernels, no host sync, so MoE models capture CUDA graphs like dense ones.
 ``FusedExperts.use_triton`` picks the path: ``None`` (the default) means Triton for CUDA tensors when triton is
 installed and ``MINIVLLM_MOE_BACKEND`` is not ``torch``; True or False forces one.
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, shard_range, tp_size
-from engine.model_config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from engine.models.layers import _triton_installed, copy_weight, take
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -75,7 +75,7 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden]; top_ids and top_weights [tokens, k]. Returns this rank's partial sum."""
         if self.uses_triton(x):
-            from engine.models.moe_kernels import fused_moe  # imported on first use: the torch path needs no triton
+            from engine.ops.moe import fused_moe  # imported on first use: the torch path needs no triton
 
             return fused_moe(x, self.w13, self.w2, top_ids, top_weights)
         return self.reference_forward(x, top_ids, top_weights)

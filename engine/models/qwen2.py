@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.model_config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from engine.models.llama import AttentionSpec, LlamaForCausalLM
 
 

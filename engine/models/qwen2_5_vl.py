@@ -12,7 +12,7 @@ attention, the 2-D rotary embedding of the patches, the merger), so an image's e
 transformers'; only its attention runs differently: without flash-attn transformers attends one
 window at a time, here the windows of one length go in one call (``attend_within_runs``). It
 takes any number of images of any sizes at once: their patches concatenated, one grid per image. The language model is the project's Qwen2 with paged
-attention; its rotary embedding reads three positions per token (``engine/mrope.py`` computes
+attention; its rotary embedding reads three positions per token (``engine/loading/mrope.py`` computes
 them per request), and its decode steps run as any Qwen2's, CUDA graphs included.
 """
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
-from engine.model_config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from engine.models.image_text import ImageTextModel
 from engine.models.layers import without_transformers_init
 from engine.models.qwen2 import Qwen2ForCausalLM

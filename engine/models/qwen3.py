@@ -6,7 +6,7 @@ Qwen3 configs give ``head_dim`` explicitly, and it need not equal hidden_size / 
 
 from __future__ import annotations
 
-from engine.model_config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from engine.models.llama import AttentionSpec, LlamaForCausalLM
 
 

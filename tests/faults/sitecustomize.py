@@ -12,7 +12,7 @@ import os
 _AFTER = os.environ.get("MINIVLLM_TEST_STEP_FAILS_AFTER")
 
 if _AFTER is not None:
-    from engine import llm_engine
+    from engine.core import llm_engine
 
     _num_steps = int(_AFTER)
     _counter = itertools.count(1)

@@ -1,0 +1,482 @@
+"""Continuous batching in token counts.
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests are served
+first, in arrival order, then waiting ones (FCFS). A request is simply given
+``num_tokens - num_computed_tokens`` more tokens, or as many as the budget allows:
+decode, prefill, chunked prefill and resumption after preemption are one mechanism,
+and one step can mix them all.
+
+When the KV pool runs out, the newest running request is preempted by recompute: its
+blocks are freed and it goes back to the front of the queue with its generated tokens,
+to be prefilled again later (prefix caching usually makes that cheap).
+
+Images (a multimodal model's prompts) are encoded when a chunk first reaches their placeholder
+tokens: each step encodes at most ``max_num_encoder_tokens`` image tokens' worth of images (the
+same number as the token budget), into the encoder cache (``engine/core/encoder_cache.py``), which holds
+each image until every request that needs it has prefilled past it. A chunk that would reach an
+image the step cannot encode (budget spent, cache full) stops before it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from engine.core.encoder_cache import EncoderCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.outputs import (
+    CachedRequestData,
+    EngineOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from kvcache.manager import KVCacheManager
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        max_num_encoder_tokens: int = 0,
+    ):
+        self.kv = kv_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._freed_ids: set[str] = set()  # reported to the runner with the next step
+        self.num_preemptions_total = 0
+        self.beam_groups: dict = {}  # request id -> BeamGroup of the beam searches running
+        # Beams whose step gave their next-token logprobs: (request, Logprobs), for the engine to pick from.
+        self.beam_reports: list = []
+        self._block_copies: list[tuple[int, int]] = []  # forked beams' partial blocks, copied before the next step
+        # A model that takes images: the image tokens a step may encode, which is also the encoder cache's size.
+        self.max_num_encoder_tokens = max_num_encoder_tokens
+        self.encoder_cache = EncoderCacheManager(max_num_encoder_tokens) if max_num_encoder_tokens > 0 else None
+        self._encoder_budget = 0  # what is left of max_num_encoder_tokens in the step being planned
+        self._encoder_inputs: list = []  # the images the step being planned encodes
+
+    # ----------------------------------------------------------------- public API
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineOutput]:
+        """Finish the given requests with reason "abort" and free their blocks. Unknown ids are ignored."""
+        aborted = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
+        if not aborted:
+            return []
+        # One pass over each queue, however many are aborted: a client that drops a request of
+        # thousands of choices costs linear time, not a list.remove per choice.
+        gone = {id(r) for r in aborted}
+        if any(r.status == RequestStatus.RUNNING for r in aborted):
+            self.running = [r for r in self.running if id(r) not in gone]
+        if any(r.status != RequestStatus.RUNNING for r in aborted):
+            self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+        outputs = []
+        for request in aborted:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(self._output(request, [], finished=True))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        num_preempted = 0
+        self._encoder_budget = self.max_num_encoder_tokens
+
+        # 1. Running requests, oldest first. If one cannot get blocks, preempt from the newest end.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            if request.reached_limits_ahead(self.max_model_len):
+                i += 1  # its last token is already being sampled; it finishes when that arrives
+                continue
+            num_new = min(request.num_tokens_ahead - request.num_computed_tokens, budget)
+            if request.mm_end > request.num_computed_tokens:  # images ahead: the chunk may stop before one
+                num_new = self._fit_images(request, request.num_computed_tokens, num_new)
+            if num_new == 0:
+                i += 1  # a beam that waits for its group to choose its next token, or an image that waits
+                continue
+            new_block_ids, preempted = self._allocate_or_preempt(request, num_new)
+            num_preempted += preempted
+            if new_block_ids is None:  # the request itself was preempted
+                break
+            if request.resend:  # a beam whose tokens the engine chose or that was forked
+                new_reqs.append(self._new_request_data(request, request.num_computed_tokens))
+                request.resend = False
+            else:
+                cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+            num_scheduled[request.request_id] = num_new
+            if request.mm_end > request.num_computed_tokens:
+                self._take_images(request, num_new)
+            self._advance(request, num_new)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, first come first served; none while memory is short this step. A request
+        # whose grammar is still compiling is passed over (it keeps its place) rather than holding up the queue.
+        if num_preempted == 0:
+            budget = self._admit_waiting(budget, new_reqs, num_scheduled)
+            if not num_scheduled and self.waiting and self.beam_groups:
+                # Everything running is a beam waiting for siblings that wait for memory: make room.
+                while not num_scheduled and self._preempt_parked_beam_group():
+                    budget = self._admit_waiting(budget, new_reqs, num_scheduled)
+
+        freed, self._freed_ids = self._freed_ids, set()
+        copies, self._block_copies = self._block_copies, []
+        out = SchedulerOutput(
+            new_requests=new_reqs,
+            cached_requests=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            freed_request_ids=freed,
+            num_preempted=num_preempted,
+            block_copies=copies,
+        )
+        if self.encoder_cache is not None:
+            # Images no request holds now: passed by this step's chunks, or let go of by requests preempted here
+            # or finished since the last step (one that a request of this step took again stays, not encoded anew).
+            out.freed_encoder_hashes = self.encoder_cache.collect()
+            out.encoder_inputs, self._encoder_inputs = self._encoder_inputs, []
+        return out
+
+    def update_from_output(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineOutput]:
+        """Append the sampled tokens (resolving their placeholders) and finish what stopped.
+
+        A request that finished here may be in a step already planned ahead; that step's
+        token for it is dropped (the request is gone by then).
+        """
+        outputs: list[EngineOutput] = []
+        for rid, (start, entries) in runner_out.prompt_logprobs.items():
+            request = self.requests.get(rid)
+            if request is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs[start - 1 : start - 1 + len(entries)] = entries
+        for rid, token_id in zip(runner_out.request_ids, runner_out.sampled_token_ids):
+            request = self.requests.get(rid)
+            if request is None:  # aborted or finished while the step ran
+                continue
+            request.num_placeholders -= 1
+            if request.beam is not None:  # the engine picks its token, with the rest of its group
+                self.beam_reports.append((request, runner_out.logprobs[rid]))
+                continue
+            request.append_token(token_id)
+            status = request.check_stop(self.max_model_len)
+            if request.grammar is not None and status is None:
+                status = self._follow_grammar(request, token_id)
+            logprobs = runner_out.logprobs.get(rid)
+            new_logprobs = [logprobs] if logprobs is not None else []
+            if status is None:
+                outputs.append(self._output(request, [token_id], new_logprobs=new_logprobs))
+                continue
+            # A request preempted while this token was in flight is already back in the queue.
+            (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
+            self._finish(request, status)
+            outputs.append(self._output(request, [token_id], finished=True, new_logprobs=new_logprobs))
+        return outputs
+
+    # ------------------------------------------------------------------ helpers
+
+    def _admit_waiting(self, budget: int, new_reqs: list[NewRequestData], num_scheduled: dict[str, int]) -> int:
+        """Admit waiting requests in order while they fit; returns the budget left."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self._first_ready_waiting()
+            if request is None:
+                break
+            if self.beam_groups and not self._has_seat(request):
+                break
+            scheduled = self._schedule_waiting(request, budget)
+            if scheduled is None:
+                break
+            if request.beam is not None:
+                request.beam.started = True
+            self.waiting.remove(request) if request is not self.waiting[0] else self.waiting.popleft()
+            self.running.append(request)
+            new_data, num_new = scheduled
+            new_reqs.append(new_data)
+            num_scheduled[request.request_id] = num_new
+            if request.mm_end > request.num_computed_tokens:
+                self._take_images(request, num_new)
+            self._advance(request, num_new)
+            budget -= num_new
+        return budget
+
+    def _first_ready_waiting(self) -> Request | None:
+        if self.waiting[0].ready:  # the usual case, in O(1)
+            return self.waiting[0]
+        return next((r for r in self.waiting if r.ready), None)
+
+    @staticmethod
+    def _follow_grammar(request: Request, token_id: int) -> RequestStatus | None:
+        """A grammar that has ended with this token (or refused it) ends the request. The engine has
+        fed the step's tokens into the grammars already (LLMEngine._advance_grammars)."""
+        if request.grammar.ended:
+            if token_id in request.eos_token_ids or token_id in request.sampling_params.stop_token_ids:
+                request.stop_token_id = token_id
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    @staticmethod
+    def _advance(request: Request, num_new: int) -> None:
+        """Count the scheduled tokens as computed now, so the next step can be planned before this
+        one's tokens are known; a step that completes the known tokens leaves one placeholder
+        for the token it samples."""
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens_ahead:
+            request.num_placeholders += 1
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be planned before this step's tokens are known.
+
+        Not while a running request needs its exact output so far to sample: penalties count
+        generated tokens, and min_tokens counts them to mask EOS. Nor while a beam search runs: its
+        next tokens are chosen from all its beams' logprobs.
+        """
+        return not any(r.sampling_params.has_penalties or r.sampling_params.min_tokens or r.beam is not None
+                       for r in self.running)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int] | None, int]:
+        """Blocks for ``num_new`` more tokens, preempting newer requests until they fit.
+
+        Returns the new block ids (None when ``request`` itself had to be preempted) and
+        how many requests were preempted.
+        """
+        num_preempted = 0
+        while True:
+            new_block_ids = self.kv.allocate_slots(
+                request.request_id, request.all_token_ids, request.num_computed_tokens, num_new,
+                mm_spans=request.mm_spans,
+            )  # a placeholder's block is hashed once its token is known
+            if new_block_ids is not None:
+                return new_block_ids, num_preempted
+            victim = self.running.pop()  # the newest running request
+            self._preempt(victim)
+            num_preempted += 1
+            if victim is request:
+                return None, num_preempted
+
+    def _schedule_waiting(self, request: Request, budget: int) -> tuple[NewRequestData, int] | None:
+        """Admit the head of the queue with as many tokens as fit, or None if it cannot run now."""
+        if request.num_placeholders:
+            return None  # preempted while its last token was being sampled: wait for that token
+        # Counted only once the request is admitted: one that waits for blocks is looked up again next step.
+        # Prompt logprobs come from computing every prompt token: a prefix hit would skip some.
+        cached_blocks, num_cached = [], 0
+        if not request.wants_prompt_logprobs:
+            cached_blocks, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids,
+                                                                    record=False, mm_spans=request.mm_spans)
+        num_new = request.num_tokens - num_cached
+        if num_new > budget and not self.enable_chunked_prefill:
+            return None
+        num_new = min(num_new, budget)
+        if request.mm_end > num_cached:
+            fitted = self._fit_images(request, num_cached, num_new)
+            if fitted == 0 or (fitted < num_new and not self.enable_chunked_prefill):
+                return None  # its next image cannot be encoded this step
+            num_new = fitted
+        new_block_ids = self.kv.allocate_slots(
+            request.request_id, request.all_token_ids, num_cached, num_new, new_computed_blocks=cached_blocks,
+            mm_spans=request.mm_spans,
+        )
+        if new_block_ids is None:
+            return None
+        if not request.wants_prompt_logprobs:
+            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.resend = False
+        return self._new_request_data(request, num_cached), num_new
+
+    def _new_request_data(self, request: Request, num_computed: int) -> NewRequestData:
+        return NewRequestData(
+            request_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            num_computed_tokens=num_computed,
+            prompt_logprobs=request.sampling_params.prompt_logprobs if request.wants_prompt_logprobs else None,
+            mm_inputs=request.mm_inputs or None,
+            mrope=request.mrope,
+        )
+
+    # ------------------------------------------------------------------ images
+
+    def _fit_images(self, request: Request, start: int, num_new: int) -> int:
+        """How many of the ``num_new`` tokens from ``start`` this step can compute given the images they reach:
+        one not in the encoder cache is encoded this step if the step's encoder budget and the cache's free
+        space allow it; otherwise the chunk stops just before it (0: the request waits for a later step)."""
+        end, cost, counted = start + num_new, 0, set()
+        for mm in request.mm_inputs:
+            if mm.offset >= end:
+                break
+            if mm.end <= start or mm.content_hash in self.encoder_cache or mm.content_hash in counted:
+                continue
+            cost += mm.length
+            if cost > self._encoder_budget or not self.encoder_cache.has_room(cost):
+                return max(0, mm.offset - start)
+            counted.add(mm.content_hash)
+        return num_new
+
+    def _take_images(self, request: Request, num_new: int) -> None:
+        """The request's next ``num_new`` tokens run this step: it holds each image they reach (the step
+        encodes the ones not in the cache yet) and lets go of the ones it has now prefilled past."""
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        cache, held = self.encoder_cache, request.held_images
+        for mm in request.mm_inputs:
+            if mm.offset >= end:
+                break
+            if mm.end <= start or mm.content_hash in held:
+                continue
+            if cache.acquire(mm.content_hash, request.request_id, mm.length):
+                self._encoder_inputs.append(mm)
+                self._encoder_budget -= mm.length
+            held.add(mm.content_hash)
+        if held:
+            ahead = {mm.content_hash for mm in request.mm_inputs if mm.end > end}
+            for content_hash in held - ahead:
+                cache.release(content_hash, request.request_id)
+            held &= ahead
+
+    def _release_images(self, request: Request) -> None:
+        """A preempted or finished request holds no image (a preempted one takes them again when it resumes)."""
+        for content_hash in request.held_images:
+            self.encoder_cache.release(content_hash, request.request_id)
+        request.held_images.clear()
+
+    # ------------------------------------------------------------------ beams
+
+    def _has_seat(self, request: Request) -> bool:
+        """Room in the running batch: a beam search holds seats for all its beams once it has started."""
+        reserved = sum(g.width - sum(1 for b in g.beams if self.requests[b].status == RequestStatus.RUNNING)
+                       for g in self.beam_groups.values() if g.started)
+        if request.beam is None:
+            return len(self.running) + reserved < self.max_num_seqs
+        if not request.beam.started:
+            return len(self.running) + reserved + request.beam.width <= self.max_num_seqs
+        return len(self.running) + reserved <= self.max_num_seqs  # its own seat is among the reserved
+
+    def _preempt_parked_beam_group(self) -> bool:
+        """Make room for the head of the queue when every running request is a beam waiting for siblings
+        that wait for blocks: preempt the newest other beam search whose running beams are all waiting so.
+
+        Its beams queue behind its own waiting beams, so that the head's search (whose parked beams stay)
+        gets its beams in and moves on. False if there is none to preempt.
+        """
+        head = self.waiting[0].beam
+        for request in reversed(self.running):
+            group = request.beam
+            if group is None or group is head:
+                continue
+            beams = [r for r in self.running if r.beam is group]
+            if any(r.num_tokens_ahead != r.num_computed_tokens for r in beams):
+                continue
+            after = max((i for i, r in enumerate(self.waiting) if r.beam is group), default=len(self.waiting) - 1)
+            for r in beams:
+                self.running.remove(r)
+                self._preempt(r, queue_at=after + 1)
+            return True
+        return False
+
+    def append_beam_token(self, request: Request, token_id: int) -> None:
+        """A beam continues with the token its group chose (the runner gets its row anew)."""
+        request.append_token(token_id)
+        request.resend = True
+
+    def fork_beam(self, parent: Request, child_id: str, token_id: int) -> Request:
+        """A new beam: the parent's tokens plus ``token_id``. With the parent's KV in the pool, it shares the
+        full blocks and copies the partial one; otherwise (the parent was preempted) it is recomputed."""
+        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_ids,
+                        parent.arrival_time, parent.mm_inputs, parent.mrope)
+        child.all_token_ids = parent.all_token_ids + [token_id]
+        child.beam = parent.beam
+        child.first_scheduled_time, child.num_cached_tokens = parent.first_scheduled_time, parent.num_cached_tokens
+        self.requests[child_id] = child
+        if parent.status == RequestStatus.RUNNING and parent.num_computed_tokens > 0:
+            copies = self.kv.fork(parent.request_id, child_id, parent.num_computed_tokens)
+            if copies is not None:
+                self._block_copies += copies
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status, child.resend = RequestStatus.RUNNING, True
+                self.running.append(child)
+                return child
+        self.waiting.appendleft(child)
+        return child
+
+    def drop_beam(self, request: Request) -> None:
+        """A beam its group did not continue: gone without an output."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def _preempt(self, request: Request, queue_at: int = 0) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, requeue (at the front)."""
+        self.kv.free(request.request_id)
+        if request.held_images:
+            self._release_images(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.insert(queue_at, request)
+        self._freed_ids.add(request.request_id)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request.request_id)
+        if request.held_images:
+            self._release_images(request)
+        del self.requests[request.request_id]
+        self._freed_ids.add(request.request_id)
+
+    @staticmethod
+    def _output(request: Request, new_token_ids: list[int], finished: bool = False, new_logprobs=None) -> EngineOutput:
+        prompt_logprobs = None
+        if new_token_ids and request.prompt_logprobs is not None:
+            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finished=finished,
+            finish_reason=FinishReason(request.status.value) if finished else None,
+            stop_token_id=request.stop_token_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            new_logprobs=new_logprobs or [],
+            queue_time_s=(None if request.first_scheduled_time is None
+                          else request.first_scheduled_time - request.arrival_time),
+            prompt_logprobs=prompt_logprobs,
+            num_preemptions=request.num_preemptions,
+        )

@@ -1,0 +1,189 @@
+"""Build a model for a ModelConfig on a device and fill its weights (safetensors or dummy)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.loading import fp8_weights
+from engine.loading.model_config import ModelConfig
+from engine.models import fp8, get_model_class
+from engine.models.layers import RMSNorm
+from kvcache.paged_cache import FP8_DTYPE
+
+logger = logging.getLogger("minivllm")
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_DUMMY_STD = 0.02  # like Hugging Face's initializer_range: activations stay O(1), so no NaNs
+
+
+def load_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    load_format: str = "auto",
+    seed: int = 0,
+    quantization: str | None = None,
+) -> nn.Module:
+    """Instantiate ``config``'s architecture directly on ``device`` in ``dtype`` and load its weights.
+
+    ``load_format``: "safetensors" reads every shard in ``config.model_path``; "dummy" fills random
+    weights of the real shapes, deterministic in ``seed`` (for benchmarks without a checkpoint);
+    "auto" means safetensors. ``quantization="fp8"`` quantizes the linear layers to FP8 after loading;
+    a checkpoint stored in FP8 (its ``quantization_config``) is loaded in FP8 as it is. Returns the model
+    in eval mode.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
+    model_class = get_model_class(config.architecture)
+    device = torch.device(device)
+    files = [] if load_format == "dummy" else safetensors_files(config.model_path)
+    logger.info(
+        "building %s from %s on %s in %s (%s weights)", config.architecture, config.model_path, device, dtype, load_format
+    )
+    start_s = time.perf_counter()
+    # Parameters are created where and how they will live: no CPU copy, no float32 copy.
+    with torch.device(device), _default_dtype(dtype), _without_default_init():
+        model = model_class(config)
+        if config.quantization_config is not None:
+            layers = fp8_weights.prepare_fp8_checkpoint(model, fp8.Fp8Scheme.from_hf(config.quantization_config))
+            logger.info("FP8 checkpoint (weight blocks %s): %d linear layers load in FP8",
+                        config.quantization_config.get("weight_block_size"), layers)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(iter_safetensors(files))
+    if quantization == "fp8" and config.quantization_config is None:
+        before = fp8_weights.weight_bytes(model)
+        layers = fp8_weights.quantize_model_weights(model)
+        logger.info("quantized %d linear layers to FP8 (a scale per output channel): weights %.2f -> %.2f GiB",
+                    layers, before / 2**30, fp8_weights.weight_bytes(model) / 2**30)
+    model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "loaded %s: %.1fM parameters in %.2f s", config.architecture, num_params / 1e6, time.perf_counter() - start_s
+    )
+    return model
+
+
+@contextlib.contextmanager
+def _without_default_init() -> Iterator[None]:
+    """Build modules without torch's default initialisation of linear and embedding weights (random fills that
+    take seconds on a CPU for a 135M model): every weight is loaded from the checkpoint or dummy-filled after,
+    and a tensor the checkpoint lacks is an error (``load_checkpoint_weights``)."""
+    classes = (nn.Linear, nn.Embedding)
+    saved = [cls.__dict__["reset_parameters"] for cls in classes]
+    for cls in classes:
+        cls.reset_parameters = _no_init
+    try:
+        yield
+    finally:
+        for cls, method in zip(classes, saved):
+            cls.reset_parameters = method
+
+
+def _no_init(module: nn.Module) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def safetensors_files(model_path: str | Path) -> list[Path]:
+    """The checkpoint shards of a model directory.
+
+    When ``model.safetensors.index.json`` exists only the files it names are used, so a
+    directory that also ships another format's single file (e.g. ``consolidated.safetensors``)
+    is read correctly.
+    """
+    directory = Path(model_path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"model directory {directory} does not exist")
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / name for name in names]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors files in {directory}; convert the checkpoint to safetensors "
+            "or use load_format='dummy'"
+        )
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, LazyTensor) for every tensor of every shard, with a progress bar.
+
+    Tensors keep their stored dtype; the copy into the model's parameters casts them.
+    """
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    num_tensors = 0
+    for path in files:  # headers only: cheap, and gives the progress bar its total
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            num_tensors += len(f.keys())
+    logger.info("reading %d tensors from %d safetensors file(s)", num_tensors, len(files))
+    with tqdm(total=num_tensors, desc="Loading weights", unit="tensor") as progress:
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, LazyTensor(f, name)
+                    progress.update(1)
+
+
+class LazyTensor:
+    """A checkpoint tensor read when its consumer says how much of it: ``load()`` all of it, or ``narrow``
+    to one tensor-parallel rank's slice (only those bytes are read from the file)."""
+
+    def __init__(self, handle, name: str):
+        self._handle, self._name = handle, name
+
+    def load(self) -> torch.Tensor:
+        return self._handle.get_tensor(self._name)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        part = self._handle.get_slice(self._name)
+        index = tuple([slice(None)] * dim + [slice(start, start + length)])
+        return part[index]
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights of the real shapes: norms at 1.0, everything else N(0, 0.02).
+
+    One generator on the model's device, seeded once and visited in parameter order,
+    so the same seed gives the same weights on the same device.
+    """
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    seen: set[int] = set()  # tied parameters are filled once
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if isinstance(module, RMSNorm):
+                param.fill_(1.0)
+            elif param.dtype == FP8_DTYPE:  # an FP8 checkpoint's layout: N(0, 1) values times scales of 0.02
+                values = torch.empty(param.shape, dtype=torch.float32, device=device)
+                param.copy_(values.normal_(0.0, 1.0, generator=generator))
+            elif name == "weight_scale_inv":
+                param.fill_(_DUMMY_STD)
+            else:
+                param.normal_(0.0, _DUMMY_STD, generator=generator)
