@@ -16,7 +16,6 @@ import gc
 import importlib
 import ipaddress
 import logging
-import os
 import re
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from engine import settings
 from engine.config import ConfigError, EngineConfig
 from engine.frontend.async_engine import AsyncEngine, EngineStartupError
 from engine.loading.default_model import DEFAULT_MODEL_NAME, default_cache_dir
@@ -460,7 +460,7 @@ def serve(args: argparse.Namespace) -> int:
                              prompt_tokens_details=args.enable_prompt_tokens_details,
                              return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                              per_request_metrics=args.enable_per_request_metrics,
-                             api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None)
+                             api_key=args.api_key or settings.api_key())
         # The prefix is the app's (server.routing.RootPath), not uvicorn's: uvicorn would add it to every path.
         uvicorn_config = uvicorn.Config(build_app(ctx, args.root_path), host=args.host, port=args.port,
                                         uds=args.uds, log_level=args.log_level,

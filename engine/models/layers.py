@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import importlib.util
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import settings
 from engine.distributed import all_gather_last_dim, all_reduce, shard_range, tp_size
 from engine.ops.feeds import FeedsLinear
 
@@ -79,7 +79,7 @@ def auto_k_slices(in_features: int, out_features: int, device: torch.device) -> 
 
 def decode_k_split_setting() -> str:
     """``MINIVLLM_DECODE_KSPLIT`` as read (spaces dropped, lower case), ``auto`` where unset or empty."""
-    return os.environ.get("MINIVLLM_DECODE_KSPLIT", "auto").replace(" ", "").lower() or "auto"
+    return settings.decode_ksplit()
 
 
 def decode_k_slices(product: str, in_features: int, out_features: int | None = None,

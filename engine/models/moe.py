@@ -18,13 +18,13 @@ installed and ``MINIVLLM_MOE_BACKEND`` is not ``torch``; True or False forces on
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import settings
 from engine.distributed import all_reduce, shard_range, tp_size
 from engine.loading.model_config import ModelConfig
 from engine.models.layers import _triton_installed, copy_weight, take
@@ -33,7 +33,7 @@ from engine.models.llama import LlamaForCausalLM, LlamaMLP
 
 def moe_backend() -> str:
     """``$MINIVLLM_MOE_BACKEND``: ``triton`` (the default: the fused kernels on CUDA) or ``torch`` (the reference)."""
-    backend = os.environ.get("MINIVLLM_MOE_BACKEND", "triton").strip().lower() or "triton"
+    backend = settings.moe_backend()
     if backend not in ("triton", "torch"):
         raise ValueError(f"MINIVLLM_MOE_BACKEND must be 'triton' or 'torch', got {backend!r}")
     return backend

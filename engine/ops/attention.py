@@ -57,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import settings
 from engine.ops import l2_prefetch, pdl
 from engine.ops.fused import (
     _norm_halves,
@@ -949,8 +950,8 @@ def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[in
     """
     if head_dim > 128:
         return 32, 4, 3
-    if num_splits == 1 and os.environ.get("MINIVLLM_DECODE_TILES"):
-        return _tiles_setting(os.environ["MINIVLLM_DECODE_TILES"])
+    if num_splits == 1 and (tiles := settings.decode_tiles()):
+        return _tiles_setting(tiles)
     if fp8:
         return 128, 4, (2 if num_splits == 1 else 3)
     return (128, 4, 2) if num_splits == 1 else (64, 4, 3)

@@ -17,12 +17,11 @@ cost is gone, outside one it is paid on every step (bench/RESULTS.md, 2026-12-06
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from engine import settings
 from engine.ops.intmath import cdiv, next_power_of_2
 
 BLOCK = 4096  # columns a first-pass program reads: 8 KB of bfloat16
@@ -75,7 +74,7 @@ def greedy_tokens(logits: torch.Tensor, block: int = BLOCK, num_warps: int = NUM
 
 
 def _setting() -> str:
-    setting = os.environ.get("MINIVLLM_GREEDY_ARGMAX", "graph")
+    setting = settings.greedy_argmax()
     if setting not in ("graph", "kernel", "torch"):
         raise ValueError(f"MINIVLLM_GREEDY_ARGMAX must be 'graph', 'kernel' or 'torch', got {setting!r}")
     return setting

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine import distributed
+from engine import distributed, settings
 from engine.config import EngineConfig
 from engine.worker.step_channel import StepChannel
 
@@ -78,7 +78,7 @@ def spawn_local_workers(config: EngineConfig, first_rank: int, count: int) -> li
     payload = json.dumps(dataclasses.asdict(config))
     procs = []
     for rank in range(first_rank, first_rank + count):
-        env = dict(os.environ, MINIVLLM_WORKER_CONFIG=payload)
+        env = settings.worker_env(payload)
         procs.append(subprocess.Popen([sys.executable, "-m", "engine.worker.ranks", "--rank", str(rank)], env=env))
     logger.info("tensor parallel: started ranks %d-%d (pids %s)", first_rank, first_rank + count - 1,
                 ", ".join(str(p.pid) for p in procs))
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [rank {args.rank}]: "
                         "%(message)s")
-    config = EngineConfig(**json.loads(os.environ["MINIVLLM_WORKER_CONFIG"]))
+    config = EngineConfig(**settings.worker_config())
     _exit_with_parent()
     run_worker(config, args.rank)
 
