@@ -1,6 +1,6 @@
 """minivllm's HTTP server: an OpenAI-compatible API on FastAPI and uvicorn.
 
-    cli.py          ``minivllm serve``: flags -> EngineConfig, uvicorn with a draining shutdown
+    cli/            ``minivllm serve``: flags (the engine's from EngineConfig) -> uvicorn, draining shutdown
     listeners.py    the listening sockets, bound before the model loads
     app.py          the FastAPI app: routes, lifespan
     routing.py      the root path; each route's API key and body limits
