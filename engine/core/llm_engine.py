@@ -27,7 +27,7 @@ from engine.loading.model_config import ModelConfig, check_tensor_parallel, reso
 from engine.loading.model_info import ModelInfo
 from engine.loading.mrope import MRopePositions, mrope_positions
 from engine.loading.tokenizer import load_tokenizer
-from engine.outputs import EngineOutput, EngineStats, FinishReason
+from engine.outputs import EngineOutput, EngineStats, FinishReason, RunnerTiming
 from engine.sampling_params import SamplingParams
 from engine.worker.model_runner import ModelRunner
 from kvcache.manager import KVCacheManager
@@ -394,7 +394,6 @@ class LLMEngine:
             # Its sampling waits for grammar masks, if any request in it has a grammar.
             self._inflight = self._launch_next(in_flight=handle)
             self.num_steps_planned_ahead += 1
-        self.runner.last_timing = None
         runner_out = self.runner.finish(handle)
         synced = time.perf_counter()
         if self._grammar_requests:
@@ -410,7 +409,8 @@ class LLMEngine:
         self.last_num_scheduled_tokens = sched.total_num_scheduled_tokens
         if self._grammar_requests:
             self._grammar_requests.difference_update(out.request_id for out in outputs if out.finished)
-        self._record_timing(sched, prepare_start, synced)
+        if runner_out.timing is not None:
+            self._record_timing(sched, runner_out.timing, prepare_start, synced)
         if self._inflight is None and self.overlap_steps and self.scheduler.has_unfinished_requests():
             self._inflight = self._launch_next()
             self._complete_sampling(self._inflight)
@@ -463,15 +463,12 @@ class LLMEngine:
             rid in self._grammar_requests for rid in sched.num_scheduled_tokens)
         return sched, self.runner.launch(sched, in_flight, sample=not constrained), start
 
-    def _record_timing(self, sched, prepare_start: float, synced: float) -> None:
-        if self.runner.last_timing is None:
-            return
-        launched, _, device_s, graph, num_reqs = self.runner.last_timing
+    def _record_timing(self, sched, timing: RunnerTiming, prepare_start: float, synced: float) -> None:
         wall = synced - (self._last_sync if self._last_sync is not None else prepare_start)
         self._last_sync = synced
-        self.step_timings.append(StepTiming(num_reqs=num_reqs, num_tokens=sched.total_num_scheduled_tokens,
-                                            graph=graph, host_s=launched - prepare_start, device_s=device_s,
-                                            wall_s=wall))
+        self.step_timings.append(StepTiming(num_reqs=timing.num_reqs, num_tokens=sched.total_num_scheduled_tokens,
+                                            graph=timing.graph, host_s=timing.launched_s - prepare_start,
+                                            device_s=timing.device_s, wall_s=wall))
 
     def measure_steps(self, enabled: bool = True) -> None:
         """Record a StepTiming for every step (host work vs device time), for benchmarks."""

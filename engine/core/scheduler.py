@@ -174,10 +174,11 @@ class Scheduler:
         token for it is dropped (the request is gone by then).
         """
         outputs: list[EngineOutput] = []
-        for rid, (start, entries) in runner_out.prompt_logprobs.items():
+        for rid, chunk in runner_out.prompt_logprobs.items():
             request = self.requests.get(rid)
             if request is not None and request.prompt_logprobs is not None:
-                request.prompt_logprobs[start - 1 : start - 1 + len(entries)] = entries
+                start = chunk.first_position - 1  # the request's list has no entry for position 0
+                request.prompt_logprobs[start : start + len(chunk.entries)] = chunk.entries
         for rid, token_id in zip(runner_out.request_ids, runner_out.sampled_token_ids):
             request = self.requests.get(rid)
             if request is None:  # aborted or finished while the step ran
