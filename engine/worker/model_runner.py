@@ -10,7 +10,7 @@ step's attention metadata. The one host sync of a step is reading the sampled to
     finish(h)             one sync -> ModelRunnerOutput (tokens, logprobs, prompt logprobs, timing)
 
 A model that takes images gets them at prefill only: the step first encodes the images the
-scheduler names into the encoder cache (embeddings by content hash), then the tokens of the
+scheduler names into the encoder cache (embeddings by content hash, ``ImageEncoder``), then the tokens of the
 step that are image placeholders take their rows of those embeddings in place of the token
 embeddings; their K/V go into the ordinary blocks. Such steps run eagerly; decode steps never
 see an image, so they keep their CUDA graphs.
@@ -41,6 +41,7 @@ from engine.ops.greedy import argmax_in_graphs
 from engine.outputs import ModelRunnerOutput, RunnerTiming, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from engine.worker.dummy_steps import DummySteps, warm_up_experts
+from engine.worker.image_encoder import ImageEncoder
 from engine.worker.input_batch import InputBatch
 from engine.worker.logprobs import LogprobsCopy, copy_logprobs
 from engine.worker.prompt_logprobs import PromptLogprobsCopy, launch_prompt_logprobs
@@ -144,6 +145,7 @@ class ModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.input_preparer = StepInputPreparer(self.batch, self.buffers, self.block_size, self.device,
                                                 self.encoder_cache)
+        self.images = ImageEncoder(self.model, self.dtype, self.device, self.encoder_cache)
         self.dummy_steps = DummySteps(self.model, config, max_model_len, self.device, self.dtype)
         pin = self.device.type == "cuda"
         self._sampled_host = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
@@ -302,9 +304,9 @@ class ModelRunner:
         if sched.block_copies:  # forked beams' partial blocks, before anything writes to them
             self.kv_cache.copy_blocks(sched.block_copies)
         if sched.encoder_inputs:
-            self._encode_images(sched.encoder_inputs)
+            self.images.encode(sched.encoder_inputs)
         if sched.is_empty:
-            self._free_encoder_outputs(sched.freed_encoder_hashes)
+            self.images.free(sched.freed_encoder_hashes)
             return StepHandle()
         inputs = self._prepare_inputs(sched)
         if len(inputs.placeholder_tokens):
@@ -317,7 +319,7 @@ class ModelRunner:
         handle = StepHandle(inputs=inputs, events=self._start_timing())
         logits, greedy = self._forward(inputs, handle)
         if sched.freed_encoder_hashes:  # after the forward pass that read them is queued
-            self._free_encoder_outputs(sched.freed_encoder_hashes)
+            self.images.free(sched.freed_encoder_hashes)
         handle.launched = time.perf_counter()
         if st is None:
             if handle.events:
@@ -466,29 +468,3 @@ class ModelRunner:
             device_s = handle.events[0].elapsed_time(handle.events[1]) / 1e3
         shape = handle.inputs.shape
         return RunnerTiming(handle.launched, device_s, bool(shape.graph_size or shape.mixed_size), shape.padded)
-
-    # ------------------------------------------------------------------ images
-
-    def _encode_images(self, images: list) -> None:
-        """Run the vision encoder (and projector) on the step's new images and keep each image's embeddings in
-        the encoder cache under its content hash. Images of one size (LLaVA) go in a batch per pixel shape;
-        images with a patch grid (Qwen2.5-VL) all at once, their patches concatenated, with their grids."""
-        by_shape: dict[tuple[int, ...], list] = {}
-        for mm in images:
-            key = () if mm.grid_thw is not None else tuple(mm.pixel_values.shape)  # images with grids: one batch
-            by_shape.setdefault(key, []).append(mm)
-        for group in by_shape.values():
-            pixels = [mm.pixel_values.to_numpy() for mm in group]
-            if group[0].grid_thw is None:
-                embeds = self.model.encode_images(upload(np.stack(pixels), self.device).to(self.dtype))
-            else:
-                grids = upload(np.array([mm.grid_thw for mm in group], dtype=np.int64), self.device)
-                embeds = self.model.encode_images(upload(np.concatenate(pixels), self.device).to(self.dtype), grids)
-            for mm, rows in zip(group, embeds):  # [tokens of the image, hidden] each
-                if rows.shape[0] != mm.length:
-                    raise RuntimeError(f"an image encoded to {rows.shape[0]} embeddings for {mm.length} tokens")
-                self.encoder_cache[mm.content_hash] = rows
-
-    def _free_encoder_outputs(self, content_hashes: list[str]) -> None:
-        for content_hash in content_hashes:
-            self.encoder_cache.pop(content_hash, None)
