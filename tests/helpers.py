@@ -182,7 +182,7 @@ def record_image_cuts(scheduler) -> list:
     def recording_schedule():
         out = schedule()
         for rid in out.num_scheduled_tokens:
-            request = scheduler.requests[rid]
+            request = scheduler.get_request(rid)
             end = request.num_computed_tokens  # after this step
             cuts.extend(mm for mm in request.mm_inputs if mm.offset < end < mm.end)
         return out

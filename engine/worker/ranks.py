@@ -32,6 +32,7 @@ import torch
 
 from engine import distributed, settings
 from engine.config import EngineConfig
+from engine.worker.prompt_logprobs import follow_prompt_logprobs
 from engine.worker.step_channel import StepChannel
 
 logger = logging.getLogger("minivllm")
@@ -63,7 +64,7 @@ def follow(runner) -> None:
             if shape.num_logits:
                 runner.model.compute_logits(hidden[logits_indices])
             if len(prompt_lp_indices):
-                runner.follow_prompt_logprobs(hidden, torch.from_numpy(prompt_lp_indices).to(runner.device))
+                follow_prompt_logprobs(runner.model, hidden, torch.from_numpy(prompt_lp_indices).to(runner.device))
 
 
 # ------------------------------------------------------------------------------------------ processes
