@@ -12,7 +12,7 @@ in the same invocation, and each run is given the roofline of its own bytes (FP8
 half of bf16's; their scales count too) and, for FP8 weights, the FP8 matmul rate measured here.
 With ``--env`` each of those runs once per setting given, in that order, on the same requests: a setting is
 environment variables the engine reads when its kernels first launch (``MINIVLLM_PDL``, ``engine.ops.pdl``;
-``MINIVLLM_L2_PREFETCH``, ``engine.ops.l2_prefetch``; ``MINIVLLM_DECODE_KSPLIT``, ``engine.models.layers``) or torch's
+``MINIVLLM_L2_PREFETCH``, ``engine.ops.l2_prefetch``; ``MINIVLLM_DECODE_KSPLIT``, ``engine.models.linear.ksplit``) or torch's
 ``TORCH_BLAS_PREFER_CUBLASLT``, comma-separated.
 
 Measures copy bandwidth and matmul rate in the same run, computes the workload's
@@ -51,7 +51,7 @@ ALL_REDUCE_BATCHES = (1, 8, 32, 64, 128, 192, 256)
 # What --env sets; a run's record shows them. TORCH_BLAS_PREFER_CUBLASLT=1: the bf16 products through cuBLASLt
 # (torch.backends.cuda.preferred_blas_library), whose kernel choices for decode-sized products differ from cuBLAS's.
 # MINIVLLM_DECODE_KSPLIT=auto (the default), 0, S or qkv=S,o=S,gate_up=S,down=S: decode-sized products as S slices of K
-# (engine.models.layers), read when the model is built. MINIVLLM_GREEDY_ARGMAX=graph (the default), kernel or torch:
+# (engine.models.linear.ksplit), read when the model is built. MINIVLLM_GREEDY_ARGMAX=graph (the default), kernel or torch:
 # where engine.greedy's two-pass kernels take greedy rows' tokens (inside decode graphs; eager steps too; nowhere).
 # MINIVLLM_DECODE_TILES=BLOCK_N,warps,stages: the decode attention kernel's tiles for unsplit contexts.
 LAUNCH_SETTINGS = ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH", "TORCH_BLAS_PREFER_CUBLASLT", "MINIVLLM_DECODE_KSPLIT",

@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from roofline import graph_time  # noqa: E402
 
-from engine.models.layers import RMSNorm, get_rope  # noqa: E402
+from engine.models.norm import RMSNorm  # noqa: E402
+from engine.models.rotary import get_rope  # noqa: E402
 from engine.ops import fused as fused_ops  # noqa: E402
 from engine.ops.attention import _splits_queries, _write_tokens, write_paged_kv  # noqa: E402
 from engine.ops.fp8 import scale_columns_  # noqa: E402

@@ -3,7 +3,7 @@
     variable                 default              values                                   used by
     MINIVLLM_API_KEY         (none)               a key clients must send                  server.cli (serve)
     MINIVLLM_CACHE           ~/.cache/minivllm    a directory                              engine.loading.default_model
-    MINIVLLM_DECODE_KSPLIT   auto                 auto, 0-16, or product=count,...         engine.models.layers
+    MINIVLLM_DECODE_KSPLIT   auto                 auto, 0-16, or product=count,...         engine.models.linear.ksplit
     MINIVLLM_DECODE_TILES    (none)               BLOCK_N,warps,stages                     engine.ops.attention
     MINIVLLM_GREEDY_ARGMAX   graph                graph, kernel, torch                     engine.ops.greedy
     MINIVLLM_MOE_BACKEND     triton               triton, torch                            engine.models.moe
@@ -54,7 +54,7 @@ def cache_dir() -> Path:
 
 def decode_ksplit() -> str:
     """``MINIVLLM_DECODE_KSPLIT``: how the products of decode-sized steps (up to 256 tokens) are cut along K into
-    partial products that the next kernel adds as it reads them (``engine.models.layers.decode_k_slices``), read
+    partial products that the next kernel adds as it reads them (``engine.models.linear.ksplit.decode_k_slices``), read
     when a model is built. ``auto`` (the default, and what unset or empty means): on a GPU, the products whose K is
     at least their width (o and down) get the most slices (a power of two up to 4) that keep their programs within
     one per SM, and nothing is cut on the CPU; ``0``

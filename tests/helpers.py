@@ -138,6 +138,18 @@ TINY_CONFIGS = {
 }
 
 
+def set_use_triton(model: nn.Module, enabled: bool | None) -> None:
+    """Force the torch reference (False) or the Triton kernels (True) on every norm, activation and rotary module
+    of ``model``; None: by device (``engine.models.fused_path``)."""
+    from engine.models.activation import SiluAndMul
+    from engine.models.norm import RMSNorm
+    from engine.models.rotary import RotaryEmbedding
+
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
+            module.use_triton = enabled
+
+
 def spread_weights(model: torch.nn.Module) -> None:
     """Replace HF's tiny init with weights that make every block matter in the logits."""
     gen = torch.Generator().manual_seed(1)

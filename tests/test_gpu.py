@@ -197,8 +197,8 @@ def test_fp8_inputs_quantized_by_norms_and_swiglu_agree_with_separate_kernels(nu
 
     from engine.loading import fp8_weights
     from engine.models import fp8
-    from engine.models.layers import Fp8Weights, RMSNorm
     from engine.models.llama import LlamaMLP
+    from engine.models.norm import RMSNorm
 
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -211,23 +211,25 @@ def test_fp8_inputs_quantized_by_norms_and_swiglu_agree_with_separate_kernels(nu
 
     def run():
         h, new_residual = norm(x, residual, fp8_out=mlp.takes_fp8_input)
-        return mlp(h), new_residual, isinstance(h, fp8.Fp8Activation)
+        return mlp(h).finished(), new_residual, isinstance(h, fp8.Fp8Activation)
 
     got, got_residual, fused = run()
     # From 256 tokens down's channel scales are left to the next add-norm, which gives what applying them gives.
     h, new_residual = norm(x, residual, fp8_out=True)
-    out, column_scales = mlp.forward_deferring_scales(h)
-    assert (column_scales is not None) == (num_tokens >= fp8.block_scales_min_rows(512))
+    act = mlp.act_fn(mlp.gate_up_proj.forward_deferred(h), fp8_out=True)
+    out = mlp.down_proj.forward_deferred(act)
+    assert (out.column_scales is not None) == (num_tokens >= fp8.block_scales_min_rows(512))
     for fp8_out in (False, True):
-        deferred = norm(out, new_residual, fp8_out=fp8_out, column_scales=column_scales)
-        applied = norm(mlp(h), new_residual, fp8_out=fp8_out)
+        deferred = norm(out, new_residual, fp8_out=fp8_out)
+        applied = norm(mlp.down_proj(act), new_residual, fp8_out=fp8_out)
         assert torch.equal(deferred[1], applied[1])
         if fp8_out:
             assert torch.equal(deferred[0].values.view(torch.uint8), applied[0].values.view(torch.uint8))
             assert torch.equal(deferred[0].scales, applied[0].scales)
         else:
             assert torch.equal(deferred[0], applied[0])
-    monkeypatch.setattr(Fp8Weights, "takes_fp8_input", property(lambda self: False))
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        monkeypatch.setattr(layer, "takes_fp8_input", False)
     want, want_residual, unfused = run()
     assert fused and not unfused
     assert torch.equal(got_residual, want_residual)
@@ -244,7 +246,8 @@ def test_rope_fused_into_the_kv_write_matches_rope_then_write(fp8_cache, qk_norm
     write. As the engine calls it, bit for bit. The FP8 write kernel roping q and K itself (``fuse_rope``): V and
     its scales bit for bit, K's rotation summed as two dots may put a rare value one float8 step away and the
     rotated queries one bf16 rounding away."""
-    from engine.models.layers import RMSNorm, get_rope
+    from engine.models.norm import RMSNorm
+    from engine.models.rotary import get_rope
     from engine.ops import fused as fused_ops
     from engine.ops.attention import write_paged_kv
     from engine.ops.fp8 import scale_columns_
@@ -516,7 +519,7 @@ def test_decode_products_split_along_k_under_cuda_graphs_give_the_same_tokens(tm
     slices, added by the KV-cache write, add-norm and SwiGLU kernels that read them) and the default ``auto`` (o and
     down only here, whose K is at least their width) in CUDA-graph replays give the greedy tokens of whole products
     (float32)."""
-    from engine.models import layers
+    from engine.models.linear import unquantized
     from tests.helpers import SMALL_CONFIG
 
     config = transformers.Qwen3Config(**{**SMALL_CONFIG, "hidden_size": 128, "intermediate_size": 256}, head_dim=32,
@@ -524,9 +527,9 @@ def test_decode_products_split_along_k_under_cuda_graphs_give_the_same_tokens(tm
     model_dir = save_checkpoint(config, tmp_path)
     prompts = _prompts(VOCAB)
     made = {}
-    real_partial_products = layers.DecodeKSplit.partial_products
-    monkeypatch.setattr(layers.DecodeKSplit, "partial_products", lambda self, x: made[setting].add(
-        (tuple(self.weight.shape), self.k_slices)) or real_partial_products(self, x))
+    real_k_slice_products = unquantized.k_slice_products
+    monkeypatch.setattr(unquantized, "k_slice_products", lambda x, weight, slices: made[setting].add(
+        (tuple(weight.shape), slices)) or real_k_slice_products(x, weight, slices))
     tokens = {}
     for setting in ("0", "2", "auto"):
         monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", setting)

@@ -99,7 +99,7 @@ def test_the_worker_config_goes_through_the_rank_environment(monkeypatch):
 
 
 def test_the_modules_that_interpret_a_variable_name_it_in_their_errors(monkeypatch):
-    from engine.models import layers
+    from engine.models.linear import ksplit as layers
 
     monkeypatch.setenv(settings.DECODE_KSPLIT, "lm_head=2")
     with pytest.raises(ValueError, match="MINIVLLM_DECODE_KSPLIT"):

@@ -761,7 +761,8 @@ def _qkv_case(seed: int, rows: int, num_heads: int, num_kv_heads: int, head_dim:
               extra: str):
     """(q, k, v views of one q|k|v tensor [rows, width], the qkv tensor, a PendingRope at random positions) for the
     fused write; ``extra`` names what the rope carries besides rope: "norm", "mrope", "scales", joined by "+"."""
-    from engine.models.layers import RMSNorm, get_rope
+    from engine.models.norm import RMSNorm
+    from engine.models.rotary import get_rope
 
     gen = torch.Generator().manual_seed(seed)
     width = (num_heads + 2 * num_kv_heads) * head_dim

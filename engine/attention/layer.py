@@ -11,7 +11,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.ops.feeds import FeedsLinear
 
 if TYPE_CHECKING:
-    from engine.models.layers import PendingRope
+    from engine.models.rotary import PendingRope
 
 
 class Attention(FeedsLinear, nn.Module):

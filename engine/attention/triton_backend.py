@@ -40,7 +40,7 @@ class TritonAttentionBackend:
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's scales
         softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
         fp8_out: bool = False,  # the next projection takes its input quantized (see below)
-        rope=None,  # the rope q and k still need (``engine.models.layers.PendingRope``), or None
+        rope=None,  # the rope q and k still need (``engine.models.rotary.PendingRope``), or None
         prefetch: torch.Tensor | None = None,  # the output projection's weight: see below
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, num_heads, head_dim]
         """The attention output. With a ``rope``, q and k are roped (and q|k|v's column scales applied) as K and V are

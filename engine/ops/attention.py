@@ -36,7 +36,7 @@ tiles as byte pairs (``_decode_split_fp8_kernel`` says why); the prefill kernel 
 and scales V's rows by their scales. The write kernel quantizes each head's row.
 
 The KV-cache write (``write_paged_kv``) also prepares the queries: given the
-layer's pending rope (``engine.models.layers.PendingRope``), q and k arrive as the q|k|v projection left them
+layer's pending rope (``engine.models.rotary.PendingRope``), q and k arrive as the q|k|v projection left them
 and the launch applies their rope (after Qwen3's per-head norm; M-RoPE too; an FP8 product's column scales
 first), stores K roped in its slot and returns q roped. On a 16-bit cache that is one launch of the rope
 kernel (``fused_ops.rotary_into_cache``): one program per token for q, one for K and V. On an FP8 cache the rope
@@ -1392,7 +1392,7 @@ def write_paged_kv(
     q: torch.Tensor | None = None,  # [>= num_tokens, num_heads, head_dim]: the step's queries
     tokens_per_program: int | None = None,  # FP8: a power of two up to 16, for tuning sweeps; None: chosen here
     split_queries: bool | None = None,  # FP8: the queries in programs of their own; None: chosen here
-    rope=None,  # the rope q and k still need (``engine.models.layers.PendingRope``, see below)
+    rope=None,  # the rope q and k still need (``engine.models.rotary.PendingRope``, see below)
     fuse_rope: bool | None = None,  # FP8: rope in the write kernel itself; None: chosen here (for tuning sweeps)
 ) -> torch.Tensor | None:
     """Store the new tokens' K and V in their cache slots (quantized for FP8), and return the
@@ -1561,7 +1561,7 @@ def compile_write_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch
                            kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                            dtype: torch.dtype | None = None, rope=None, column_scales: bool = False) -> int:
     """Compile every variant of the KV-cache write a step can pick, as the Triton backend calls ``write_paged_kv``
-    (with the layer's ``rope``, an ``engine.models.layers.PendingRope``, if it has one): on an FP8 cache each
+    (with the layer's ``rope``, an ``engine.models.rotary.PendingRope``, if it has one): on an FP8 cache each
     choice of tokens per program and of programs for the queries (``_write_tokens``, ``_splits_queries``) up to
     ``max_tokens`` tokens a step; with ``column_scales`` (FP8 q|k|v products that may leave their scales to the
     write) each with and without them. q, k and v are views of one q|k|v tensor, as the models pass them; every

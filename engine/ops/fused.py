@@ -20,7 +20,7 @@ group is one kernel:
   (``engine.models.fp8``): float8 values with one scale per token and 128 columns, so that no separate
   quantization kernel runs before the product (three launches per decoder layer fewer).
 
-Numerics: every kernel rounds where the torch code in ``engine.models.layers`` rounds
+Numerics: every kernel rounds where the torch code in ``engine.models`` (norm.py, rotary.py, activation.py) rounds
 (Hugging Face's order): the residual add in the model dtype; the norm in float32, cast to the
 model dtype, then times the weight in the model dtype; rope with cos/sin rounded to the model
 dtype and each product and sum rounded. Only reduction order and the float32 ``rsqrt``/``exp``

@@ -36,7 +36,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.distributed import broadcast_from_rank0, kv_head_range, min_over_ranks, tp_rank, tp_size
 from engine.loading.loader import load_model
 from engine.loading.model_config import ModelConfig
-from engine.models.layers import DECODE_KSPLIT_MAX_ROWS, Fp8Weights, decode_k_split_setting, decode_k_split_summary
+from engine.models.linear import DECODE_KSPLIT_MAX_ROWS, LinearBase, decode_k_split_setting, decode_k_split_summary
 from engine.ops.greedy import argmax_in_graphs
 from engine.outputs import ModelRunnerOutput, RunnerTiming, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs
@@ -220,7 +220,7 @@ class ModelRunner:
         layer = self.model.attention_layers()[0]
         windows = tuple(sorted({a.sliding_window for a in self.model.attention_layers()}))
         # FP8 projections that take quantized inputs get them from the decode kernels too (Attention.forward).
-        fp8_inputs = any(m.takes_fp8_input for m in self.model.modules() if isinstance(m, Fp8Weights))
+        fp8_inputs = any(m.takes_fp8_input for m in self.model.modules() if isinstance(m, LinearBase))
         # The KV-cache write ropes q and k (the layers' rope); FP8 q|k|v products may leave it their column scales.
         n = self.backend.warm_up(layer.num_heads, layer.k_cache, layer.v_cache, self.buffers.block_tables.device,
                                  max(self.config.max_num_batched_tokens, 1), windows, layer.kv_scales,
