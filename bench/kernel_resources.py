@@ -101,10 +101,9 @@ def programs_per_sm(shared: int, registers: int, warps: int) -> tuple[int, str]:
 
 def decode_row(tiles: tuple[int, int, int], fp8: bool, arch: int) -> dict:
     block_n, warps, stages = tiles
-    consts = dict(HEADS, BLOCK_N=block_n, NUM_SPLITS=1, DOT_PRECISION="ieee", SLIDING=False,
-                  SOFTCAP=False, PDL=False, PREFETCH=False)
+    consts = dict(HEADS, BLOCK_N=block_n, NUM_SPLITS=1, DOT_PRECISION="ieee", SLIDING=False, SOFTCAP=False)
     types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-             "prefetch_ptr": "*bf16", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     if fp8:
         consts.update(DOT_DTYPE=tl.float16, PTX=True, K_PAIRS=True, KV_HEADS=1, HEADS_FIRST=True)
         types.update(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
@@ -120,8 +119,7 @@ def prefill_row(tiles: tuple[int, int, int, int], fp8: bool, arch: int) -> dict:
     block_m, block_n, warps, stages = tiles
     consts = dict(GROUP=HEADS["GROUP"], HEAD_DIM=HEADS["HEAD_DIM"], PAGE_SIZE=HEADS["PAGE_SIZE"], BLOCK_M=block_m,
                   BLOCK_Q=block_m // HEADS["GROUP"], BLOCK_N=block_n, DOT_PRECISION="ieee", SLIDING=False, FP8=fp8,
-                  SOFTCAP=False, DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16, HEADS_FIRST=True, SKIP_SINGLE=False,
-                  PDL=False)
+                  SOFTCAP=False, DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16, HEADS_FIRST=True, SKIP_SINGLE=False)
     cache = "*fp8e4nv" if fp8 else "*bf16"
     types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache,
              "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}

@@ -435,60 +435,6 @@ def test_no_kernel_compiles_after_start_up(tmp_path, fp8):
     llm.engine.close()
 
 
-@pytest.mark.parametrize("settings", [{"MINIVLLM_PDL": "on"}, {"MINIVLLM_PDL": "early", "MINIVLLM_L2_PREFETCH": "1"}],
-                         ids=["pdl", "pdl-early-and-l2-prefetch"])
-def test_launch_options_give_plain_launches_tokens(tmp_path, monkeypatch, settings):
-    """Programmatic dependent launch (``MINIVLLM_PDL``) and weights asked of the L2 (``MINIVLLM_L2_PREFETCH``), in
-    eager steps and CUDA-graph replays, give the greedy tokens of plain launches: a 16-bit cache, and FP8 weights
-    and KV. The kernels that ran carry the launch attribute and the prefetches."""
-    from engine.ops import attention as triton_kernels
-    from engine.ops import fused as fused_ops
-    from engine.ops import l2_prefetch, pdl
-
-    config = TINY_CONFIGS["qwen3"]()
-    config.max_position_embeddings = 1024  # room for the 700-token prompt and its 40 tokens
-    model_dir = save_checkpoint(config, tmp_path)
-    prompts = _prompts(VOCAB, [5, 150, 40, 90, 12, 200, 700, 1])
-
-    def greedy(env: dict, **options) -> list[list[int]]:
-        for name in ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH"):
-            monkeypatch.setenv(name, env.get(name, "off"))
-        pdl.reread_env()
-        l2_prefetch.reread_env()
-        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=1024, num_kvcache_blocks=512,
-                  max_num_batched_tokens=256, **options)
-        try:
-            assert llm.engine.runner.graphs is not None
-            return _greedy(llm, prompts, 40)
-        finally:
-            llm.engine.close()
-
-    # The kernels before the products: before q|k|v, gate|up and down; before o (decode attention, its merge).
-    kernels = {"mlp": (fused_ops._rms_norm_kernel, fused_ops._silu_and_mul_kernel),
-               "attention": (triton_kernels._decode_split_kernel, triton_kernels._decode_split_fp8_kernel,
-                             triton_kernels._decode_merge_kernel)}
-
-    def compiled() -> dict:
-        return {(group, i, key): k for group, members in kernels.items() for i, kernel in enumerate(members)
-                for entry in kernel.device_caches.values() for key, k in entry[0].items()}
-
-    before = compiled()
-    try:
-        for options in ({}, dict(kv_cache_dtype="fp8", quantization="fp8")):
-            plain = greedy({}, **options)
-            assert greedy(settings, **options) == plain, options
-    finally:
-        monkeypatch.undo()
-        pdl.reread_env()  # later tests launch as the environment says
-        l2_prefetch.reread_env()
-    new = {key: k for key, k in compiled().items() if key not in before}  # this test's variants: the settings'
-    for group in kernels:
-        ran = [k for key, k in new.items() if key[0] == group]
-        assert any(k.metadata.launch_pdl for k in ran) == ("MINIVLLM_PDL" in settings), group
-        assert any("cp.async.bulk.prefetch.L2" in k.asm["ptx"] for k in ran) == (
-            "MINIVLLM_L2_PREFETCH" in settings), group
-
-
 def test_steps_never_synchronize_the_stream(tmp_path):
     """The only wait per step is on the step's own event: no op in scheduling, input building,
     feeding tokens of a step in flight, sampling, logprobs or graph replay synchronizes the CUDA

@@ -8,13 +8,12 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
-from engine.ops.feeds import FeedsLinear
 
 if TYPE_CHECKING:
     from engine.models.layers import PendingRope
 
 
-class Attention(FeedsLinear, nn.Module):
+class Attention(nn.Module):
     """Paged attention for one decoder layer.
 
     The KV cache is bound after the pool is sized (``bind_kv_cache``), by layer index;
@@ -24,7 +23,6 @@ class Attention(FeedsLinear, nn.Module):
     ``rope``: the rotary embedding (with Qwen3's q/k norms) that the q and k handed to ``forward`` still need,
     from ``RotaryEmbedding.pending``. The backend applies it with the KV-cache write (on the Triton path with a
     16-bit cache in the same kernel launch); the model runner compiles that write's variants before the first step.
-    ``feeds``: the output projection, whose weight decode steps may have the L2 fetch (``engine.ops.l2_prefetch``).
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int,
@@ -108,7 +106,6 @@ class Attention(FeedsLinear, nn.Module):
             self.softcap,
             fp8_out=fp8_out,
             rope=rope,
-            prefetch=self._next_weight(),
         )
         if isinstance(out, tuple):
             from engine.models.fp8 import Fp8Activation

@@ -82,7 +82,6 @@ class TorchAttentionBackend:
         softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
         fp8_out: bool = False,  # the Triton backend may return the output quantized; this one never does
         rope=None,  # the rope q and k still need (``engine.models.layers.PendingRope``), or None
-        prefetch: torch.Tensor | None = None,  # a hint for the Triton kernels' L2 cache; nothing to do here
     ) -> torch.Tensor:
         """The attention output; a ``rope`` is applied op by op first (``PendingRope.apply``), as the Triton
         backend's KV-cache write applies it in its kernel."""

@@ -41,7 +41,6 @@ class TritonAttentionBackend:
         softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
         fp8_out: bool = False,  # the next projection takes its input quantized (see below)
         rope=None,  # the rope q and k still need (``engine.models.layers.PendingRope``), or None
-        prefetch: torch.Tensor | None = None,  # the output projection's weight: see below
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, num_heads, head_dim]
         """The attention output. With a ``rope``, q and k are roped (and q|k|v's column scales applied) as K and V are
         written to the cache (``write_paged_kv``: one launch on a 16-bit cache, the rope kernel and the write on an
@@ -50,8 +49,7 @@ class TritonAttentionBackend:
         group (128), the output quantized by the decode kernels' merge as that projection takes it: (float8 values
         [rows padded to 4, num_heads * head_dim], float32 scales, one per token and head, token-major;
         ``fp8_kernels.empty_quantized``'s cuBLAS layout). Other steps return the plain output: unsplit, quantizing
-        in the decode kernel was slower than the projection's own pass (bench/RESULTS.md). ``prefetch``: in
-        decode-only steps the decode kernels ask the L2 for it as they finish (``engine.ops.l2_prefetch``)."""
+        in the decode kernel was slower than the projection's own pass (bench/RESULTS.md)."""
         num_tokens = meta.slot_mapping.shape[0]
         if meta.decode_seq_lens is not None:
             return self._mixed_graph_step(q, k, v, k_cache, v_cache, meta, scale, window, kv_scales, softcap, rope)
@@ -71,8 +69,7 @@ class TritonAttentionBackend:
                                             cublas_layout=True)
             paged_decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
                                    out[:d], num_splits, window=window, kv_scales=kv_scales,
-                                   softcap=softcap, fp8_out=quantized,
-                                   prefetch=prefetch if meta.num_reqs == d else None)
+                                   softcap=softcap, fp8_out=quantized)
         if meta.num_reqs > d:
             # Decode rows come first, one token each, so the prefill tokens start at row d.
             n = meta.num_reqs

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_gather_last_dim, all_reduce, shard_range, tp_size
-from engine.ops.feeds import FeedsLinear
 
 
 @functools.cache
@@ -177,7 +176,7 @@ def decode_k_split_summary(model: nn.Module) -> str:
                      for name in DECODE_KSPLIT_PRODUCTS if name in cuts)
 
 
-class RMSNorm(FeedsLinear, nn.Module):
+class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dim, optionally fused with the residual add.
 
     ``forward(x)`` returns the normed ``x``. ``forward(x, residual)`` first forms
@@ -204,15 +203,14 @@ class RMSNorm(FeedsLinear, nn.Module):
         if isinstance(x, PartialSums):
             fused = residual is not None and not fp8_out and column_scales is None
             if fused and _use_triton(self.use_triton, x.slices):
-                return _fused_ops().fused_add_rms_norm(x.slices, residual, self.weight, self.eps,
-                                                       prefetch=self._next_weight())
+                return _fused_ops().fused_add_rms_norm(x.slices, residual, self.weight, self.eps)
             x = x.total()
         if _use_triton(self.use_triton, x):
             if fp8_out and x.dim() == 2:
                 from engine.models.fp8 import Fp8Activation
 
                 values, scales, residual = _fused_ops().rms_norm_fp8(x, self.weight, self.eps, residual,
-                                                                     column_scales, prefetch=self._next_weight())
+                                                                     column_scales)
                 out = Fp8Activation(values, scales, x.shape[0], x.dtype)
                 return out if residual is None else (out, residual)
             return self._forward_triton(x, residual, column_scales)
@@ -234,13 +232,13 @@ class RMSNorm(FeedsLinear, nn.Module):
         if residual is None:
             if column_scales is not None:
                 raise ValueError("RMSNorm: column_scales come with a residual (the add they are fused into)")
-            return _fused_ops().rms_norm(rows, self.weight, self.eps, prefetch=self._next_weight()).view(x.shape)
+            return _fused_ops().rms_norm(rows, self.weight, self.eps).view(x.shape)
         out, residual = _fused_ops().fused_add_rms_norm(rows, residual.reshape(rows.shape), self.weight, self.eps,
-                                                        column_scales, prefetch=self._next_weight())
+                                                        column_scales)
         return out.view(x.shape), residual.view(x.shape)
 
 
-class SiluAndMul(FeedsLinear, nn.Module):
+class SiluAndMul(nn.Module):
     """SwiGLU activation on a fused [gate | up] projection."""
 
     def __init__(self):
@@ -262,9 +260,9 @@ class SiluAndMul(FeedsLinear, nn.Module):
             if fp8_out:
                 from engine.models.fp8 import Fp8Activation
 
-                values, scales = _fused_ops().silu_and_mul_fp8(x, column_scales, prefetch=self._next_weight())
+                values, scales = _fused_ops().silu_and_mul_fp8(x, column_scales)
                 return Fp8Activation(values, scales, x.shape[-2], x.dtype)
-            return _fused_ops().silu_and_mul(x, column_scales=column_scales, prefetch=self._next_weight())
+            return _fused_ops().silu_and_mul(x, column_scales=column_scales)
         if column_scales is not None:
             x = (x.float() * column_scales).to(x.dtype)
         gate, up = x.chunk(2, dim=-1)

@@ -74,7 +74,6 @@ class LlamaAttention(nn.Module):
         rope = rotary_emb.pending(self.q_norm, self.k_norm) if spec.qk_norm else rotary_emb.pending()
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_idx,
                               sliding_window=window, rope=rope)
-        self.attn.feeds(self.o_proj)  # decode attention may have the L2 fetch o's weight (engine.l2_prefetch)
 
     def forward(
         self,
@@ -146,11 +145,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # The kernels that compute a product's input may have the L2 fetch its weight (engine.l2_prefetch).
-        self.input_layernorm.feeds(self.self_attn.qkv_proj)
-        if isinstance(mlp, LlamaMLP):
-            self.post_attention_layernorm.feeds(mlp.gate_up_proj)
-            mlp.act_fn.feeds(mlp.down_proj)
 
     def forward(
         self,

@@ -57,7 +57,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops import l2_prefetch, pdl
 from engine.ops.fused import (
     _norm_halves,
     _rope_halves,
@@ -178,15 +177,6 @@ def _store_decode_rows(o, cols, seq, split, heads, head_mask, out_ptr, part_out_
 
 
 @triton.jit
-def _prefetch_at_the_tail(prefetch_ptr, prefetch_bytes):
-    """A decode program's part in prefetching the next product's weight (``l2_prefetch.prefetch_tail``), by its
-    linear index in the grid (axis 0 fastest, the order in which programs are dispatched)."""
-    program = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-    num_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    l2_prefetch.prefetch_tail(prefetch_ptr, prefetch_bytes, program, num_programs, l2_prefetch.TAIL)
-
-
-@triton.jit
 def _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_HEADS: tl.constexpr,
                       NUM_SPLITS: tl.constexpr):
     """A split's log-sum-exp (part_lse [num_seqs, NUM_HEADS, NUM_SPLITS]; -inf for an empty split) for the merge."""
@@ -199,17 +189,15 @@ def _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_
 @_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "max_context_len", "window")
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, prefetch_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, max_context_len, window, softcap,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, prefetch_bytes,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Decode attention on a cache in the query's dtype (the scale pointers and strides are unused)."""
-    pdl.wait(PDL)
     seq = tl.program_id(0)  # rows come longest context first, so that short ones fill the tail
     kv_head = tl.program_id(1)
     split = tl.program_id(2) if NUM_SPLITS > 1 else 0  # a constant when unsplit: the first tile starts at key 0
@@ -261,8 +249,6 @@ def _decode_split_kernel(
     _store_decode_rows(o, offs_d, seq, split, heads, head_mask, out_ptr, part_out_ptr, stride_ob, stride_oh,
                        NUM_HEADS, HEAD_DIM, NUM_SPLITS)
     _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_HEADS, NUM_SPLITS)
-    if PREFETCH:  # the next product's weight, by the programs dispatched last (engine.l2_prefetch)
-        _prefetch_at_the_tail(prefetch_ptr, prefetch_bytes)
 
 
 @triton.jit
@@ -307,15 +293,14 @@ def _fp8_word_pairs_to_f16(words):
 @_jit_without_specializing("block_tables_ptr", "seq_lens_ptr", "max_context_len", "window")
 def _decode_split_fp8_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, prefetch_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, max_context_len, window, softcap,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, prefetch_bytes,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PTX: tl.constexpr, K_PAIRS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Decode attention on an FP8 cache, read as 16-bit words: each tile is two half-width tiles.
 
@@ -351,7 +336,6 @@ def _decode_split_fp8_kernel(
     SASS per 128-key tile (sm_90, Triton 3.6): 1,009 instructions with V's rows rescaled and K permuted
     byte-wise, 814 this way; on the H200 95 us -> 87 us on that batch.
     """
-    pdl.wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     V_LIFT: tl.constexpr = 256.0
     seq = tl.program_id(1 if HEADS_FIRST else 0)
@@ -431,24 +415,17 @@ def _decode_split_fp8_kernel(
     _store_decode_rows(acc_odd * inv_l[:, None], 2 * offs_j + 1, seq, split, heads, head_mask, out_ptr,
                        part_out_ptr, stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, NUM_SPLITS)
     _store_decode_lse(m_i, l_i, seq, split, heads, head_mask, part_lse_ptr, NUM_HEADS, NUM_SPLITS)
-    if PREFETCH:
-        _prefetch_at_the_tail(prefetch_ptr, prefetch_bytes)
 
 
 @_jit_without_specializing("stride_fs")
 def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, fp8_values_ptr, fp8_scales_ptr, prefetch_ptr, stride_ob, stride_oh,
-    stride_fv, stride_fs, prefetch_bytes, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, FP8_OUT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, fp8_values_ptr, fp8_scales_ptr, stride_ob, stride_oh,
+    stride_fv, stride_fs, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, FP8_OUT: tl.constexpr,
 ):
     """One head of one row: the splits' partial outputs weighted by their log-sum-exps. ``FP8_OUT``: the row
     quantized as an FP8 projection's input instead (``paged_decode_attention``'s ``fp8_out``): rounded to the
-    model dtype, then its absolute maximum mapped to 448, ``fp8_kernels.quantize_rows``'s arithmetic.
-    ``PREFETCH``: first, the programs ask the L2 for the next product's weight (``engine.ops.l2_prefetch``)."""
-    if PREFETCH:
-        l2_prefetch.prefetch_share(prefetch_ptr, prefetch_bytes, tl.program_id(0) * tl.num_programs(1) +
-                                   tl.program_id(1), tl.num_programs(0) * tl.num_programs(1))
-    pdl.wait(PDL)
+    model dtype, then its absolute maximum mapped to 448, ``fp8_kernels.quantize_rows``'s arithmetic."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -475,10 +452,9 @@ def _decode_merge_kernel(
 @triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_kt, stride_vt,
-    ROW: tl.constexpr, ROW_PAD: tl.constexpr, PDL: tl.constexpr,
+    ROW: tl.constexpr, ROW_PAD: tl.constexpr,
 ):
     """One token's K and V rows (num_kv_heads * head_dim each) into its cache slot; slot < 0 skips."""
-    pdl.wait(PDL)
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     offs = tl.arange(0, ROW_PAD)
@@ -701,7 +677,7 @@ def _write_kv_fp8_kernel(
     HALF_PAD: tl.constexpr, NUM_Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, TOKENS: tl.constexpr,
     ROTATE: tl.constexpr, QUERIES: tl.constexpr, SPLIT_Q: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
     MROPE: tl.constexpr, SECTION_1: tl.constexpr, SECTION_2: tl.constexpr, COL_SCALES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, Q_CHUNK: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, Q_CHUNK: tl.constexpr,
 ):
     """``TOKENS`` tokens' K and V into their FP8 cache slots: each head's row scaled to an absolute maximum of 448
     (float8_e4m3's largest value), its scale stored beside it; with ``ROTATE`` K rotated first. With ``QUERIES`` the
@@ -715,7 +691,6 @@ def _write_kv_fp8_kernel(
     roundings (``_roped_rows``). ``COL_SCALES``: q|k|v's columns still need their FP8 weights' scales
     (``col_scale_ptr``), applied to each value first: to q, k and v with ``ROPE``, else to V only (q and k were
     scaled with their rope, apart)."""
-    pdl.wait(PDL)
     first = tl.program_id(0) * TOKENS
     part = tl.program_id(1)  # with SPLIT_Q: 0 writes K and V, 1 the queries
     q_size: tl.constexpr = NUM_Q_HEADS * HEAD_DIM
@@ -826,7 +801,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, SKIP_SINGLE: tl.constexpr, PDL: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, SKIP_SINGLE: tl.constexpr,
 ):
     """Prefill attention; the dots run in ``DOT_DTYPE``: q's dtype, or float16 for 16-bit queries on an FP8
     cache (float8_e4m3 converts to float16 in one instruction, to bfloat16 in three: 12.9 ms against 14.2 ms in
@@ -835,7 +810,6 @@ def _prefill_kernel(
     of one tile of tokens are scheduled side by side and read the same cache pages (a W1-like 16k-token step on
     the H200, 8 KV heads: 3.8-7% faster on a bf16 cache, 2-4% on an FP8 one). ``SKIP_SINGLE``: requests of one
     new token are left alone (the decode kernel serves them)."""
-    pdl.wait(PDL)
     tile = tl.program_id(1 if HEADS_FIRST else 0)
     kv_head = tl.program_id(0 if HEADS_FIRST else 1)
     q_base = tl.load(query_start_loc_ptr)  # offsets are relative to the first entry
@@ -1185,7 +1159,6 @@ def paged_decode_attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's (k_scales, v_scales)
     softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
     fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (values, scales): the output quantized instead
-    prefetch: torch.Tensor | None = None,  # the next product's weight, asked of the L2 at the end (l2_prefetch)
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole cached context (flash-decoding).
 
@@ -1226,7 +1199,7 @@ def paged_decode_attention(
     fp8 = kv_scales is not None
     k_pairs = fp8 and _fp8_ptx(q) and _k_word_pairs(q.device.index or 0, head_dim)
     return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, tiles, window,
-                          kv_scales, softcap, k_pairs, fp8_out, prefetch)
+                          kv_scales, softcap, k_pairs, fp8_out)
 
 
 def _check_fp8_out(q: torch.Tensor, fp8_out) -> None:
@@ -1245,9 +1218,9 @@ def _check_fp8_out(q: torch.Tensor, fp8_out) -> None:
 
 
 def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, tiles, window,
-                   kv_scales, softcap, k_pairs: bool, fp8_out=None, prefetch=None) -> torch.Tensor:
+                   kv_scales, softcap, k_pairs: bool, fp8_out=None) -> torch.Tensor:
     """The decode kernel (and the merge) on checked arguments; ``k_pairs``: an FP8 cache's K converted as word
-    pairs (``_fp8_word_pairs_to_f16``); ``prefetch`` as in ``paged_decode_attention``."""
+    pairs (``_fp8_word_pairs_to_f16``)."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_context_len = block_tables.shape[1] * block_size
@@ -1280,27 +1253,22 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
         if any(st % 2 for st in cache_strides):
             raise ValueError(f"paged_decode_attention: an FP8 cache's strides must be even, got {cache_strides}")
         cache_strides = tuple(st // 2 for st in cache_strides)
-    fetch = l2_prefetch.target(prefetch, q, num_seqs)
-    fetch_ptr, fetch_bytes = fetch or (q, 0)
     kernel[(grid[1], grid[0], grid[2]) if heads_first else grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        *scale_ptrs, fetch_ptr, scale if softcap else scale * LOG2_E, max_context_len, window, float(softcap),
+        *scale_ptrs, scale if softcap else scale * LOG2_E, max_context_len, window, float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *cache_strides, *scale_strides,
-        fetch_bytes, PREFETCH=fetch is not None and num_splits == 1, NUM_HEADS=num_heads, GROUP=group,
-        GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim,
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim,
         PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype), SLIDING=window > 0,
         SOFTCAP=bool(softcap), **dtype_arg, num_warps=num_warps, num_stages=num_stages, **launch_options,
-        **pdl.launch_args(q),
     )
     if num_splits > 1:
         fp8_values, fp8_scales = fp8_out if fp8_out is not None else (out, out)  # the latter unused
         fp8_strides = (fp8_values.stride(0), fp8_scales.stride(1)) if fp8_out is not None else (0, 0)
         _decode_merge_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, fp8_values, fp8_scales, fetch_ptr, out.stride(0), out.stride(1), *fp8_strides,
-            fetch_bytes, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            part_out, part_lse, out, fp8_values, fp8_scales, out.stride(0), out.stride(1), *fp8_strides,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             SPLITS_PAD=next_power_of_2(num_splits), FP8_OUT=fp8_out is not None, num_warps=4,
-            PREFETCH=fetch is not None, **pdl.launch_args(q),
         )
     return out
 
@@ -1376,7 +1344,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), SLIDING=window > 0, FP8=kv_scales is not None,
         SOFTCAP=bool(softcap), DOT_DTYPE=_dot_dtype(q.dtype, kv_scales is not None), HEADS_FIRST=heads_first,
-        SKIP_SINGLE=skip_single, num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(q),
+        SKIP_SINGLE=skip_single, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -1504,7 +1472,7 @@ def write_paged_kv(
             MROPE=rope is not None and rope.mrope_section is not None, SECTION_1=section_1, SECTION_2=section_2,
             COL_SCALES=column_scales is not None, DOT_PRECISION=_dot_precision(k.dtype), INTERPRET=_interpreted(),
             Q_CHUNK=min(q_heads_pad, max(32 // tokens, 1)) if rope is not None else q_heads_pad,
-            num_warps=4, enable_fp_fusion=False, **pdl.launch_args(k),
+            num_warps=4, enable_fp_fusion=False,
         )
         return q_out
     if kv_scales is not None or num_tokens == 0:
@@ -1512,7 +1480,7 @@ def write_paged_kv(
     row = row_shape[0] * row_shape[1]
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-        ROW=row, ROW_PAD=next_power_of_2(row), num_warps=4, **pdl.launch_args(k),
+        ROW=row, ROW_PAD=next_power_of_2(row), num_warps=4,
     )
     return q_out
 

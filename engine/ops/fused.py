@@ -38,7 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops import l2_prefetch, pdl
 from engine.ops.intmath import cdiv, next_power_of_2
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -71,22 +70,18 @@ def _store_fp8_groups(v, cols, mask, q_row_ptr, s_row_ptr, stride_sg, first_grou
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, col_scale_ptr, weight_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr, prefetch_ptr,
+    x_ptr, residual_ptr, col_scale_ptr, weight_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr,
     eps, num_rows, hidden_size, stride_xs, stride_x, stride_r, stride_o, stride_ro, stride_q, stride_s, stride_sg,
-    prefetch_bytes, HAS_RESIDUAL: tl.constexpr, COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_SLICES: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
 ):
     """One row, as a [BLOCK / 128, 128] tile (or [1, BLOCK]). ``FP8_GROUP`` (0 or 128) > 0: the normed row goes out
     as float8 values and a scale per 128 columns (one row of the tile each; ``q_ptr``, ``s_ptr``), not to
     ``out_ptr`` (which then only gives the model dtype); rows from ``num_rows`` on are padding, zeros. The tile is
     the same either way, so that both sum the squares in the same order and round alike. ``COL_SCALES``: ``x``
     times its columns' scales first, rounded to the model dtype (``fp8_kernels.scale_columns_``'s result).
-    ``PREFETCH``: first, the programs ask the L2 for ``prefetch_bytes`` of the next product's weight
-    (``engine.ops.l2_prefetch``). ``NUM_SLICES`` > 1: ``x`` is that many partial products ``stride_xs`` apart, added in
-    float32 and rounded once, as the whole product would have been (``layers.PartialSums``)."""
-    if PREFETCH:
-        l2_prefetch.prefetch_share(prefetch_ptr, prefetch_bytes, tl.program_id(0), tl.num_programs(0))
-    pdl.wait(PDL)
+    ``NUM_SLICES`` > 1: ``x`` is that many partial products ``stride_xs`` apart, added in float32 and rounded once, as
+    the whole product would have been (``layers.PartialSums``)."""
     COLS: tl.constexpr = 128 if BLOCK >= 128 else BLOCK
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
@@ -185,8 +180,7 @@ def _rope_kernel(
     stride_xs,
     HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HAS_NORM: tl.constexpr, MROPE: tl.constexpr, SECTION_1: tl.constexpr, SECTION_2: tl.constexpr,
-    CACHE: tl.constexpr, COL_SCALES: tl.constexpr, ROW_PAD: tl.constexpr, PDL: tl.constexpr,
-    NUM_SLICES: tl.constexpr,
+    CACHE: tl.constexpr, COL_SCALES: tl.constexpr, ROW_PAD: tl.constexpr, NUM_SLICES: tl.constexpr,
 ):
     """Program (t, 0) ropes token t's query heads into ``q_out``, program (t, 1) its key heads into ``k_out``.
 
@@ -197,7 +191,6 @@ def _rope_kernel(
     q|k|v's columns still need their scales (``col_scale_ptr``), applied to each value as it is read.
     ``NUM_SLICES`` > 1: q, k and v are views of the first of that many partial products of q|k|v, ``stride_xs``
     apart, which are added as they are read (``_norm_rope_heads``; V alike)."""
-    pdl.wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
     d_mask = offs_d < HEAD_DIM // 2
@@ -244,20 +237,16 @@ def _rope_kernel(
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_padded"])
-def _silu_and_mul_kernel(x_ptr, col_scale_ptr, out_ptr, q_ptr, s_ptr, prefetch_ptr, num_rows, num_padded, inter_size,
-                         stride_xs, stride_x, stride_o, stride_q, stride_s, stride_sg, prefetch_bytes,
+def _silu_and_mul_kernel(x_ptr, col_scale_ptr, out_ptr, q_ptr, s_ptr, num_rows, num_padded, inter_size,
+                         stride_xs, stride_x, stride_o, stride_q, stride_s, stride_sg,
                          COL_SCALES: tl.constexpr, FP8_GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                         PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_SLICES: tl.constexpr):
+                         NUM_SLICES: tl.constexpr):
     """``BLOCK`` columns of ``ROWS`` rows, each as ``_rms_norm_kernel`` tiles a row; ``FP8_GROUP`` > 0 as there
     (rows from ``num_rows`` to ``num_padded`` are padding, zeros). ``COL_SCALES``: gate and up times their
     columns' scales first, each rounded to the model dtype, as ``fp8_kernels.scale_columns_`` would leave them;
-    the scales are loaded once for all the program's rows. ``PREFETCH`` as in ``_rms_norm_kernel``.
-    ``NUM_SLICES`` > 1: ``x`` is that many partial products of gate|up ``stride_xs`` apart, added in float32 and
-    rounded once, as the whole product would have been (``layers.PartialSums``)."""
-    if PREFETCH:
-        program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        l2_prefetch.prefetch_share(prefetch_ptr, prefetch_bytes, program, tl.num_programs(0) * tl.num_programs(1))
-    pdl.wait(PDL)
+    the scales are loaded once for all the program's rows. ``NUM_SLICES`` > 1: ``x`` is that many partial products
+    of gate|up ``stride_xs`` apart, added in float32 and rounded once, as the whole product would have been
+    (``layers.PartialSums``)."""
     COLS: tl.constexpr = FP8_GROUP if FP8_GROUP > 0 else BLOCK
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     in_row = offs < inter_size
@@ -346,7 +335,7 @@ def _fp8_output(name: str, x: torch.Tensor, width: int) -> tuple[torch.Tensor, t
 
 
 def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-              fp8: bool = False, column_scales: torch.Tensor | None = None, prefetch: torch.Tensor | None = None):
+              fp8: bool = False, column_scales: torch.Tensor | None = None):
     slices = x  # [num_slices, tokens, hidden]: partial products to add first (fused_add_rms_norm only)
     if x.dim() == 3 and residual is not None and not fp8 and column_scales is None:
         _check_activation(name, "x", x, 3)
@@ -379,43 +368,39 @@ def _rms_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight:
         block, num_warps = _norm_launch(hidden_size)
         res_in = residual if residual is not None else x  # unused without HAS_RESIDUAL
         res_out = new_residual if new_residual is not None else out
-        fetch = l2_prefetch.target(prefetch, x, rows)
         num_slices = slices.shape[0] if slices.dim() == 3 else 1
         _rms_norm_kernel[(rows,)](
             x, res_in, column_scales if column_scales is not None else weight, weight, out, res_out, values, scales,
-            fetch[0] if fetch else x, float(eps), num_tokens, hidden_size,
+            float(eps), num_tokens, hidden_size,
             slices.stride(0) if num_slices > 1 else 0, x.stride(0), res_in.stride(0),
             out.stride(0), res_out.stride(0), values.stride(0), scales.stride(0), scales.stride(1),
-            fetch[1] if fetch else 0, HAS_RESIDUAL=residual is not None, COL_SCALES=column_scales is not None,
-            FP8_GROUP=group, BLOCK=block, num_warps=num_warps, enable_fp_fusion=False, PREFETCH=fetch is not None,
-            NUM_SLICES=num_slices, **pdl.launch_args(x),
+            HAS_RESIDUAL=residual is not None, COL_SCALES=column_scales is not None,
+            FP8_GROUP=group, BLOCK=block, num_warps=num_warps, enable_fp_fusion=False, NUM_SLICES=num_slices,
         )
     return ((values, scales) if fp8 else out), new_residual
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm of each row of ``x`` [num_tokens, hidden] (any row stride): a new [num_tokens, hidden] tensor.
-    ``prefetch``: the weight of the product that reads the result, asked of the L2 (``engine.ops.l2_prefetch``)."""
-    out, _ = _rms_norm("rms_norm", x, None, weight, eps, prefetch=prefetch)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of ``x`` [num_tokens, hidden] (any row stride): a new [num_tokens, hidden] tensor."""
+    out, _ = _rms_norm("rms_norm", x, None, weight, eps)
     return out
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    column_scales: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
+    column_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)``, the sum rounded to the model dtype; inputs are not written.
     ``column_scales`` (float32 [hidden]): scales ``x``'s columns still need (``Fp8Weights.matmul_deferring_scales``),
     each product rounded to the model dtype before the add, as if ``x`` had been multiplied by them first.
-    ``prefetch`` as in ``rms_norm``. ``x`` may be [num_slices, num_tokens, hidden] (no ``column_scales`` then): partial
-    products of K's slices whose sum is the input, added in float32 and rounded to the model dtype once
-    (``layers.PartialSums``)."""
-    return _rms_norm("fused_add_rms_norm", x, residual, weight, eps, column_scales=column_scales, prefetch=prefetch)
+    ``x`` may be [num_slices, num_tokens, hidden] (no ``column_scales`` then): partial products of K's slices whose sum
+    is the input, added in float32 and rounded to the model dtype once (``layers.PartialSums``)."""
+    return _rms_norm("fused_add_rms_norm", x, residual, weight, eps, column_scales=column_scales)
 
 
 def rms_norm_fp8(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-    column_scales: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
+    column_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``rms_norm`` (``fused_add_rms_norm`` with a ``residual`` and maybe ``column_scales``) written straight as the
     input of an FP8 linear:
@@ -423,9 +408,9 @@ def rms_norm_fp8(
     ``fp8_kernels.quantize_rows(normed, 128, cublas_layout=True)`` quantizes them (rows padded to a multiple of 4
     with zeros, scales a token-major transposed view). The compiler may order the sum of squares differently from
     ``rms_norm``'s, so a normed value can round the other way now and then. The hidden size must be a multiple of
-    128. ``prefetch`` as in ``rms_norm``."""
+    128."""
     (values, scales), new_residual = _rms_norm("rms_norm_fp8", x, residual, weight, eps, fp8=True,
-                                               column_scales=column_scales, prefetch=prefetch)
+                                               column_scales=column_scales)
     return values, scales, new_residual
 
 
@@ -637,16 +622,14 @@ def _launch_rope(positions, q, k, q_out, k_out, q_weight, k_weight, eps, cos_sin
         CACHE=cache is not None, COL_SCALES=column_scales is not None,
         ROW_PAD=next_power_of_2(num_k_heads * head_dim) if cache is not None else 1,
         NUM_SLICES=partials.shape[0] if partials is not None else 1,
-        num_warps=4, enable_fp_fusion=False, **pdl.launch_args(q),
+        num_warps=4, enable_fp_fusion=False,
     )
 
 
-def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor | None = None,
-                 prefetch: torch.Tensor | None = None):
+def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor | None = None):
     """SwiGLU of ``x`` [num_tokens, 2 * inter] (any row stride): ``silu(gate) * up``, [num_tokens, inter]
     (with ``fp8``, ``silu_and_mul_fp8``'s result). ``column_scales`` (float32 [2 * inter]): the SwiGLU of
     ``x`` times them, each product rounded to ``x``'s dtype, as ``fp8_kernels.scale_columns_`` would leave it.
-    ``prefetch``: the weight of the product that reads the result, asked of the L2 (``engine.ops.l2_prefetch``).
     ``x`` may be [num_slices, num_tokens, 2 * inter], partial products of gate|up (``layers.PartialSums``): their
     sum, rounded once to ``x``'s dtype, is the input."""
     slices = x
@@ -674,20 +657,17 @@ def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor
         # Prefill-sized FP8 outputs: 4 rows a program, 5-8% faster on Llama-3.1-8B's width (bench/swiglu_fp8.py);
         # decode batches keep one, for more programs.
         per_program = 4 if fp8 and num_tokens >= _SWIGLU_ROWS_FROM else 1
-        fetch = l2_prefetch.target(prefetch, x, rows)
         _silu_and_mul_kernel[(cdiv(rows, per_program), cdiv(inter_size, block))](
-            x, column_scales if column_scales is not None else x, out, values, scales, fetch[0] if fetch else x,
+            x, column_scales if column_scales is not None else x, out, values, scales,
             num_tokens, rows, inter_size, slices.stride(0) if slices.dim() == 3 else 0, x.stride(0), out.stride(0),
-            values.stride(0), scales.stride(0), scales.stride(1), fetch[1] if fetch else 0,
+            values.stride(0), scales.stride(0), scales.stride(1),
             COL_SCALES=column_scales is not None, FP8_GROUP=group, BLOCK=block, ROWS=per_program, num_warps=4,
-            enable_fp_fusion=False, PREFETCH=fetch is not None, NUM_SLICES=slices.shape[0] if slices.dim() == 3 else 1,
-            **pdl.launch_args(x),
+            enable_fp_fusion=False, NUM_SLICES=slices.shape[0] if slices.dim() == 3 else 1,
         )
     return (values, scales) if fp8 else out
 
 
-def silu_and_mul_fp8(x: torch.Tensor, column_scales: torch.Tensor | None = None,
-                     prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_fp8(x: torch.Tensor, column_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``silu_and_mul`` written straight as the input of an FP8 linear: ``(values, scales)`` as in
     ``rms_norm_fp8``. The intermediate size must be a multiple of 128."""
-    return silu_and_mul(x, fp8=True, column_scales=column_scales, prefetch=prefetch)
+    return silu_and_mul(x, fp8=True, column_scales=column_scales)
