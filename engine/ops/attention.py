@@ -18,9 +18,11 @@ it, so each K/V tile is loaded once per group rather than once per query head.
   prefill, decode rows too) attending causally to their cached context and to
   themselves. Query tokens of one request are packed with their query heads into
   row tiles (grid ``(query tiles, num_kv_heads)``). It is correct for decode rows too,
-  but slower there than the decode kernel (on an H200: 10-35% on large decode-only
-  batches, several times on small ones, which it cannot split, and on decode rows
-  batched with long prompts, whose tile size they get), so the backend uses both.
+  but slower there than the decode kernel (it cannot split small batches, and decode rows
+  batched with long prompts get their tile size), so the backend uses both.
+
+Measurements behind the launch choices: bench/RESULTS.md (its section "Kernel measurements moved from
+docstrings" quotes those that stood in these docstrings).
 
 CUDA-graph safety: grids and compile-time constants depend only on tensor shapes
 and host arguments. Sequence lengths are read on the device, so a captured launch
@@ -75,9 +77,8 @@ MIN_TOKENS_PER_SPLIT = 64  # one key tile: measured on an H200, splits this shor
 LOG2_E = 1.4426950408889634
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 # Up to this many rows an FP8 cache's write ropes q and k itself; past it the rope kernel runs first (write_paged_kv).
-# On an H200 (bench/kv_write.py, Llama-3.1-8B's heads) the fused launch was slower from 2,048 tokens on (16,384:
-# 417 against 227 us, 1,073 against 331 with column scales) and not faster at 256 with the tokens per program
-# ``_write_tokens`` picks (7.9 against 7.2 us; 6.9 with 2 a program): rope runs apart until decode sizes are tuned.
+# The fused launch measured slower from 2,048 tokens on and no faster at 256 (bench/kv_write.py; bench/RESULTS.md):
+# rope runs apart until decode sizes are tuned.
 _FP8_FUSED_ROPE_MAX_ROWS = 0
 
 
@@ -92,8 +93,8 @@ def _tile_page_ids(table_ptr, tile_start, end, PAGE_SIZE: tl.constexpr, BLOCK_N:
     spans whole blocks (``BLOCK_N`` a multiple of the block size; the decode kernels start every tile on a block
     boundary), else one per key. ``_tile_rows`` turns them into the keys' rows.
 
-    Each block id is loaded once and broadcast to its keys, not once per key: on the H200 that took 5% (bf16) to
-    11% (FP8) off the decode kernels' time.
+    Each block id is loaded once and broadcast to its keys, not once per key, which shortens both decode kernels
+    (bench/RESULTS.md).
     """
     if BLOCK_N % PAGE_SIZE == 0:
         PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
@@ -257,8 +258,8 @@ def _fp8_bytes_to(words, HIGH: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.co
 
     ``PTX`` (float16 on sm_89 and later): two words at a time, one byte permute gathers their low or high
     bytes and one packed conversion turns them into a float16 pair, which is what the tensor cores take.
-    Triton's own conversion, the other path, unpacks each byte and packs it again: compiled for sm_90 (Triton
-    3.8), the decode kernel's loop is 1,574 PTX instructions per 128-key tile that way and 1,190 this way.
+    Triton's own conversion, the other path, unpacks each byte and packs it again, which lengthens the decode
+    kernel's loop by about a third (PTX instruction counts in bench/RESULTS.md).
     """
     if PTX:
         SELECT: tl.constexpr = 0x31 if HIGH else 0x20  # prmt's byte selector: bytes 1 and 3, or 0 and 2
@@ -308,12 +309,11 @@ def _decode_split_fp8_kernel(
     converted to two [BLOCK_N, HEAD_DIM // 2] tiles; the scores are ``q_a @ k_a^T + q_b @ k_b^T`` with the
     queries' dimensions split alike, and the output's two halves accumulate apart, so nothing is interleaved
     in registers. Loaded this way the tiles take Triton's 16-bit shared-memory path (ldmatrix) rather than
-    byte loads and shuffles (on the H200, 104 us against 119 us converting whole tiles to float16, and 154 us
-    for the first version, which converted them to bfloat16; one layer, a W1-like batch; bench/RESULTS.md).
+    byte loads and shuffles, faster than converting whole tiles to float16 or bfloat16 (bench/RESULTS.md).
 
     * The dots run in ``DOT_DTYPE``: float16 for 16-bit queries (float8_e4m3 converts to it natively, to
-      bfloat16 it does not), float32 for float32 ones. ``PTX`` converts in inline PTX (``_fp8_bytes_to``:
-      95 us against 110 us on that batch); V's halves are then its even and odd dimensions.
+      bfloat16 it does not), float32 for float32 ones. ``PTX`` converts in inline PTX (``_fp8_bytes_to``),
+      faster than Triton's conversion; V's halves are then its even and odd dimensions.
     * ``K_PAIRS`` converts K without byte permutes (``_fp8_word_pairs_to_f16``): its halves are dimensions
       4i, 4i + 1 and 4i + 2, 4i + 3. Otherwise K's halves are the even and odd dimensions, as V's.
     * A key's scale multiplies its column of the scores. A value's scale multiplies its column of ``p``,
@@ -330,11 +330,11 @@ def _decode_split_fp8_kernel(
       (``_decode_kv_heads`` says where it pays).
     * ``HEADS_FIRST``: the grid's first axis runs over the KV heads, so the programs of one row's heads are
       scheduled side by side and share the 32-byte sectors of their keys' scales (one float32 per token and head,
-      heads innermost) and the cache pages they read. Unsplit, on a W1-like batch of 151 rows (H200): 77.4 us
-      against 83.4 us with rows first; with 8 rows in 8 splits rows first was faster (11.3 against 11.8 us).
+      heads innermost) and the cache pages they read: faster unsplit, where few rows in many splits were faster
+      rows first.
 
-    SASS per 128-key tile (sm_90, Triton 3.6): 1,009 instructions with V's rows rescaled and K permuted
-    byte-wise, 814 this way; on the H200 95 us -> 87 us on that batch.
+    Scaling ``p`` rather than V's rows and converting K without byte permutes shortens the loop by a fifth
+    (bench/RESULTS.md has the instruction counts and times behind each choice here).
     """
     HALF: tl.constexpr = HEAD_DIM // 2
     V_LIFT: tl.constexpr = 256.0
@@ -635,7 +635,7 @@ def _store_queries(q_ptr, q_out_ptr, first, num_rows, stride_qt, stride_qh, stri
                    COL_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_CHUNK: tl.constexpr):
     """The queries of tokens ``first ..first + TOKENS`` (those below ``num_rows``) into ``q_out``: roped with ``ROPE``
     (``_roped_rows``), then rotated with ``ROTATE``. Roped, ``Q_CHUNK`` heads of the tokens at a time: all of them
-    in one tile (32 heads, 4 tokens) held 255 registers and spilled (ptxas for sm_90a, Triton 3.6)."""
+    in one tile (32 heads, 4 tokens) spilled registers (bench/RESULTS.md)."""
     dtype = q_out_ptr.dtype.element_ty
     if ROPE:
         for h0 in range(0, Q_HEADS_PAD, Q_CHUNK):
@@ -683,8 +683,8 @@ def _write_kv_fp8_kernel(
     (float8_e4m3's largest value), its scale stored beside it; with ``ROTATE`` K rotated first. With ``QUERIES`` the
     tokens' queries go to ``q_out`` as the attention kernels must read them (rotated like K with ``ROTATE``), and the
     grid covers q's ``num_rows`` rows; rows past ``num_slots``, and slots < 0, write no cache. The tokens of one
-    program share the Hadamard matrix and fill its products' rows: in a 16k-token prefill step on Qwen3-0.6B's
-    shape (H200) the 28 writes took 5.3 ms with one token per program and take 2.5 ms with 8 (``_write_tokens``).
+    program share the Hadamard matrix and fill its products' rows, which halved the writes' time in a long
+    prefill step (``_write_tokens``; bench/RESULTS.md).
 
     ``ROPE``: q and k still need their rope (Qwen3's q/k norm first with ``HAS_NORM``; M-RoPE with ``MROPE``), which
     is applied to each row after it is loaded and before it is rotated and quantized, with the rope kernel's
@@ -804,12 +804,11 @@ def _prefill_kernel(
     HEADS_FIRST: tl.constexpr, SKIP_SINGLE: tl.constexpr,
 ):
     """Prefill attention; the dots run in ``DOT_DTYPE``: q's dtype, or float16 for 16-bit queries on an FP8
-    cache (float8_e4m3 converts to float16 in one instruction, to bfloat16 in three: 12.9 ms against 14.2 ms in
-    a 16k-token prefill step on Qwen3-0.6B's shape, H200; bf16 on a bf16 cache takes 7.5 ms), with V's scales on
-    its rows as in the decode kernel. ``HEADS_FIRST``: the grid's first axis runs over the KV heads, so the heads
-    of one tile of tokens are scheduled side by side and read the same cache pages (a W1-like 16k-token step on
-    the H200, 8 KV heads: 3.8-7% faster on a bf16 cache, 2-4% on an FP8 one). ``SKIP_SINGLE``: requests of one
-    new token are left alone (the decode kernel serves them)."""
+    cache (float8_e4m3 converts to float16 in one instruction, to bfloat16 in three), with V's scales on its rows
+    as in the decode kernel. ``HEADS_FIRST``: the grid's first axis runs over the KV heads, so the heads of one
+    tile of tokens are scheduled side by side and read the same cache pages (faster on both caches;
+    bench/RESULTS.md). ``SKIP_SINGLE``: requests of one new token are left alone (the decode kernel serves
+    them)."""
     tile = tl.program_id(1 if HEADS_FIRST else 0)
     kv_head = tl.program_id(0 if HEADS_FIRST else 1)
     q_base = tl.load(query_start_loc_ptr)  # offsets are relative to the first entry
@@ -907,19 +906,15 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm
 def _decode_tiles(head_dim: int, num_splits: int, fp8: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N keys, num_warps, num_stages) of the decode kernel.
 
-    From sweeps on an H200 (bf16, head_dim 128): 64-key tiles for split (short or few) contexts;
-    128-key tiles gain ~3% on large unsplit batches of mixed lengths (bench/attention_kernels.py
-    --mixed-sweep). 8 warps were slower everywhere. An FP8 cache: 128-key tiles split or not (on a W1-like
-    batch 118 us against 139 us with 64 keys and 202 us with 8 warps; 8 and 32 split rows: 14 / 38 us
-    against 16 / 47 us with 64 keys; bench/RESULTS.md). No register limit: capped at 128 a thread, four FP8
-    programs fit an SM instead of three (161 registers, Triton 3.6), but the W1-like batch took 106 us against
-    94 (bf16 at 168 or 128: 149 or 159 us against 130; bench/fp8_attention_sweep.py). FP8 unsplit: two pipeline
-    stages, not three (Llama-3.1-8B's heads, W1-like batch: 83.4 us against 87.6).
+    From sweeps (bench/attention_kernels.py --mixed-sweep, bench/fp8_attention_sweep.py; the times are in
+    bench/RESULTS.md): 64-key tiles for split (short or few) contexts, 128-key tiles for large unsplit batches of
+    mixed lengths; 8 warps were slower everywhere. An FP8 cache: 128-key tiles split or not. No register limit:
+    capped at 128 a thread, four FP8 programs fit an SM instead of three, but the batch took longer (bf16 too).
+    FP8 unsplit: two pipeline stages, not three.
 
-    bf16 unsplit: two stages, which give K and V one buffer each, so an SM holds two programs (on an H100, W1-like
-    batch of 151 rows: 177.9 us against 185.3 with three stages, whose second buffers leave room for one program
-    an SM, and 180.1-180.7 with 64-key tiles in three or four stages; bench/RESULTS.md, 2026-12-06). Until the
-    bf16 kernel loaded each tile's block ids a tile ahead, three stages gave one buffer too.
+    bf16 unsplit: two stages, which give K and V one buffer each, so an SM holds two programs; three stages'
+    second buffers leave room for one program an SM. Until the bf16 kernel loaded each tile's block ids a tile
+    ahead, three stages gave one buffer too.
     """
     if head_dim > 128:
         return 32, 4, 3
@@ -951,10 +946,8 @@ def _group_pad(group: int) -> int:
 
 def _decode_kv_heads(group: int, num_kv_heads: int, num_splits: int) -> int:
     """KV heads per program of the FP8 decode kernel (``KV_HEADS`` there): two where contexts are split in two and
-    their query heads fit the 16 rows a dot pads to, else one. On the H200 (Llama-3.1-8B's heads, 4 query heads a
-    KV head, bench/RESULTS.md): 32 rows in 2 splits 29.5 us against 30.4; 8 rows in 8 splits 12.7 against 11.3
-    (few rows want every program they can get); 151 rows unsplit 84.9 against 87.7 with 3 stages, but with the
-    2 stages unsplit contexts now take (83.4 alone) the two together gave no more than either."""
+    their query heads fit the 16 rows a dot pads to, else one: faster at 2 splits, slower with more (few rows want
+    every program they can get), and unsplit no faster than the two pipeline stages alone (bench/RESULTS.md)."""
     if num_splits == 2 and 2 * group <= _group_pad(group) and num_kv_heads % 2 == 0:
         return 2
     return 1
@@ -966,18 +959,15 @@ def _interpreted() -> bool:
 
 
 def _write_tokens(rows: int) -> int:
-    """Tokens per program of the FP8 KV-write kernel for a step of ``rows`` tokens. On an H200 (Qwen3-0.6B's
-    shape, bench/kv_write.py, queries rotated in programs of their own up to 512 tokens): at 32 tokens 1 per
-    program (3.3 us), at 151-256 4 (4.0-4.2 us against 4.5-5.1 with 2), at 2,048 8 (11.0 us against 41.6 with 1),
-    at 16,384 8 (90 us against 190; 16: 103)."""
+    """Tokens per program of the FP8 KV-write kernel for a step of ``rows`` tokens, tuned by a sweep over step
+    sizes (bench/kv_write.py, queries rotated in programs of their own up to 512 tokens; bench/RESULTS.md)."""
     return 1 if rows <= 64 else 4 if rows <= 512 else 8
 
 
 def _splits_queries(rows: int) -> bool:
     """Whether the FP8 KV-write kernel rotates a step's queries in programs of their own (a second row of the
     grid) rather than in those that write K and V: twice the programs, each half the work, which is what decode
-    steps want (H200, bench/kv_write.py: 151 tokens 4.0 us against 5.8 with 4 tokens a program; 32 tokens 3.3
-    against 4.6). At 2,048 tokens the two are even (11.2 and 11.0 us with 8)."""
+    steps want; at 2,048 tokens the two are even (bench/kv_write.py; bench/RESULTS.md)."""
     return rows <= 512
 
 
@@ -1243,7 +1233,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
     else:
         part_out = part_lse = out  # unused: the kernel writes out directly
     kernel = _decode_split_fp8_kernel if fp8 else _decode_split_kernel
-    # Rows on the grid's second axis where that pays (_decode_split_fp8_kernel); the bf16 kernel was 1.5% slower so.
+    # Rows on the grid's second axis where that pays (_decode_split_fp8_kernel); the bf16 kernel was slower so.
     heads_first = fp8 and num_splits == 1 and num_seqs <= _MAX_GRID_Y
     dtype_arg = {"DOT_DTYPE": _dot_dtype(q.dtype, True), "PTX": _fp8_ptx(q), "K_PAIRS": k_pairs,
                  "KV_HEADS": kv_heads, "HEADS_FIRST": heads_first} if fp8 else {}
@@ -1276,10 +1266,9 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_
 def _prefill_tiles(max_query_len: int, group: int, head_dim: int, fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages): rows just big enough for the longest query.
 
-    64 x 64 tiles with 4 warps and 3 stages: the best of a sweep on an H200 (bf16, head_dim 128, a W1-like 16k-token
-    prefill step; 8 warps or 128-row tiles were 15-20% slower, 128-key tiles 80%), and far fewer registers than
-    128 x 128. An FP8 cache takes 128-key tiles at 64 rows: 302 us against 335 with 64 keys (group 2; group 4: 571
-    against 625; bench/fp8_attention_sweep.py --prefill).
+    64 x 64 tiles with 4 warps and 3 stages: the best of a sweep (bf16, head_dim 128, a W1-like 16k-token prefill
+    step; 8 warps, 128-row and 128-key tiles were slower), and far fewer registers than 128 x 128. An FP8 cache
+    takes 128-key tiles at 64 rows (bench/fp8_attention_sweep.py --prefill; the times are in bench/RESULTS.md).
     """
     block_m = min(64, max(16, next_power_of_2(max(max_query_len, 1) * group)))
     block_m = max(block_m, next_power_of_2(group))  # at least one token per tile

@@ -246,8 +246,8 @@ def _scale_columns_kernel(x_ptr, s_ptr, num_rows, num_cols, stride_x, BLOCK_M: t
 
 def scale_columns_(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x *= scales`` in place for x [m, n] (rows contiguous) and float32 scales [n], multiplied in float32 and
-    rounded once. torch's broadcast multiply takes its unvectorized path here (a 16k-token prefill step of
-    Llama-3.1-8B spent 66 ms in it on an H200); this kernel reads and writes 16-byte vectors."""
+    rounded once. torch's broadcast multiply takes its unvectorized path here, which long prefill steps pay for
+    (bench/RESULTS.md); this kernel reads and writes 16-byte vectors."""
     if x.dim() != 2 or x.stride(1) != 1 or scales.shape != (x.shape[1],) or scales.dtype != torch.float32:
         raise ValueError(f"scale_columns_: x {tuple(x.shape)} with contiguous rows and float32 scales of its "
                          f"{x.shape[-1]} columns expected, got scales {tuple(scales.shape)} {scales.dtype}")

@@ -654,8 +654,8 @@ def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor
         rows, group = num_tokens, 0
     if num_tokens > 0 and inter_size > 0:
         block = min(next_power_of_2(inter_size), 1024)
-        # Prefill-sized FP8 outputs: 4 rows a program, 5-8% faster on Llama-3.1-8B's width (bench/swiglu_fp8.py);
-        # decode batches keep one, for more programs.
+        # Prefill-sized FP8 outputs: 4 rows a program, faster on Llama-3.1-8B's width (bench/swiglu_fp8.py,
+        # bench/RESULTS.md); decode batches keep one, for more programs.
         per_program = 4 if fp8 and num_tokens >= _SWIGLU_ROWS_FROM else 1
         _silu_and_mul_kernel[(cdiv(rows, per_program), cdiv(inter_size, block))](
             x, column_scales if column_scales is not None else x, out, values, scales,
