@@ -14,8 +14,9 @@ tokens in all, across (BLOCK_M rows, BLOCK_N keys, warps, stages).
 
     python bench/fp8_attention_sweep.py --baseline old_triton_kernels.py
 
-times the FP8 decode kernel as the engine picks it against the one in ``old_triton_kernels.py`` (a copy of
-engine/ops/attention.py from another commit, e.g. ``git show HEAD~1:engine/ops/attention.py``),
+times the FP8 decode kernel as the engine picks it against ``old_triton_kernels.py``, a module of its own that
+has ``paged_decode_attention`` (e.g. engine/ops/attention/ of another commit gathered into one file; the single-file
+engine/ops/attention.py of b5ef963 and earlier imports modules since removed, which it would need back),
 alternating, in one process, and prints how far their outputs are apart; ``--baseline-cache bf16`` does the
 same for the decode kernel on a bf16 cache.
 
@@ -42,14 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from roofline import graph_time  # noqa: E402
 
 from engine.ops.attention import (  # noqa: E402
-    _decode_kv_heads,
-    _decode_tiles,
-    _prefill_tiles,
     choose_num_splits,
     num_sms,
     paged_decode_attention,
     paged_prefill_attention,
 )
+from engine.ops.attention.launch import _decode_kv_heads, _decode_tiles, _prefill_tiles  # noqa: E402
 from kvcache.paged_cache import quantize_fp8  # noqa: E402
 
 VARIANTS = {  # (BLOCK_N, warps, stages, registers a thread at most[, FP8: KV heads a program])

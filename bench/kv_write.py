@@ -37,7 +37,8 @@ from roofline import graph_time  # noqa: E402
 
 from engine.models.layers import RMSNorm, get_rope  # noqa: E402
 from engine.ops import fused as fused_ops  # noqa: E402
-from engine.ops.attention import _splits_queries, _write_tokens, write_paged_kv  # noqa: E402
+from engine.ops.attention import write_paged_kv  # noqa: E402
+from engine.ops.attention.launch import _splits_queries, _write_tokens  # noqa: E402
 from engine.ops.fp8 import scale_columns_  # noqa: E402
 from kvcache.paged_cache import FP8_DTYPE  # noqa: E402
 

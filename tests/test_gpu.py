@@ -408,7 +408,7 @@ def test_no_kernel_compiles_after_start_up(tmp_path, fp8):
     256 and 1,024 tokens) compiles nothing new. With FP8 weights and KV cache on a shape whose products take
     FP8 inputs (cuBLAS's block scaling) and defer their column scales."""
     from engine.models import fp8 as fp8_module
-    from engine.ops import fused as fused_ops
+    from engine.ops.fused import activation
 
     # cuBLAS's block scaling takes inner sizes of 4 x 128 columns and more.
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
@@ -419,9 +419,9 @@ def test_no_kernel_compiles_after_start_up(tmp_path, fp8):
               max_num_batched_tokens=2048, **options)
     if fp8:
         assert llm.engine.runner.model.model.layers[0].mlp.gate_up_proj.takes_fp8_input
-    assert fused_ops._SWIGLU_ROWS_FROM < 2048 and fp8_module.BLOCK_SCALES_MIN_ROWS < 1000
+    assert activation._SWIGLU_ROWS_FROM < 2048 and fp8_module.BLOCK_SCALES_MIN_ROWS < 1000
     kernels = _engine_kernels()
-    assert {"fused._rope_kernel", "fused._silu_and_mul_kernel", "fused._rms_norm_kernel"} <= {
+    assert {"fused.rope._rope_kernel", "fused.activation._silu_and_mul_kernel", "fused.norm._rms_norm_kernel"} <= {
         name.removeprefix("engine.ops.") for name in kernels}
     before = {name: _compiled_variants(k) for name, k in kernels.items()}
     # Alone and chunked at 2,048 next to decodes: 1,0xx-token steps (not multiples of 16), 300-900, under 256.

@@ -25,7 +25,6 @@ pytest.importorskip("triton")
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend, write_kv  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from engine.ops import attention as triton_kernels  # noqa: E402
 from engine.ops.attention import (  # noqa: E402
     choose_num_splits,
     compile_variants,
@@ -33,6 +32,7 @@ from engine.ops.attention import (  # noqa: E402
     paged_prefill_attention,
     write_paged_kv,
 )
+from engine.ops.attention import decode as decode_module  # noqa: E402
 from kvcache.paged_cache import quantize_fp8, rotate_heads  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -171,13 +171,13 @@ def test_decode_tiles_setting_sets_unsplit_tiles_and_refuses_bad_values(monkeypa
     d = case.meta.num_decodes
     ref = reference(case)[:d]
     seen = []
-    original = triton_kernels._launch_decode
+    original = decode_module._decode_tiles
 
-    def spy(*args, **kwargs):
-        seen.append(triton_kernels._decode_tiles(case.q.shape[2], args[7], False))
-        return original(*args, **kwargs)
+    def spy(*args):
+        seen.append(original(*args))
+        return seen[-1]
 
-    monkeypatch.setattr(triton_kernels, "_launch_decode", spy)
+    monkeypatch.setattr(decode_module, "_decode_tiles", spy)
     monkeypatch.setenv("MINIVLLM_DECODE_TILES", "32,2,2")
     assert_matches(run_decode(case, 1), ref, case.padding_rows)
     assert_matches(run_decode(case, 2), ref, case.padding_rows)
