@@ -247,6 +247,7 @@ def test_rope_fused_into_the_kv_write_matches_rope_then_write(fp8_cache, qk_norm
     from engine.models.layers import RMSNorm, get_rope
     from engine.ops import fused as fused_ops
     from engine.ops.attention import write_paged_kv
+    from engine.ops.attention.kv_write import _launch_write
     from engine.ops.fp8 import scale_columns_
 
     heads, kv_heads, head_dim, block = 32, 8, 128, 16
@@ -280,8 +281,8 @@ def test_rope_fused_into_the_kv_write_matches_rope_then_write(fp8_cache, qk_norm
             caches, scales = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)], None
         if variant != "reference":
             q, k, v = split(qkv)
-            q_out = write_paged_kv(k, v, *caches, slots, scales, q=q, rope=pending,
-                                   fuse_rope=True if variant == "fused" else None)
+            q_out = _launch_write(k, v, *caches, slots, scales, q=q, rope=pending,
+                                  fuse_rope=True if variant == "fused" else None)
         else:
             q, k, v = split(scale_columns_(qkv.clone(), column_scales))
             if qk_norm:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.intmath import cdiv, next_power_of_2
+from engine.ops.triton_helpers import interpreted
 
 BLOCK = 4096  # columns a first-pass program reads: 8 KB of bfloat16
 NUM_WARPS = 4
@@ -56,13 +57,19 @@ def takes(logits: torch.Tensor) -> bool:
             and logits.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
-def greedy_tokens(logits: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` ([rows] int64) of a [rows, vocab] matrix through the two kernels: CUDA tensors, or
     CPU ones under Triton's interpreter."""
-    if not takes(logits) or not (logits.is_cuda or not isinstance(_chunk_max_kernel, triton.runtime.JITFunction)):
+    if not takes(logits) or not (logits.is_cuda or interpreted()):
         raise ValueError(f"greedy_tokens: logits must be a non-empty 2-D float tensor with contiguous rows on a CUDA "
                          f"device, got {tuple(logits.shape)} {logits.dtype} with strides {logits.stride()} on "
                          f"{logits.device}")
+    return _launch_greedy(logits)
+
+
+def _launch_greedy(logits: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """The two passes on logits ``greedy_tokens`` takes; ``block`` and ``num_warps`` (the first pass's) replace the
+    launch's, for sweeps."""
     rows, vocab = logits.shape
     num_chunks = cdiv(vocab, block)
     vals = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
@@ -90,5 +97,5 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """The sampler's greedy tokens: with ``MINIVLLM_GREEDY_ARGMAX=kernel``, the kernels for CUDA logits they take;
     else torch.argmax."""
     if _setting() == "kernel" and logits.is_cuda and takes(logits):
-        return greedy_tokens(logits)
+        return _launch_greedy(logits)
     return logits.argmax(dim=-1)

@@ -13,9 +13,12 @@ that share it, so each K/V tile is loaded once per group rather than once per qu
 * ``kv_write``: the new tokens' K and V into their slots, with the rope q and k still need (``kv_write_fp8``: the
   write of an FP8 cache, quantized, K rotated and the queries alike).
 * ``launch``: the launch choices (split counts, tiles), functions of shapes; ``checks``: the argument checks.
-* ``paged``: the entry points, ``paged_decode_attention``, ``paged_prefill_attention`` and ``write_paged_kv``, which
-  check their arguments and call their module's launch function (``_launch_decode``, ``_launch_prefill``,
-  ``_launch_write``). ``warmup``: every variant a step can pick, compiled at start-up.
+* ``paged``: the entry points. ``PagedAttention`` is bound to one layer's cache and checks it once, for the
+  backend's steps; ``paged_decode_attention``, ``paged_prefill_attention`` and ``write_paged_kv`` check every
+  argument of every call. ``warmup``: every variant a step can pick, compiled at start-up.
+
+Each launch module has a private launch function under its wrapper (``_launch_decode``, ``_launch_prefill``,
+``_launch_write``) that takes the launch choices a sweep sets (``tiles`` ...); bench/ calls those.
 
 CUDA-graph safety: grids and compile-time constants depend only on tensor shapes and host arguments. Sequence
 lengths are read on the device, so a captured launch stays correct when the lengths change between replays.
@@ -33,13 +36,14 @@ quotes those that stood in these docstrings).
 
 from engine.ops.attention.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from engine.ops.attention.launch import MAX_NUM_SPLITS, choose_num_splits, num_sms
-from engine.ops.attention.paged import paged_decode_attention, paged_prefill_attention, write_paged_kv
+from engine.ops.attention.paged import PagedAttention, paged_decode_attention, paged_prefill_attention, write_paged_kv
 from engine.ops.attention.warmup import compile_variants, compile_write_variants
 
 __all__ = [
     "MAX_NUM_SPLITS",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
+    "PagedAttention",
     "choose_num_splits",
     "compile_variants",
     "compile_write_variants",

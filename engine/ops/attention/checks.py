@@ -1,5 +1,8 @@
-"""Argument checks of the attention kernels' entry points (``paged``); each raises ValueError naming the call and the
-argument: what a layer's launches rely on from step to step (its cache, heads and scale), and one step's tensors.
+"""Argument checks of the attention kernels; each raises ValueError naming the call and the argument.
+
+What a layer's launches rely on from step to step (its cache, heads and scale) is checked once when
+``PagedAttention`` binds it; the one-shot functions (``paged_decode_attention`` ...) check that and their step's
+tensors on every call.
 """
 
 from __future__ import annotations

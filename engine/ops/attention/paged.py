@@ -1,5 +1,6 @@
-"""The attention kernels' entry points, ``paged_decode_attention``, ``paged_prefill_attention`` and
-``write_paged_kv``: each checks its arguments and calls its module's launch function."""
+"""The attention kernels' entry points: ``PagedAttention``, bound to one layer's cache and checked once, for the
+backend's steps; ``paged_decode_attention``, ``paged_prefill_attention`` and ``write_paged_kv``, which check every
+argument on every call, for everything else (tests, benchmarks, start-up's compiles)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,64 @@ from engine.ops.attention.decode import _launch_decode
 from engine.ops.attention.kv_write import _launch_write
 from engine.ops.attention.launch import _FP8_FUSED_ROPE_MAX_ROWS, choose_num_splits, num_sms
 from engine.ops.attention.prefill import _launch_prefill
+from engine.ops.fused import check_rope_tables
 
 KVScales = tuple[torch.Tensor, torch.Tensor]  # an FP8 cache's (k_scales, v_scales), [num_blocks, block_size, kvh]
+
+
+class PagedAttention:
+    """The attention kernels bound to one layer's paged KV cache.
+
+    Binding checks what every step's launches rely on and no step changes: the caches (shapes, dtypes, strides, an
+    FP8 cache's scales), the layer's heads, scale, window and soft cap, and the tables of its rope where it has one.
+    A step's calls (``write``, ``decode``, ``prefill``) check nothing more: their tensors are the step's, laid out by
+    the model runner (``engine.attention.metadata``), and start-up compiles every launch a step can pick through the
+    checked one-shot functions (``compile_variants``), on the runner's block-table buffer and in the model's dtype.
+    """
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
+                 kv_scales: KVScales | None = None, window: int = 0, softcap: float = 0.0, rope=None):
+        name = "PagedAttention"
+        _check_cache(name, k_cache, v_cache, kv_scales)
+        _check_heads(name, num_heads, k_cache)
+        _check_fp8_strides(name, k_cache, v_cache, kv_scales)
+        _check_writable(name, k_cache, v_cache, kv_scales)
+        _check_scale(name, scale)
+        if not isinstance(window, int) or window < 0:
+            raise ValueError(f"{name}: window must be a non-negative int (0: none), got {window!r}")
+        if not (isinstance(softcap, (int, float)) and 0 <= softcap < float("inf")):
+            raise ValueError(f"{name}: softcap must be a finite float >= 0 (0: none), got {softcap!r}")
+        if rope is not None:
+            check_rope_tables(name, k_cache.shape[3], k_cache.device, rope.cos_sin_cache, rope.q_weight,
+                              rope.k_weight, rope.mrope_section)
+        self.k_cache, self.v_cache, self.kv_scales = k_cache, v_cache, kv_scales
+        self.num_heads, self.scale, self.window, self.softcap = num_heads, scale, window, softcap
+        self.block_size, self.num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        self._num_sms = num_sms(k_cache.device)
+
+    def num_splits(self, num_seqs: int, table_width: int) -> int:
+        """``choose_num_splits`` for ``num_seqs`` decode rows of block tables ``table_width`` blocks wide. Under a
+        CUDA graph the table's shape is what stays fixed across replays, so the split count follows its capacity,
+        not the step's lengths."""
+        return choose_num_splits(num_seqs, self.num_kv_heads, table_width * self.block_size, self._num_sms)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, q: torch.Tensor | None = None,
+              rope=None) -> torch.Tensor | None:
+        """``write_paged_kv`` into this cache: K and V stored, the queries to attend with returned."""
+        return _launch_write(k, v, self.k_cache, self.v_cache, slot_mapping, self.kv_scales, q, rope)
+
+    def decode(self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
+               num_splits: int, fp8_out: KVScales | None = None) -> torch.Tensor:
+        """``paged_decode_attention`` on this cache (``fp8_out`` with ``num_splits`` > 1 only)."""
+        return _launch_decode(q, self.k_cache, self.v_cache, block_tables, seq_lens, self.scale, out, num_splits,
+                              self.window, self.kv_scales, self.softcap, fp8_out)
+
+    def prefill(self, q: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                seq_lens: torch.Tensor, max_query_len: int, out: torch.Tensor,
+                skip_single: bool = False) -> torch.Tensor:
+        """``paged_prefill_attention`` on this cache."""
+        return _launch_prefill(q, self.k_cache, self.v_cache, block_tables, query_start_loc, seq_lens, max_query_len,
+                               self.scale, out, self.window, self.kv_scales, self.softcap, skip_single)
 
 
 def paged_decode_attention(
@@ -34,7 +91,6 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written in full
     num_splits: int | None = None,
-    tiles: tuple | None = None,  # (BLOCK_N, warps, stages[, max registers a thread[, FP8: KV heads a program]]): sweeps
     window: int = 0,  # a sliding window: only the last ``window`` keys; 0: the whole context
     kv_scales: KVScales | None = None,  # an FP8 cache's (k_scales, v_scales)
     softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
@@ -75,7 +131,7 @@ def paged_decode_attention(
             raise ValueError(f"{name}: fp8_out needs split contexts (num_splits > 1)")
         _check_fp8_out(q, fp8_out)
     return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, window, kv_scales,
-                          softcap, fp8_out, tiles)
+                          softcap, fp8_out)
 
 
 def paged_prefill_attention(
@@ -91,7 +147,6 @@ def paged_prefill_attention(
     window: int = 0,  # a sliding window: a query sees the last ``window`` positions; 0: all
     kv_scales: KVScales | None = None,  # an FP8 cache's (k_scales, v_scales)
     softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
-    tiles: tuple[int, int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, num_warps, num_stages), for tuning sweeps
     skip_single: bool = False,  # leave requests of one new token (decodes) alone: their rows of ``out`` too
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their cached context and themselves.
@@ -115,7 +170,7 @@ def paged_prefill_attention(
     if not isinstance(max_query_len, int) or max_query_len < 0:
         raise ValueError(f"{name}: max_query_len must be a non-negative int, got {max_query_len!r}")
     return _launch_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out,
-                           window, kv_scales, softcap, skip_single, tiles)
+                           window, kv_scales, softcap, skip_single)
 
 
 def write_paged_kv(
@@ -126,10 +181,7 @@ def write_paged_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int64; a negative slot is skipped
     kv_scales: KVScales | None = None,  # an FP8 cache's scales, written too
     q: torch.Tensor | None = None,  # [>= num_tokens, num_heads, head_dim]: the step's queries
-    tokens_per_program: int | None = None,  # FP8: a power of two up to 16, for tuning sweeps; None: chosen here
-    split_queries: bool | None = None,  # FP8: the queries in programs of their own; None: chosen here
     rope=None,  # the rope q and k still need (``engine.models.layers.PendingRope``, see below)
-    fuse_rope: bool | None = None,  # FP8: rope in the write kernel itself; None: chosen here (for tuning sweeps)
 ) -> torch.Tensor | None:
     """Store the new tokens' K and V in their cache slots (quantized for FP8), and return the
     queries the attention kernels must read the cache with.
@@ -147,9 +199,7 @@ def write_paged_kv(
     back roped (and rotated for an FP8 cache that rotates K), as a new tensor. On a 16-bit cache K goes into its
     slot roped with no k_out in between, in one launch (``fused_ops.launch_rope_into_cache``: the rope kernel, its
     K programs storing K and V in the cache). On an FP8 cache the rope kernel runs first (``fused_ops.launch_rope``)
-    and the write follows, applying V's column scales (``kv_write`` says why not in one launch); with ``fuse_rope``
-    (up to ``_FP8_FUSED_ROPE_MAX_ROWS`` rows when None) the FP8 write kernel ropes K's rows after loading them and
-    before rotating and quantizing them, and the queries alike, in one launch. ``rope.partials``
+    and the write follows, applying V's column scales (``kv_write`` says why not in one launch). ``rope.partials``
     (a 16-bit cache only): q, k and v are views of the first of these partial products of q|k|v, which that launch
     adds up as it reads them.
     """
@@ -157,8 +207,6 @@ def write_paged_kv(
     _check_cache(name, k_cache, v_cache, kv_scales)
     _check_writable(name, k_cache, v_cache, kv_scales)
     _check_write_rows(name, k, v, q, slot_mapping, k_cache, kv_scales)
-    if rope is not None:
-        fused = fuse_rope if fuse_rope is not None else q is not None and q.shape[0] <= _FP8_FUSED_ROPE_MAX_ROWS
-        _check_write_rope(name, rope, q, k, v, kv_scales, apart=not fused)
-    return _launch_write(k, v, k_cache, v_cache, slot_mapping, kv_scales, q, rope, tokens_per_program, split_queries,
-                         fuse_rope)
+    if rope is not None:  # an FP8 cache's rope kernel runs apart from the write past _FP8_FUSED_ROPE_MAX_ROWS rows
+        _check_write_rope(name, rope, q, k, v, kv_scales, apart=q is None or q.shape[0] > _FP8_FUSED_ROPE_MAX_ROWS)
+    return _launch_write(k, v, k_cache, v_cache, slot_mapping, kv_scales, q, rope)
