@@ -4,7 +4,7 @@
     MINIVLLM_API_KEY         (none)               a key clients must send                  server.cli (serve)
     MINIVLLM_CACHE           ~/.cache/minivllm    a directory                              engine.loading.default_model
     MINIVLLM_DECODE_KSPLIT   auto                 auto, 0-16, or product=count,...         engine.models.linear.ksplit
-    MINIVLLM_DECODE_TILES    (none)               BLOCK_N,warps,stages                     engine.ops.attention
+    MINIVLLM_DECODE_TILES    (none)               BLOCK_N,warps,stages                     engine.ops.attention.launch
     MINIVLLM_GREEDY_ARGMAX   graph                graph, kernel, torch                     engine.ops.greedy
     MINIVLLM_MOE_BACKEND     triton               triton, torch                            engine.models.moe
     MINIVLLM_WORKER_CONFIG   (set by the engine)  an EngineConfig as JSON                  engine.worker.ranks

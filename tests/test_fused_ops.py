@@ -254,8 +254,9 @@ def test_fp8_outputs_are_what_the_linear_would_quantize(dtype, num_tokens, swigl
     ordinary output with ``fp8_kernels.quantize_rows`` (SwiGLU's bit for bit), the padding rows zeros, the residual
     sum unchanged."""
     from engine.ops import fp8 as fp8_kernels
+    from engine.ops.fused import activation
 
-    monkeypatch.setattr(fused_ops, "_SWIGLU_ROWS_FROM", swiglu_rows_from)
+    monkeypatch.setattr(activation, "_SWIGLU_ROWS_FROM", swiglu_rows_from)
 
     hidden, inter = 384, 640  # 3 and 5 groups of 128; SwiGLU's columns in blocks of 1024, so one partial block
     x = _strided_rows(num_tokens, hidden, dtype, seed=21, scale=2.0)
