@@ -9,7 +9,7 @@
     generation.py   one request fanned out into engine requests, merged back
     streaming.py    SSE framing and client disconnects
     tokenization.py prompts, chat templates, token strings
-    protocol.py     the OpenAI wire format (pydantic)
+    protocol/       the OpenAI wire format (pydantic), by endpoint
     metrics.py      Prometheus metrics          errors.py  OpenAI-shaped errors
 """
 
