@@ -83,11 +83,11 @@ class Attention(nn.Module):
 
         With a ``rope``, q and k (views of the q|k|v projection's output, rows of any stride) are not roped yet:
         the backend ropes them at ``positions``. ``column_scales``: the per-column FP8 weight scales the q|k|v
-        product left to be applied (``Fp8Weights.matmul_deferring_scales``), applied to q, k and v first.
-        ``partials`` (where ``takes_partial_products``): the q|k|v product cut along K (``layers.DecodeKSplit``), q, k
+        product left to be applied (``Fp8LinearMethod.apply_deferred``), applied to q, k and v first.
+        ``partials`` (where ``takes_partial_products``): the q|k|v product cut along K (``linear.ksplit``), q, k
         and v being views of its first slice; the slices are added before anything else.
 
-        ``fp8_out``: the caller's output projection takes an ``Fp8Activation`` (``Fp8Weights.takes_fp8_input``);
+        ``fp8_out``: the caller's output projection takes an ``Fp8Activation`` (``LinearBase.takes_fp8_input``);
         the backend then returns one where its decode kernels can quantize the output (decode-only steps with split
         contexts, heads 128 wide), and the plain output elsewhere."""
         if self.bound_cache is None:

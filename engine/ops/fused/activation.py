@@ -23,7 +23,7 @@ def _silu_and_mul_kernel(x_ptr, col_scale_ptr, out_ptr, q_ptr, s_ptr, num_rows, 
     columns' scales first, each rounded to the model dtype, as ``fp8_kernels.scale_columns_`` would leave them;
     the scales are loaded once for all the program's rows. ``NUM_SLICES`` > 1: ``x`` is that many partial products
     of gate|up ``stride_xs`` apart, added in float32 and rounded once, as the whole product would have been
-    (``layers.PartialSums``)."""
+    (``LinearOutput``)."""
     COLS: tl.constexpr = FP8_GROUP if FP8_GROUP > 0 else BLOCK
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     in_row = offs < inter_size
@@ -60,7 +60,7 @@ def silu_and_mul(x: torch.Tensor, fp8: bool = False, column_scales: torch.Tensor
     """SwiGLU of ``x`` [num_tokens, 2 * inter] (any row stride): ``silu(gate) * up``, [num_tokens, inter]
     (with ``fp8``, ``silu_and_mul_fp8``'s result). ``column_scales`` (float32 [2 * inter]): the SwiGLU of
     ``x`` times them, each product rounded to ``x``'s dtype, as ``fp8_kernels.scale_columns_`` would leave it.
-    ``x`` may be [num_slices, num_tokens, 2 * inter], partial products of gate|up (``layers.PartialSums``): their
+    ``x`` may be [num_slices, num_tokens, 2 * inter], partial products of gate|up (``LinearOutput``): their
     sum, rounded once to ``x``'s dtype, is the input."""
     slices = x
     if x.dim() == 3:

@@ -26,7 +26,7 @@ def _rms_norm_kernel(
     the same either way, so that both sum the squares in the same order and round alike. ``COL_SCALES``: ``x``
     times its columns' scales first, rounded to the model dtype (``fp8_kernels.scale_columns_``'s result).
     ``NUM_SLICES`` > 1: ``x`` is that many partial products ``stride_xs`` apart, added in float32 and rounded once, as
-    the whole product would have been (``layers.PartialSums``)."""
+    the whole product would have been (``LinearOutput``)."""
     COLS: tl.constexpr = 128 if BLOCK >= 128 else BLOCK
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
@@ -116,10 +116,10 @@ def fused_add_rms_norm(
     column_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)``, the sum rounded to the model dtype; inputs are not written.
-    ``column_scales`` (float32 [hidden]): scales ``x``'s columns still need (``Fp8Weights.matmul_deferring_scales``),
+    ``column_scales`` (float32 [hidden]): scales ``x``'s columns still need (``Fp8LinearMethod.apply_deferred``),
     each product rounded to the model dtype before the add, as if ``x`` had been multiplied by them first.
     ``x`` may be [num_slices, num_tokens, hidden] (no ``column_scales`` then): partial products of K's slices whose sum
-    is the input, added in float32 and rounded to the model dtype once (``layers.PartialSums``)."""
+    is the input, added in float32 and rounded to the model dtype once (``LinearOutput``)."""
     return _rms_norm("fused_add_rms_norm", x, residual, weight, eps, column_scales=column_scales)
 
 

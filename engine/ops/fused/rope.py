@@ -30,7 +30,7 @@ def _norm_rope_heads(
     Each head is read as two halves ``x1 = x[:D/2]``, ``x2 = x[D/2:]``; ``cos``/``sin`` are
     ``[1, HALF_PAD]`` float32, already rounded to the model dtype. ``NUM_SLICES`` > 1: ``x`` is the first of that
     many partial products ``stride_xs`` apart, added in float32 and rounded to the model dtype once, as the whole
-    product would have been (``layers.PartialSums``). ``COL_SCALES``: each value is then multiplied by its column's
+    product would have been (``LinearOutput``). ``COL_SCALES``: each value is then multiplied by its column's
     scale (``col_scale_ptr``, head h's at ``h * HEAD_DIM``) and rounded to the model dtype, as
     ``fp8_kernels.scale_columns_`` would have left it.
     """
@@ -325,7 +325,7 @@ def launch_rope_into_cache(
     checked arguments (``engine.ops.attention`` checks them): every row of q roped into a new tensor, which is
     returned; the first ``num_slots`` rows of k roped straight into their cache slots and those of v copied beside
     them, no k_out in between (the same values ``rotary`` and a plain write would store). ``partials``: q|k|v is the
-    sum of these partial products (``layers.PartialSums``, the q|k|v product cut along K), rounded once to the model
+    sum of these partial products (``LinearOutput``, the q|k|v product cut along K), rounded once to the model
     dtype, and q, k and v are the first one's views (``check_partials``); the kernel adds them as it reads them.
     ``column_scales``: q|k|v's columns times these then, each product rounded to the model dtype
     (``fp8_kernels.scale_columns_``'s arithmetic)."""
