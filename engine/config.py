@@ -32,6 +32,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # layers to float8_e4m3 at load time (engine/models/fp8.py). FP8 checkpoints are read as they are stored.
 QUANTIZATIONS = (None, "fp8")
 
+KV_OFFLOADING_BACKENDS = ("native",)
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
 # The headings the options are listed under in ``minivllm serve --help``, in this order.
 MODEL = "model"
 KV_CACHE = "KV cache"
@@ -97,6 +100,18 @@ class EngineConfig:
     cpu_kvcache_space_gib: float = option(2.0, "KV cache size in GiB when running on the CPU", group=KV_CACHE)
     enable_prefix_caching: bool = option(
         True, "share the KV cache blocks of common prompt prefixes between requests", group=KV_CACHE)
+    kv_offloading_size_gib: float = option(
+        0.0, "GiB of host memory (pinned on CUDA) for a second KV tier, shared by the tensor-parallel ranks: cached "
+        "blocks evicted from the device pool are copied there and come back by a copy on a prefix hit; 0: off",
+        group=KV_CACHE, flag="--kv-offloading-size")
+    kv_offloading_backend: str = option(
+        "native", "how the host tier is kept (vLLM's flag): native, this engine's own", group=KV_CACHE,
+        choices=KV_OFFLOADING_BACKENDS)
+    preemption_mode: str | None = option(
+        None, "what a request preempted for KV blocks loses: recompute (its KV, prefilled again later), swap (its KV "
+        "kept in the host tier and copied back) or auto (swap when its KV holds more tokens than "
+        "max-num-batched-tokens); default: auto with a host tier, else recompute", group=KV_CACHE,
+        choices=PREEMPTION_MODES)
     # Scheduler.
     max_num_seqs: int = option(256, "most requests in one running batch", group=SCHEDULING)
     max_num_batched_tokens: int = option(8192, "token budget of one engine step", group=SCHEDULING)
@@ -177,6 +192,16 @@ class EngineConfig:
              f"num_kvcache_blocks must be -1 (size from memory) or at least 2, got {self.num_kvcache_blocks}")
         need(0.0 < self.gpu_memory_utilization <= 1.0,
              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        need(self.kv_offloading_size_gib >= 0, f"kv_offloading_size must be at least 0 GiB, got "
+                                               f"{self.kv_offloading_size_gib}")
+        need(self.kv_offloading_size_gib == 0 or self.enable_prefix_caching,
+             "the host KV tier (kv_offloading_size) finds blocks by their prefix hashes: it needs prefix caching")
+        need(self.kv_offloading_backend in KV_OFFLOADING_BACKENDS,
+             f"kv_offloading_backend must be one of {KV_OFFLOADING_BACKENDS}, got {self.kv_offloading_backend!r}")
+        need(self.preemption_mode is None or self.preemption_mode in PREEMPTION_MODES,
+             f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        need(self.preemption_mode in (None, "recompute") or self.kv_offloading_size_gib > 0,
+             f"preemption_mode={self.preemption_mode!r} keeps KV in the host tier: set kv_offloading_size (GiB)")
         need(self.cpu_kvcache_space_gib > 0, f"cpu_kvcache_space_gib must be positive, got {self.cpu_kvcache_space_gib}")
         need(self.max_logprobs >= -1, f"max_logprobs must be -1 (the whole vocabulary) or non-negative, got "
                                       f"{self.max_logprobs}")

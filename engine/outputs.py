@@ -68,6 +68,10 @@ class SchedulerOutput:
     num_preempted: int = 0
     # (source, destination) block pairs to copy before the step: a forked beam's last partial block.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Copies between the device pool and the host tier before the step (KVCacheManager.take_transfers):
+    # (host block, device block) loads and (device block, host block) saves.
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)
     # Images to encode before the step's forward pass (one per content hash), into the encoder cache.
     encoder_inputs: list = field(default_factory=list)
     # Content hashes whose embeddings the runner drops after the step: no request needs them any more.

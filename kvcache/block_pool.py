@@ -18,7 +18,7 @@ points the slots of padding tokens at it, so writes to it are garbage by design.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,11 +158,15 @@ class BlockPool:
     exactly when ``self._cached[block.block_hash] is block``.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 on_evict: Callable[[KVCacheBlock], None] | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        # Called with each cached block about to lose its hash to reuse, while its KV is still there: the host
+        # tier copies it (kvcache/manager.py).
+        self.on_evict = on_evict
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
@@ -308,6 +312,8 @@ class BlockPool:
     # ------------------------------------------------------------------ internals
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.on_evict is not None:
+            self.on_evict(block)
         assert self._cached.get(block.block_hash) is block, f"block {block.block_id} hash not mapped to it"
         del self._cached[block.block_hash]
         block.block_hash = None

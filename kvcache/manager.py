@@ -17,6 +17,12 @@ Only full blocks are cached, so only full blocks are ever shared between request
 Token ids of a request only grow (prompt, then generated tokens), so the chained
 hashes of its full blocks never change once computed and are kept per request.
 
+With a host tier (``num_host_blocks``, ``kvcache/host_pool.py``) an evicted cached block is copied to host
+memory under its hash first, and a prefix lookup that runs out of device blocks goes on in the host tier: those
+blocks come back by a copy into fresh device blocks before the step that reads them. A request preempted by swap
+(``swap_out``) leaves its KV in the host tier, held there, and gets exactly that back when it resumes. The copies
+are planned here and handed out with each step (``take_transfers``); the model runner makes them in order.
+
 A prompt with images passes ``mm_spans``, (offset, length, key) per image: a block
 holding any of an image's placeholder tokens hashes the image's key too, so the same
 placeholders with another image are another prefix.
@@ -29,7 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcache.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
-from kvcache.metrics import KVCacheStats
+from kvcache.host_pool import HostBlockPool
+from kvcache.metrics import HostTierStats, KVCacheStats
 
 # (offset, length, key) of each image in a request's tokens, by offset: see the module docstring.
 MMSpans = Sequence[tuple[int, int, bytes]]
@@ -42,6 +49,27 @@ MAX_UNKNOWN_TOKENS = 1
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass
+class PrefixHit:
+    """What a request finds computed already: device blocks to share, then host blocks to copy back."""
+
+    device_blocks: list[KVCacheBlock] = field(default_factory=list)
+    host_blocks: list[int] = field(default_factory=list)  # copied into the request's first new blocks
+    host_hashes: list[BlockHash | None] = field(default_factory=list)  # None: a swapped-out block of its own
+    num_tokens: int = 0  # tokens the two cover
+    num_device_tokens: int = 0  # of num_tokens, in device blocks
+    swapped: bool = False  # the exact KV of a request preempted by swap
+
+
+@dataclass
+class _SwappedKV:
+    """A request preempted by swap: its KV, block by block, in the host tier, held there until it resumes."""
+
+    num_tokens: int
+    host_blocks: list[int]
+    hashes: list[BlockHash | None]  # a cached block's hash (pinned), or None (a block owned by the request)
 
 
 @dataclass
@@ -66,12 +94,28 @@ class KVCacheManager:
         mgr.free(rid)                                                    # finished or preempted
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_host_blocks and not enable_prefix_caching:
+            raise ValueError("a host tier finds blocks by their prefix hashes: it needs prefix caching")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.host = HostBlockPool(num_host_blocks) if num_host_blocks else None
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching,
+                              on_evict=self._save_evicted if self.host is not None else None)
+        self._swapped: dict[str, _SwappedKV] = {}
+        # Copies for the next step, in this order: (host block, device block) loads, then (device block, host
+        # block) saves; a load's host block is held until the copies are taken.
+        self._loads: list[tuple[int, int, BlockHash | None]] = []
+        self._saves: list[tuple[int, int]] = []
+        self.external_prefix_cache_queries = 0  # tokens looked up in the host tier
+        self.external_prefix_cache_hits = 0  # tokens found there
+        self.num_blocks_saved = 0  # copies to the host tier (evictions and swaps)
+        self.num_blocks_loaded = 0  # copies back to the device (prefix hits and swaps)
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
         self._tables: dict[str, _BlockTable] = {}
         # Chained hashes of each request's full blocks, computed once; may exist before its table.
         self._block_hashes: dict[str, list[BlockHash]] = {}
@@ -122,6 +166,96 @@ class KVCacheManager:
             self.prefix_cache_queries += num_queried_tokens
             self.prefix_cache_hits += num_hit_tokens
 
+    def find_prefix(self, request_id: str, token_ids: Sequence[int], mm_spans: MMSpans | None = None) -> PrefixHit:
+        """What ``request_id`` has computed already: a swapped-out request's own KV, or else the longest cached
+        prefix, in device blocks and then in host blocks (``get_computed_blocks``' rule: never the last token).
+        Takes nothing; ``allocate_slots(prefix=...)`` takes it, and ``record_prefix_hit`` counts it."""
+        swapped = self._swapped.get(request_id)
+        if swapped is not None:
+            return self._swapped_prefix(swapped)
+        blocks, num_device = self.get_computed_blocks(request_id, token_ids, record=False, mm_spans=mm_spans)
+        hit = PrefixHit(device_blocks=blocks, num_tokens=num_device, num_device_tokens=num_device)
+        if self.host is not None:
+            max_blocks = max(0, (len(token_ids) - 1) // self.block_size)
+            for block_hash in self._hashes_upto(request_id, token_ids, max_blocks, mm_spans)[len(blocks):max_blocks]:
+                host_block = self.host.lookup(block_hash)
+                if host_block is None:
+                    break
+                hit.host_blocks.append(host_block)
+                hit.host_hashes.append(block_hash)
+            hit.num_tokens += len(hit.host_blocks) * self.block_size
+        return hit
+
+    def record_prefix_hit(self, num_queried_tokens: int, hit: PrefixHit) -> None:
+        """Count a lookup whose ``hit`` a request was admitted with: device hits in the prefix-cache counters,
+        host hits in the external ones (tokens the device pool did not have, and those found in the host tier)."""
+        if hit.swapped:
+            return  # its own KV coming back, not a lookup
+        self.record_prefix_lookup(num_queried_tokens, hit.num_device_tokens)
+        if self.host is not None:
+            self.external_prefix_cache_queries += num_queried_tokens - hit.num_device_tokens
+            self.external_prefix_cache_hits += hit.num_tokens - hit.num_device_tokens
+
+    def swap_out(self, request_id: str, token_ids: Sequence[int], num_tokens: int,
+                 mm_spans: MMSpans | None = None) -> bool:
+        """Preemption by swap: keep the KV of the request's first ``num_tokens`` tokens in the host tier, held
+        there until it resumes (``find_prefix`` then gives exactly it), and release its device blocks.
+
+        Full blocks go in under their hashes (a copy only where the host tier lacks them); the rest, whose hash
+        is not known yet, into blocks of the request's own. False, with nothing changed, when the host tier
+        cannot hold it all or there is nothing to keep: the caller recomputes instead.
+        """
+        table = self._tables.get(request_id)
+        host = self.host
+        num_blocks = _cdiv(num_tokens, self.block_size)
+        if host is None or table is None or num_blocks == 0 or num_tokens > table.num_tokens:
+            return False
+        num_hashed = min(num_tokens, len(token_ids)) // self.block_size
+        hashes = self._hashes_upto(request_id, token_ids, num_hashed, mm_spans)[:num_hashed]
+        present = [host.lookup(h) is not None for h in hashes]
+        num_evictable_pinned = sum(1 for h, here in zip(hashes, present) if here and host.is_evictable(h))
+        if num_blocks - sum(present) > host.num_storable(num_evictable_pinned):
+            return False
+        for h, here in zip(hashes, present):  # pinned first, so that storing the others cannot evict them
+            if here:
+                host.pin(h)
+        host_blocks: list[int] = []
+        for i, (h, here) in enumerate(zip(hashes, present)):
+            if here:
+                host_blocks.append(host.lookup(h))
+                continue
+            host_block = host.store(h)
+            host.pin(h)
+            self._saves.append((table.block_ids[i], host_block))
+            host_blocks.append(host_block)
+        for i in range(num_hashed, num_blocks):
+            host_block = host.take_owned()
+            self._saves.append((table.block_ids[i], host_block))
+            host_blocks.append(host_block)
+        self.num_blocks_saved += num_blocks - sum(present)
+        self.num_swapped_out_blocks += num_blocks
+        self._swapped[request_id] = _SwappedKV(num_tokens, host_blocks, [*hashes, *[None] * (num_blocks - num_hashed)])
+        self._release_device_blocks(request_id)
+        return True
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._swapped
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies the next step makes before its forward pass: ``loads`` (host block, device block) and
+        ``saves`` (device block, host block). A device block may be saved and then loaded into (it was evicted
+        and reused), and a host block loaded from and then saved into, so the runner reads the saves' device
+        blocks before it writes the loads', and reads the loads' host blocks before it writes the saves'. The
+        loads' host blocks are released here: later copies into them are made after these."""
+        loads, self._loads = self._loads, []
+        saves, self._saves = self._saves, []
+        for host_block, _, block_hash in loads:
+            if block_hash is None:
+                self.host.free_owned(host_block)
+            else:
+                self.host.unpin(block_hash)
+        return [(h, d) for h, d, _ in loads], saves
+
     def allocate_slots(
         self,
         request_id: str,
@@ -130,6 +264,7 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         mm_spans: MMSpans | None = None,
+        prefix: PrefixHit | None = None,
     ) -> list[int] | None:
         """Grow the request's table to hold ``num_computed_tokens + num_new_tokens`` tokens.
 
@@ -137,15 +272,19 @@ class KVCacheManager:
         on the first allocation; ``num_computed_tokens`` already counts its tokens.
         ``token_ids`` are all known tokens of the request. Blocks that become full are
         cached under their chained hash (their KV is written this step, before any read);
-        ``mm_spans`` are the request's images, as for ``get_computed_blocks``.
+        ``mm_spans`` are the request's images, as for ``get_computed_blocks``. ``prefix``, from ``find_prefix``
+        (instead of ``new_computed_blocks``): its device blocks are shared and its host blocks copied into the
+        first new blocks before the step.
 
         Returns the ids of the newly allocated blocks, in table order, or None, with
         nothing changed, if there are not enough free blocks.
         """
+        if prefix is not None:
+            new_computed_blocks = prefix.device_blocks
         hit_blocks = new_computed_blocks or []
         num_tokens = num_computed_tokens + num_new_tokens
         table = self._tables.get(request_id)
-        if (table is not None and not hit_blocks and num_tokens <= len(table.blocks) * self.block_size
+        if (table is not None and not hit_blocks and prefix is None and num_tokens <= len(table.blocks) * self.block_size
                 and (not self.enable_prefix_caching or num_tokens // self.block_size <= table.num_cached_blocks)):
             # The common decode step: the tokens fit in the last block and fill no block. Nothing to do.
             table.num_tokens = max(table.num_tokens, num_tokens)
@@ -168,6 +307,8 @@ class KVCacheManager:
             self._append_blocks(table, hit_blocks)
             table.num_cached_blocks = len(hit_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        if prefix is not None and (prefix.host_blocks or prefix.swapped):
+            self._plan_loads(request_id, prefix, new_blocks)
         self._append_blocks(table, new_blocks)
         table.num_tokens = max(table.num_tokens, num_tokens)
         if mm_spans:
@@ -216,6 +357,12 @@ class KVCacheManager:
         Blocks are freed tail first: the tail is the least likely to be shared, so it
         reaches the LRU head sooner and is evicted before the common prefix.
         """
+        swapped = self._swapped.pop(request_id, None)
+        if swapped is not None:
+            self._release_host_blocks(swapped.host_blocks, swapped.hashes)
+        self._release_device_blocks(request_id)
+
+    def _release_device_blocks(self, request_id: str) -> None:
         self._block_hashes.pop(request_id, None)
         table = self._tables.pop(request_id, None)
         if table is not None:
@@ -239,6 +386,22 @@ class KVCacheManager:
             fragmentation=self._fragmentation(),
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            host=self._host_stats(),
+        )
+
+    def _host_stats(self) -> HostTierStats | None:
+        if self.host is None:
+            return None
+        return HostTierStats(
+            num_total_blocks=self.host.num_blocks,
+            num_used_blocks=self.host.num_used_blocks,
+            external_prefix_cache_queries=self.external_prefix_cache_queries,
+            external_prefix_cache_hits=self.external_prefix_cache_hits,
+            num_blocks_saved=self.num_blocks_saved,
+            num_blocks_loaded=self.num_blocks_loaded,
+            num_swapped_out_blocks=self.num_swapped_out_blocks,
+            num_swapped_in_blocks=self.num_swapped_in_blocks,
+            num_swapped_requests=len(self._swapped),
         )
 
     def check_invariants(self) -> None:
@@ -266,6 +429,30 @@ class KVCacheManager:
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but {refs[block.block_id]} tables hold it"
             )
         assert sum(refs.values()) == sum(b.ref_cnt for b in self.pool.blocks), "table references != ref counts"
+        if self.host is not None:
+            self._check_host_invariants()
+
+    def _check_host_invariants(self) -> None:
+        host = self.host
+        host.check_invariants()
+        owned: list[int] = []
+        pins: Counter[BlockHash] = Counter()
+        for rid, swapped in self._swapped.items():
+            assert rid not in self._tables, f"request {rid}: swapped out but holds device blocks"
+            assert len(swapped.host_blocks) == _cdiv(swapped.num_tokens, self.block_size), f"request {rid}: blocks"
+            for host_block, block_hash in zip(swapped.host_blocks, swapped.hashes):
+                if block_hash is None:
+                    owned.append(host_block)
+                else:
+                    assert host.lookup(block_hash) == host_block, f"request {rid}: host block {host_block} lost"
+                    pins[block_hash] += 1
+        for host_block, _, block_hash in self._loads:
+            if block_hash is None:
+                owned.append(host_block)
+            else:
+                pins[block_hash] += 1
+        assert sorted(owned) == sorted(host.owned_blocks()), "owned host blocks out of sync with their holders"
+        assert pins == host.pin_counts(), "host pins out of sync with their holders"
 
     # ------------------------------------------------------------------ internals
 
@@ -292,6 +479,50 @@ class KVCacheManager:
                 f"request {request_id}: {len(hit_blocks)} prefix-hit blocks exceed "
                 f"num_computed_tokens={num_computed_tokens}"
             )
+
+    def _save_evicted(self, block: KVCacheBlock) -> None:
+        """The device pool is about to reuse a cached block: copy its KV to the host tier first (the copy is made
+        before the step that reuses the block writes to it)."""
+        host_block = self.host.store(block.block_hash)
+        if host_block is not None:
+            self._saves.append((block.block_id, host_block))
+            self.num_blocks_saved += 1
+
+    def _swapped_prefix(self, swapped: _SwappedKV) -> PrefixHit:
+        """A swapped-out request's KV: its leading full blocks still cached on the device are shared, the rest
+        copied back."""
+        hit = PrefixHit(num_tokens=swapped.num_tokens, swapped=True)
+        for block_hash in swapped.hashes:
+            block = self.pool.get_cached_block(block_hash) if block_hash is not None else None
+            if block is None:
+                break
+            hit.device_blocks.append(block)
+        n = len(hit.device_blocks)
+        hit.num_device_tokens = min(n * self.block_size, swapped.num_tokens)
+        hit.host_blocks, hit.host_hashes = swapped.host_blocks[n:], swapped.hashes[n:]
+        return hit
+
+    def _plan_loads(self, request_id: str, prefix: PrefixHit, new_blocks: list[KVCacheBlock]) -> None:
+        """Copies of ``prefix``'s host blocks into the first of ``new_blocks``; the host blocks stay held until the
+        copies are taken. A swapped-out request's KV is back: what it held and does not load is released."""
+        assert len(new_blocks) >= len(prefix.host_blocks), "fewer new blocks than host blocks to load"
+        for host_block, block_hash, block in zip(prefix.host_blocks, prefix.host_hashes, new_blocks):
+            if not prefix.swapped:
+                self.host.pin(block_hash)
+            self._loads.append((host_block, block.block_id, block_hash))
+        self.num_blocks_loaded += len(prefix.host_blocks)
+        if prefix.swapped:
+            swapped = self._swapped.pop(request_id)
+            n = len(prefix.device_blocks)
+            self._release_host_blocks(swapped.host_blocks[:n], swapped.hashes[:n])
+            self.num_swapped_in_blocks += len(swapped.host_blocks)
+
+    def _release_host_blocks(self, host_blocks: list[int], hashes: list[BlockHash | None]) -> None:
+        for host_block, block_hash in zip(host_blocks, hashes):
+            if block_hash is None:
+                self.host.free_owned(host_block)
+            else:
+                self.host.unpin(block_hash)
 
     @staticmethod
     def _append_blocks(table: _BlockTable, blocks: list[KVCacheBlock]) -> None:

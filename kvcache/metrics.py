@@ -6,6 +6,21 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class HostTierStats:
+    """The host tier below the block pool (``kvcache/host_pool.py``): occupancy now, counters since start."""
+
+    num_total_blocks: int
+    num_used_blocks: int  # cached, pinned or owned by swapped-out requests
+    external_prefix_cache_queries: int  # tokens looked up in the host tier (the device pool did not have them)
+    external_prefix_cache_hits: int  # tokens found there
+    num_blocks_saved: int  # copies to the host tier: evicted cached blocks, swapped-out requests' blocks
+    num_blocks_loaded: int  # copies back to the device: host prefix hits, swapped-in requests' blocks
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    num_swapped_requests: int  # preempted by swap and not resumed yet
+
+
+@dataclass(frozen=True)
 class KVCacheStats:
     """Occupancy of the block pool at one moment, and prefix-cache counters since start.
 
@@ -23,6 +38,7 @@ class KVCacheStats:
     fragmentation: float  # (allocated slots - used token slots) / allocated slots
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
+    host: HostTierStats | None = None  # with a host tier (--kv-offloading-size)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

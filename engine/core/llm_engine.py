@@ -86,7 +86,8 @@ class LLMEngine:
         self.runner.init_kv_cache(num_blocks)
         self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs()
-        self.kv_manager = KVCacheManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching,
+                                         num_host_blocks=self.runner.num_host_blocks)
         images = bool(getattr(self.runner.model, "accepts_images", False))
         # A step encodes at most as many image tokens as it computes tokens; no image may take more.
         max_encoder_tokens = config.max_num_batched_tokens if images else 0
@@ -116,6 +117,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_num_encoder_tokens=max_encoder_tokens,
+            preemption_mode=config.preemption_mode or ("auto" if self.runner.num_host_blocks else "recompute"),
         )
         self.beams = BeamSearch(self.scheduler, self.eos_token_ids, self.max_model_len)
         on_cuda = self.runner.device.type == "cuda"

@@ -6,9 +6,13 @@ first, in arrival order, then waiting ones (FCFS). A request is simply given
 decode, prefill, chunked prefill and resumption after preemption are one mechanism,
 and one step can mix them all.
 
-When the KV pool runs out, the newest running request is preempted by recompute: its
-blocks are freed and it goes back to the front of the queue with its generated tokens,
-to be prefilled again later (prefix caching usually makes that cheap).
+When the KV pool runs out, the newest running request is preempted and goes back to the front of
+the queue with its generated tokens. By recompute, its blocks are freed and it is prefilled again
+later (prefix caching, in both tiers, usually makes that cheap). By swap (with a host tier,
+``kvcache/host_pool.py``), its KV is kept in host memory and copied back when it resumes, with
+exactly the tokens it had. ``preemption_mode`` "auto" swaps a request whose KV holds more tokens
+than one step's budget (``max_num_batched_tokens``), so that bringing it back by prefill would take
+more than one step, and recomputes shorter ones.
 
 Images (a multimodal model's prompts) are encoded when a chunk first reaches their placeholder
 tokens: each step encodes at most ``max_num_encoder_tokens`` image tokens' worth of images (the
@@ -47,6 +51,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         max_num_encoder_tokens: int = 0,
+        preemption_mode: str = "recompute",
     ):
         self.kv = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -58,6 +63,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._freed_ids: set[str] = set()  # reported to the runner with the next step
         self.num_preemptions_total = 0
+        self.preemption_mode = preemption_mode  # "recompute", "swap" or "auto" (the module docstring)
+        self.num_swapped_out = 0  # preemptions by swap (the rest were by recompute)
         self._groups: dict[str, RequestGroup] = {}  # started groups that have requests, by parent id: they hold seats
         # Grouped requests whose step gave their next-token logprobs: (request, Logprobs), for their coordinator.
         self.group_reports: list[tuple[Request, Logprobs]] = []
@@ -167,6 +174,8 @@ class Scheduler:
 
         freed, self._freed_ids = self._freed_ids, set()
         copies, self._block_copies = self._block_copies, []
+        # A step that runs nothing leaves its copies to the next one (before anything writes the blocks again).
+        loads, saves = self.kv.take_transfers() if num_scheduled else ([], [])
         out = SchedulerOutput(
             new_requests=new_reqs,
             cached_requests=cached_reqs,
@@ -175,6 +184,8 @@ class Scheduler:
             freed_request_ids=freed,
             num_preempted=num_preempted,
             block_copies=copies,
+            kv_loads=loads,
+            kv_saves=saves,
         )
         if self._images is not None:
             out.encoder_inputs, out.freed_encoder_hashes = self._images.end_step()
@@ -303,10 +314,10 @@ class Scheduler:
             return None  # preempted while its last token was being sampled: wait for that token
         # Counted only once the request is admitted: one that waits for blocks is looked up again next step.
         # Prompt logprobs come from computing every prompt token: a prefix hit would skip some.
-        cached_blocks, num_cached = [], 0
+        prefix = None
         if not request.wants_prompt_logprobs:
-            cached_blocks, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids,
-                                                                    record=False, mm_spans=request.mm_spans)
+            prefix = self.kv.find_prefix(request.request_id, request.all_token_ids, mm_spans=request.mm_spans)
+        num_cached = prefix.num_tokens if prefix is not None else 0
         num_new = request.num_tokens - num_cached
         if num_new > budget and not self.enable_chunked_prefill:
             return None
@@ -317,13 +328,12 @@ class Scheduler:
                 return None  # its next image cannot be encoded this step
             num_new = fitted
         new_block_ids = self.kv.allocate_slots(
-            request.request_id, request.all_token_ids, num_cached, num_new, new_computed_blocks=cached_blocks,
-            mm_spans=request.mm_spans,
+            request.request_id, request.all_token_ids, num_cached, num_new, mm_spans=request.mm_spans, prefix=prefix,
         )
         if new_block_ids is None:
             return None
-        if not request.wants_prompt_logprobs:
-            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+        if prefix is not None:
+            self.kv.record_prefix_hit(request.num_tokens, prefix)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens < 0:
@@ -422,8 +432,13 @@ class Scheduler:
         return False
 
     def _preempt(self, request: Request, queue_at: int = 0) -> None:
-        """Recompute preemption: drop the KV, keep the tokens, requeue (at the front)."""
-        self.kv.free(request.request_id)
+        """Preemption: keep the tokens, requeue (at the front); the KV goes to the host tier (swap) or is
+        dropped (recompute)."""
+        if self._swaps(request) and self.kv.swap_out(request.request_id, request.all_token_ids,
+                                                     request.num_computed_tokens, request.mm_spans):
+            self.num_swapped_out += 1
+        else:
+            self.kv.free(request.request_id)
         if request.held_images:
             self._images.release(request)
         request.status = RequestStatus.WAITING
@@ -432,6 +447,13 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.insert(queue_at, request)
         self._freed_ids.add(request.request_id)
+
+    def _swaps(self, request: Request) -> bool:
+        """Whether preempting ``request`` keeps its KV in the host tier (the module docstring's rule). A request
+        whose prompt logprobs are still to come is recomputed: they come from computing its prompt."""
+        if self.preemption_mode == "recompute" or request.wants_prompt_logprobs:
+            return False
+        return self.preemption_mode == "swap" or request.num_computed_tokens > self.max_num_batched_tokens
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

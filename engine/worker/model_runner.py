@@ -48,7 +48,8 @@ from engine.worker.prompt_logprobs import PromptLogprobsCopy, launch_prompt_logp
 from engine.worker.sampler import Sampler
 from engine.worker.sampling_tensors import SamplingTensors, build_sampling_tensors
 from engine.worker.step_buffers import StepBuffers, upload
-from engine.worker.step_channel import StepChannel, StepShape
+from engine.worker.kv_offload import KVOffloader
+from engine.worker.step_channel import BlockCopies, StepChannel, StepShape
 from engine.worker.step_inputs import StepInputPreparer, StepInputs
 from kvcache.paged_cache import PagedKVCache
 
@@ -134,6 +135,7 @@ class ModelRunner:
                         DECODE_KSPLIT_MAX_ROWS, decode_k_split_setting(), k_split)
         self.sampler = Sampler()
         self.kv_cache: PagedKVCache | None = None
+        self.offloader: KVOffloader | None = None  # the host tier (engine/worker/kv_offload.py), if on
         max_blocks = -(-max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, max_model_len, max_blocks, model_config.vocab_size, self.device)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
@@ -194,6 +196,8 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads,
                                      mc.head_dim, self.kv_dtype, self.device)
         self._bind_kv_cache(self.kv_cache)
+        if self.config.kv_offloading_size_gib > 0:
+            self._init_host_tier()
         logger.info("KV cache%s: %s", f" of rank {tp_rank()} (its share of the heads)" if tp_size() > 1 else "",
                     self.kv_cache.describe())
         if self.kv_dtype != self.dtype:
@@ -209,6 +213,24 @@ class ModelRunner:
                         "never read (older than its layer's window)", len(windows), mc.num_hidden_layers,
                         ", ".join(str(w) for w in sorted(set(windows))), self.max_model_len,
                         100 * kv_outside_windows(mc.layer_windows, self.max_model_len))
+
+    def _init_host_tier(self) -> None:
+        """The host tier: ``kv_offloading_size_gib`` over the ranks, in whole blocks of this rank's share."""
+        size = self.config.kv_offloading_size_gib * 2**30
+        num_host_blocks = int(size // (self.bytes_per_block() * tp_size()))
+        if num_host_blocks < 1:
+            raise ConfigError(f"kv_offloading_size={self.config.kv_offloading_size_gib} GiB holds no KV block of "
+                              f"{self.bytes_per_block() * tp_size()} bytes: give it more or 0 (off)")
+        start = time.perf_counter()
+        self.offloader = KVOffloader(self.kv_cache, num_host_blocks)
+        logger.info("KV host tier%s: %d blocks x %d tokens = %d tokens, %.2f GiB of %s host memory, ready in %.1f s",
+                    f" of rank {tp_rank()}" if tp_size() > 1 else "", num_host_blocks, self.block_size,
+                    num_host_blocks * self.block_size, self.offloader.nbytes / 2**30,
+                    "pinned" if self.device.type == "cuda" else "plain", time.perf_counter() - start)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.offloader.num_host_blocks if self.offloader is not None else 0
 
     def _bind_kv_cache(self, cache: PagedKVCache) -> None:
         for i, layer in enumerate(self.model.attention_layers()):
@@ -301,8 +323,7 @@ class ModelRunner:
         the forward pass: ``launch_sampling`` queues the rest once grammar masks are known.
         """
         self._update_states(sched)
-        if sched.block_copies:  # forked beams' partial blocks, before anything writes to them
-            self.kv_cache.copy_blocks(sched.block_copies)
+        self.copy_blocks(BlockCopies(sched.block_copies, sched.kv_loads, sched.kv_saves))
         if sched.encoder_inputs:
             self.images.encode(sched.encoder_inputs)
         if sched.is_empty:
@@ -423,6 +444,15 @@ class ModelRunner:
         """Wait until the last step's host-to-device input copies have read the pinned host buffers."""
         self.input_preparer.wait_for_input_copies()
 
+    def copy_blocks(self, copies: BlockCopies) -> None:
+        """A step's block copies, before anything it runs writes to the blocks: the host tier's (saved blocks read
+        before loaded ones are written), then forked beams' partial blocks (whose destinations may have just been
+        saved)."""
+        if copies.loads or copies.saves:
+            self.offloader.run(copies.loads, copies.saves)
+        if copies.forks:
+            self.kv_cache.copy_blocks(copies.forks)
+
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.freed_request_ids:
             self.batch.remove(rid)
@@ -437,7 +467,7 @@ class ModelRunner:
         if self.followers is not None:  # the other tensor-parallel ranks run the same step
             plan = inputs.prompt_logprobs
             self.followers.send(inputs.shape, self.buffers, plan.token_indices_host if plan is not None else None,
-                                sched.block_copies)
+                                BlockCopies(sched.block_copies, sched.kv_loads, sched.kv_saves))
         inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices = self.device_inputs(inputs.shape)
         return inputs
 

@@ -48,8 +48,7 @@ def follow(runner) -> None:
             if step is None:
                 return
             shape, prompt_lp_indices, copies = step
-            if copies:
-                runner.kv_cache.copy_blocks(copies)
+            runner.copy_blocks(copies)
             input_ids, positions, meta, logits_indices = runner.device_inputs(shape)
             distributed.broadcast_from_rank0(input_ids)
             if shape.graph_size:

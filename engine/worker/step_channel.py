@@ -39,8 +39,19 @@ class StepShape:
 
 
 
+@dataclass(frozen=True)
+class BlockCopies:
+    """A step's block copies, made before its forward pass: forked beams' partial blocks (source, destination), and
+    the host tier's loads (host block, device block) and saves (device block, host block)."""
+
+    forks: list[tuple[int, int]]
+    loads: list[tuple[int, int]]
+    saves: list[tuple[int, int]]
+
+
 _STEP, _STOP = 1, 2
 _HEADER_LEN = 16
+_COUNTS = 5  # the header's message kind, then the counts: prompt-logprob indices, forks, loads, saves
 
 
 class StepChannel:
@@ -52,19 +63,21 @@ class StepChannel:
 
     # rank 0 ------------------------------------------------------------------------------------------
 
-    def send(self, shape, buf, prompt_lp_indices: np.ndarray | None, block_copies: list[tuple[int, int]]) -> None:
+    def send(self, shape, buf, prompt_lp_indices: np.ndarray | None, copies: BlockCopies) -> None:
         header = np.zeros(_HEADER_LEN, dtype=np.int64)
         fields = [getattr(shape, f.name) for f in dataclasses.fields(StepShape)]
         num_lp = 0 if prompt_lp_indices is None else len(prompt_lp_indices)
-        header[: 3 + len(fields)] = [_STEP, num_lp, len(block_copies), *fields]
+        header[: _COUNTS + len(fields)] = [_STEP, num_lp, len(copies.forks), len(copies.loads), len(copies.saves),
+                                           *fields]
         parts = [buf.positions.np[: shape.padded_tokens], buf.slot_mapping.np[: shape.padded_tokens],
                  buf.seq_lens.np[: shape.padded], buf.query_start_loc.np[: shape.padded + 1],
                  buf.block_tables.np[: shape.padded, : shape.width].reshape(-1),
                  buf.logits_indices.np[: shape.num_logits]]
         if num_lp:
             parts.append(prompt_lp_indices)
-        if block_copies:
-            parts.append(np.asarray(block_copies, dtype=np.int64).reshape(-1))
+        for pairs in (copies.forks, copies.loads, copies.saves):
+            if pairs:
+                parts.append(np.asarray(pairs, dtype=np.int64).reshape(-1))
         payload = torch.from_numpy(np.concatenate([p.astype(np.int64, copy=False) for p in parts]))
         dist.broadcast(torch.from_numpy(header), src=0, group=self.group)
         dist.broadcast(payload, src=0, group=self.group)
@@ -85,17 +98,17 @@ class StepChannel:
     # the other ranks ---------------------------------------------------------------------------------
 
     def recv(self, buf):
-        """The next step into ``buf``'s host side: (StepShape, prompt-logprob token indices, block copies),
-        or None when rank 0 stops."""
+        """The next step into ``buf``'s host side: (StepShape, prompt-logprob token indices, BlockCopies), or None
+        when rank 0 stops."""
         dist.broadcast(self._header, src=0, group=self.group)
         header = self._header.tolist()
         if header[0] == _STOP:
             return None
-        num_lp, num_copies = header[1], header[2]
+        num_lp, num_forks, num_loads, num_saves = header[1:_COUNTS]
         n = len(dataclasses.fields(StepShape))
-        shape = StepShape(*header[3 : 3 + n])
+        shape = StepShape(*header[_COUNTS : _COUNTS + n])
         sizes = [shape.padded_tokens, shape.padded_tokens, shape.padded, shape.padded + 1,
-                 shape.padded * shape.width, shape.num_logits, num_lp, 2 * num_copies]
+                 shape.padded * shape.width, shape.num_logits, num_lp, 2 * num_forks, 2 * num_loads, 2 * num_saves]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         dist.broadcast(payload, src=0, group=self.group)
         values = np.split(payload.numpy(), np.cumsum(sizes)[:-1])
@@ -105,5 +118,5 @@ class StepChannel:
         buf.query_start_loc.np[: shape.padded + 1] = values[3]
         buf.block_tables.np[: shape.padded, : shape.width] = values[4].reshape(shape.padded, shape.width)
         buf.logits_indices.np[: shape.num_logits] = values[5]
-        copies = [tuple(pair) for pair in values[7].reshape(-1, 2).tolist()]
-        return shape, values[6], copies
+        forks, loads, saves = ([tuple(pair) for pair in v.reshape(-1, 2).tolist()] for v in values[7:10])
+        return shape, values[6], BlockCopies(forks, loads, saves)
