@@ -33,22 +33,33 @@ import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ConfigError, EngineConfig
-from engine.distributed import broadcast_from_rank0, kv_head_range, min_over_ranks, tp_rank, tp_size
+from engine.distributed import (
+    broadcast_from_rank0,
+    kv_head_range,
+    min_over_ranks,
+    tp_rank,
+    tp_size,
+)
 from engine.loading.loader import load_model
 from engine.loading.model_config import ModelConfig
-from engine.models.linear import DECODE_KSPLIT_MAX_ROWS, LinearBase, decode_k_split_setting, decode_k_split_summary
+from engine.models.linear import (
+    DECODE_KSPLIT_MAX_ROWS,
+    LinearBase,
+    decode_k_split_setting,
+    decode_k_split_summary,
+)
 from engine.ops.greedy import argmax_in_graphs
 from engine.outputs import ModelRunnerOutput, RunnerTiming, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from engine.worker.dummy_steps import DummySteps, warm_up_experts
 from engine.worker.image_encoder import ImageEncoder
 from engine.worker.input_batch import InputBatch
+from engine.worker.kv_offload import KVOffloader
 from engine.worker.logprobs import LogprobsCopy, copy_logprobs
 from engine.worker.prompt_logprobs import PromptLogprobsCopy, launch_prompt_logprobs
 from engine.worker.sampler import Sampler
 from engine.worker.sampling_tensors import SamplingTensors, build_sampling_tensors
 from engine.worker.step_buffers import StepBuffers, upload
-from engine.worker.kv_offload import KVOffloader
 from engine.worker.step_channel import BlockCopies, StepChannel, StepShape
 from engine.worker.step_inputs import StepInputPreparer, StepInputs
 from kvcache.paged_cache import PagedKVCache
