@@ -94,7 +94,8 @@ class EngineConfig:
         "auto", "auto: K/V in the model's dtype; fp8 (= fp8_e4m3): float8_e4m3 with a float32 scale per token and KV "
         "head, about twice the tokens in the same memory", group=KV_CACHE, choices=KV_CACHE_DTYPES)
     num_kvcache_blocks: int = option(
-        -1, "KV cache blocks in the pool; -1: size the pool from the memory budget", group=KV_CACHE)
+        -1, "KV cache blocks in the pool; -1: size the pool from the memory budget", group=KV_CACHE,
+        aliases=("--num-gpu-blocks-override",))
     gpu_memory_utilization: float = option(
         0.9, "fraction of GPU memory the engine may use (weights, activations and KV cache)", group=KV_CACHE)
     cpu_kvcache_space_gib: float = option(2.0, "KV cache size in GiB when running on the CPU", group=KV_CACHE)

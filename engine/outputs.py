@@ -16,7 +16,7 @@ import numpy as np
 from engine.core.encoder_cache import EncoderCacheStats
 from engine.loading.mrope import MRopePositions
 from engine.sampling_params import SamplingParams
-from kvcache.metrics import KVCacheStats
+from kvcache.metrics import KVCacheStats, KVTransferStats
 
 
 class FinishReason(str, enum.Enum):
@@ -168,3 +168,7 @@ class EngineStats:
     encoder: EncoderCacheStats | None = None  # a model that takes images: its encoder cache
     # Forward passes run so far, by how: "decode_graph", "mixed_graph" (engine/worker/cuda_graphs.py) or "eager".
     num_steps_by_kind: dict[str, int] = field(default_factory=dict)
+    # The host tier's copies (kvcache/metrics.py KVTransferStats), when it is on; its occupancy is kv.host.
+    kv_transfers: KVTransferStats | None = None
+    # int8 [host blocks], HostBlockPool.block_states() (0 free, 1 cached, 2 held), when the host tier is on.
+    host_block_states: np.ndarray | None = field(default=None, compare=False, repr=False)

@@ -5,6 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass
+class KVTransferStats:
+    """Copies between the device pool and the host tier since start, by direction (rank 0's share under tensor
+    parallelism): blocks, bytes and seconds (device time of the copies on CUDA, counted once they finished)."""
+
+    blocks_to_host: int = 0
+    blocks_to_device: int = 0
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    seconds_to_host: float = 0.0
+    seconds_to_device: float = 0.0
+
+
 @dataclass(frozen=True)
 class HostTierStats:
     """The host tier below the block pool (``kvcache/host_pool.py``): occupancy now, counters since start."""

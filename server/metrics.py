@@ -91,6 +91,7 @@ class EngineStatsCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        yield from _host_tier_metrics(kv.host, stats.kv_transfers)
         steps = CounterMetricFamily(PREFIX + "engine_steps", "Forward passes, by how they ran: a captured decode "
                                     "graph, a captured mixed-step graph (decodes with prefill chunks), or eagerly "
                                     "(larger steps, steps with images or prompt logprobs, the CPU, --enforce-eager).",
@@ -112,6 +113,34 @@ class EngineStatsCollector(Collector):
             yield CounterMetricFamily(PREFIX + "encoder_cache_reuses", "Times a request found an image it needed "
                                       "already encoded (another request's, or its own before a preemption).",
                                       value=encoder.num_reused)
+
+
+def _host_tier_metrics(host, transfers):
+    """The host KV tier (``--kv-offloading-size``): zeros while it is off, so dashboards need no special case."""
+    yield GaugeMetricFamily(PREFIX + "kv_host_blocks_total", "KV blocks of the host tier (0: no host tier).",
+                            value=host.num_total_blocks if host else 0)
+    yield GaugeMetricFamily(PREFIX + "kv_host_blocks_used", "Host tier blocks holding KV: cached, or held for "
+                            "swapped-out requests and planned copies.", value=host.num_used_blocks if host else 0)
+    for name, doc, value in [
+        ("external_prefix_cache_queries", "Prompt tokens looked up in the host tier (those the device pool did not "
+         "have).", host.external_prefix_cache_queries if host else 0),
+        ("external_prefix_cache_hits", "Prompt tokens found in the host tier and copied back instead of computed.",
+         host.external_prefix_cache_hits if host else 0),
+        ("kv_swap_out_blocks", "KV blocks of requests preempted by swap, kept in the host tier.",
+         host.num_swapped_out_blocks if host else 0),
+        ("kv_swap_in_blocks", "KV blocks of swapped-out requests given back to the device when they resumed.",
+         host.num_swapped_in_blocks if host else 0),
+    ]:
+        yield CounterMetricFamily(PREFIX + name, doc, value=value)
+    moved = CounterMetricFamily(PREFIX + "kv_offload_bytes", "Bytes copied between the device KV pool and the host "
+                                "tier (rank 0's share under tensor parallelism).", labels=["direction"])
+    seconds = CounterMetricFamily(PREFIX + "kv_offload_seconds", "Device time of those copies (CPU time on the "
+                                  "CPU), counted once they have finished.", labels=["direction"])
+    for direction in ("to_host", "to_device"):
+        moved.add_metric([direction], getattr(transfers, f"bytes_{direction}") if transfers else 0)
+        seconds.add_metric([direction], getattr(transfers, f"seconds_{direction}") if transfers else 0.0)
+    yield moved
+    yield seconds
 
 
 class BatchHistogram(Collector):

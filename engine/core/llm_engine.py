@@ -332,6 +332,9 @@ class LLMEngine:
             num_waiting_for_grammar=sum(1 for r in self.scheduler.waiting if not r.ready),
             encoder=self.scheduler.encoder_cache.stats() if self.scheduler.encoder_cache is not None else None,
             num_steps_by_kind=dict(self.runner.num_steps_by_kind),
+            kv_transfers=(dataclasses.replace(self.runner.offloader.poll()) if self.runner.offloader is not None
+                          else None),
+            host_block_states=self.kv_manager.host.block_states() if self.kv_manager.host is not None else None,
         )
 
 

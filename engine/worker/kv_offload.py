@@ -25,27 +25,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
+from kvcache.metrics import KVTransferStats
 from kvcache.paged_cache import PagedKVCache, is_fp8
 
 # Blocks moved per staging buffer fill: a bound on the device memory the copies take at once.
 _CHUNK_BLOCKS = 64
-
-
-@dataclass
-class OffloadCounters:
-    """Copies made since start, by direction: blocks, bytes and seconds (device time of the copies on CUDA,
-    counted once they have finished)."""
-
-    blocks_to_host: int = 0
-    blocks_to_device: int = 0
-    bytes_to_host: int = 0
-    bytes_to_device: int = 0
-    seconds_to_host: float = 0.0
-    seconds_to_device: float = 0.0
 
 
 class KVOffloader:
@@ -64,7 +51,7 @@ class KVOffloader:
             self.host_scales = _host_empty((num_host_blocks, layers, 2, block_size, heads), cache.scales.dtype, cuda)
         self.bytes_per_block = self.host_kv[0].nbytes + (self.host_scales[0].nbytes if self.host_scales is not None
                                                          else 0)
-        self.counters = OffloadCounters()
+        self.counters = KVTransferStats()
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self._load_staging = None
         if cuda:  # loads land here first: the side stream fills it, the step's stream scatters it
@@ -90,7 +77,7 @@ class KVOffloader:
         self.counters.bytes_to_device += len(loads) * self.bytes_per_block
         self.counters.bytes_to_host += len(saves) * self.bytes_per_block
 
-    def poll(self) -> OffloadCounters:
+    def poll(self) -> KVTransferStats:
         """The counters, with the device time of the copies that have finished since the last call."""
         while self._timed and self._timed[0][2].query():
             direction, start, end = self._timed.popleft()
