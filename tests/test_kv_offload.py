@@ -152,6 +152,15 @@ def test_aborts_while_swapped_out_or_loading_leave_both_tiers_clean(checkpoint, 
         assert manager.host.num_evictable_blocks == manager.host.num_used_blocks  # nothing pinned or owned
 
 
+def test_tensor_parallel_ranks_each_move_their_share_of_the_heads(checkpoint, reference):
+    """Rank 1 (a process of its own, over gloo) makes the copies rank 0 plans, on its half of the KV heads."""
+    tokens, gib = reference
+    with LLM(checkpoint, tensor_parallel_size=2, kv_offloading_size_gib=gib, preemption_mode="swap", **COMMON) as llm:
+        assert greedy(llm, make_prompts(0)) == tokens
+        assert llm.engine.kv_manager.host.num_blocks == 64  # the size holds as many blocks as at TP=1
+        assert llm.engine.kv_manager.get_stats().host.num_swapped_in_blocks > 0
+
+
 def test_the_tier_settings_are_checked(checkpoint):
     with pytest.raises(ConfigError, match="needs prefix caching"):
         LLM(checkpoint, kv_offloading_size_gib=1, enable_prefix_caching=False, **COMMON)
