@@ -686,3 +686,36 @@ def test_qwen2_vl_under_cuda_graphs_matches_transformers(tmp_path, tokenizer_dir
                           pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
     assert llm.engine.kv_manager.get_stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_host_tier_on_cuda_gives_the_tokens_of_the_device_pool_alone(tmp_path, mode, kv_cache_dtype):
+    """Blocks saved to pinned host memory and loaded back on a side stream, under CUDA graphs and steps planned
+    ahead, with a pool small enough that requests are preempted and cached blocks evicted all along: the same
+    greedy tokens as without the tier, and no copy synchronizes the stream."""
+    model_dir = save_tiny_model("qwen3", tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    system = torch.randint(0, VOCAB, (48,), generator=gen).tolist()
+    prompts = [system + p for p in _prompts(VOCAB, [30, 70, 9, 55, 41, 90, 17, 62])]
+    common = dict(device="cuda", dtype="float32", max_model_len=192, num_kvcache_blocks=14, kvcache_block_size=16,
+                  max_num_batched_tokens=48, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
+    reference = LLM(str(model_dir), **common)
+    expected = _greedy(reference, prompts, 40)
+    gib = 64 * reference.engine.runner.bytes_per_block() / 2**30
+    reference.shutdown()
+    llm = LLM(str(model_dir), kv_offloading_size_gib=gib, preemption_mode=mode, **common)
+    assert llm.engine.async_scheduling and llm.engine.runner.graphs is not None
+    assert llm.engine.runner.offloader.host_kv.is_pinned()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = _greedy(llm, prompts, 40)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got == expected
+    host = llm.engine.kv_manager.get_stats().host
+    assert host.num_blocks_saved > 0 and host.num_blocks_loaded > 0
+    assert (host.num_swapped_in_blocks > 0) == (mode == "swap")
+    torch.cuda.synchronize()
+    transfers = llm.engine.stats().kv_transfers
+    assert transfers.seconds_to_host > 0 and transfers.seconds_to_device > 0
