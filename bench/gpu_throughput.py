@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -112,7 +113,8 @@ def all_reduce_time(table: dict[int, float]):
 
 
 def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: str = "auto",
-                 quantization: str | None = None, env: str | None = None) -> tuple[dict, LLM]:
+                 quantization: str | None = None, env: str | None = None,
+                 preemption_mode: str | None = None) -> tuple[dict, LLM]:
     if env is not None:  # read when the engine starts or its kernels launch; each run sets only its own
         for name, value in _ENV_AT_START.items():
             if value is None:
@@ -127,7 +129,9 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
               tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
-              quantization=quantization)
+              quantization=quantization, num_kvcache_blocks=getattr(args, "num_kvcache_blocks", -1),
+              preemption_mode=preemption_mode,
+              kv_offloading_size_gib=args.kv_offloading_size if preemption_mode in ("swap", "auto") else 0.0)
     warm = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 4
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], warm, use_tqdm=False)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
@@ -140,7 +144,8 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == sum(output_lens)
     name = "minivllm" + (f" {quantization} weights" if quantization else "") + \
-        (f" {kv_cache_dtype} KV" if kv_cache_dtype != "auto" else "") + (f" [{env}]" if env else "")
+        (f" {kv_cache_dtype} KV" if kv_cache_dtype != "auto" else "") + (f" [{env}]" if env else "") + \
+        (f" preemption {preemption_mode}" if preemption_mode else "")
     runner = llm.engine.runner
     return {"name": name, "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
             "env": {name: os.environ.get(name) for name in LAUNCH_SETTINGS},
@@ -150,7 +155,21 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
             "tok_s": num_out / elapsed,
             "preemptions": llm.engine.stats().num_preemptions, "async_scheduling": llm.engine.async_scheduling,
             "steps_planned_ahead": llm.engine.num_steps_planned_ahead,
-            "steps": step_summary(llm), "compiled_mid_run": compiled, "gc_full_collections_ms": collections}, llm
+            "steps": step_summary(llm), "compiled_mid_run": compiled, "gc_full_collections_ms": collections,
+            "preemption_mode": preemption_mode, "host_tier": host_tier_summary(llm)}, llm
+
+
+def host_tier_summary(llm) -> dict | None:
+    """What the host tier moved in the run (None without one): blocks, swaps, and the copies' bandwidth."""
+    stats = llm.engine.stats()
+    if stats.kv.host is None:
+        return None
+    torch.cuda.synchronize()
+    moved = dataclasses.asdict(llm.engine.stats().kv_transfers)
+    for direction in ("to_host", "to_device"):
+        seconds = moved[f"seconds_{direction}"]
+        moved[f"gb_s_{direction}"] = moved[f"bytes_{direction}"] / seconds / 1e9 if seconds else None
+    return {**dataclasses.asdict(stats.kv.host), **moved}
 
 
 @contextlib.contextmanager
@@ -255,6 +274,13 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="GPUs the model is split over; the roofline is then per GPU, plus the all-reduces "
                              "measured in the same run")
+    parser.add_argument("--kv-pool-fraction", type=float, default=None,
+                        help="size the KV pool at this fraction of the tokens every request holds at its end, all "
+                             "at once (0.3: a preemption-heavy run); default: from the memory budget")
+    parser.add_argument("--preemption-mode", nargs="+", default=[None], choices=["recompute", "swap", "auto"],
+                        help="one run per mode, in this order (swap and auto use the host tier)")
+    parser.add_argument("--kv-offloading-size", type=float, default=0.0,
+                        help="GiB of pinned host memory for the KV host tier of the swap and auto runs")
     parser.add_argument("--env", action="append", default=None, metavar="NAME=VALUE[,NAME=VALUE]",
                         help="run each configuration once per --env setting (e.g. MINIVLLM_DECODE_KSPLIT=0)")
     args = parser.parse_args()
@@ -283,9 +309,13 @@ def main() -> None:
         variants.append((args.kv_cache_dtype, args.quantization))
         if args.quantization:
             ceil.fp8_matmul_flops_per_s = measure_fp8_matmul(torch.device("cuda"))
+    if args.kv_pool_fraction:
+        needed = sum(len(p) + n for p, n in zip(prompts, output_lens))
+        args.num_kvcache_blocks = max(int(needed * args.kv_pool_fraction) // 16 + 1, -(-args.max_model_len // 16) + 1)
     runs = []
-    for kv_cache_dtype, quantization, env in [(*v, e) for v in variants for e in args.env or [None]]:
-        result, llm = run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype, quantization, env)
+    for kv_cache_dtype, quantization, env, mode in [(*v, e, m) for v in variants for e in args.env or [None]
+                                                    for m in args.preemption_mode]:
+        result, llm = run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype, quantization, env, mode)
         if tp > 1:  # rank 0 holds a share of the model: count the whole from the config
             from engine.distributed import kv_head_range
 
@@ -323,7 +353,8 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = ("_sync" if args.async_scheduling is False else "") + (f"_tp{tp}" if tp > 1 else "") + \
         (f"_kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "") + \
-        (f"_w{args.quantization}" if args.quantization else "") + ("_env" if args.env else "")
+        (f"_w{args.quantization}" if args.quantization else "") + ("_env" if args.env else "") + \
+        (f"_pool{args.kv_pool_fraction}" if args.kv_pool_fraction else "")
     (out_dir / f"gpu_{args.shape}_{workload.name}{suffix}.json").write_text(json.dumps(record, indent=2))
     print(f"\n{args.shape} {workload.name} ({len(prompts)} requests, {sum(output_lens)} output tokens) on "
           f"{record['gpu']}, commit {record['commit']}")
@@ -336,6 +367,13 @@ def main() -> None:
               f"own ({run['roofline']['tok_s']:.0f} tok/s); {run['tok_s'] / result['tok_s']:.2f}x bf16; KV pool "
               f"{run['kv_cache_tokens']} tokens ({run['kv_bytes_per_token']} B/token); preemptions "
               f"{run['preemptions']}, steps planned ahead {run['steps_planned_ahead']}")
+        if run.get("host_tier"):
+            h = run["host_tier"]
+            print(f"    host tier: swapped out {h['num_swapped_out_blocks']} blocks, in {h['num_swapped_in_blocks']}; "
+                  f"saved {h['blocks_to_host']} blocks ({h['bytes_to_host'] / 1e9:.2f} GB, "
+                  f"{h['gb_s_to_host'] or 0:.1f} GB/s), loaded {h['blocks_to_device']} "
+                  f"({h['bytes_to_device'] / 1e9:.2f} GB, {h['gb_s_to_device'] or 0:.1f} GB/s); host prefix hits "
+                  f"{h['external_prefix_cache_hits']} of {h['external_prefix_cache_queries']} tokens")
         for kind, s in run["steps"].items():
             print(f"    {kind}: {s['steps']} steps, median host {s['host_ms_median']:.2f} ms, device "
                   f"{s['device_ms_median']:.2f} ms, wall {s['wall_ms_median']:.2f} ms (max {s['wall_ms_max']:.1f}, "
