@@ -169,17 +169,27 @@ class KVCacheManager:
     def find_prefix(self, request_id: str, token_ids: Sequence[int], mm_spans: MMSpans | None = None) -> PrefixHit:
         """What ``request_id`` has computed already: a swapped-out request's own KV, or else the longest cached
         prefix, in device blocks and then in host blocks (``get_computed_blocks``' rule: never the last token).
-        Takes nothing; ``allocate_slots(prefix=...)`` takes it, and ``record_prefix_hit`` counts it."""
+        Takes nothing; ``allocate_slots(prefix=...)`` takes it, and ``record_prefix_hit`` counts it.
+
+        A load reads its host block before the same batch's saves write theirs (``take_transfers``), so a host
+        block a save not yet taken writes is no hit; a swapped-out request that would load one (it resumes before
+        its swap's copies are made) is recomputed instead: it lets go of its host blocks and is looked up as usual.
+        """
         swapped = self._swapped.get(request_id)
+        saving = {host_block for _, host_block in self._saves}
         if swapped is not None:
-            return self._swapped_prefix(swapped)
+            hit = self._swapped_prefix(swapped)
+            if saving.isdisjoint(hit.host_blocks):
+                return hit
+            del self._swapped[request_id]
+            self._release_host_blocks(swapped.host_blocks, swapped.hashes)
         blocks, num_device = self.get_computed_blocks(request_id, token_ids, record=False, mm_spans=mm_spans)
         hit = PrefixHit(device_blocks=blocks, num_tokens=num_device, num_device_tokens=num_device)
         if self.host is not None:
             max_blocks = max(0, (len(token_ids) - 1) // self.block_size)
             for block_hash in self._hashes_upto(request_id, token_ids, max_blocks, mm_spans)[len(blocks):max_blocks]:
                 host_block = self.host.lookup(block_hash)
-                if host_block is None:
+                if host_block is None or host_block in saving:
                     break
                 hit.host_blocks.append(host_block)
                 hit.host_hashes.append(block_hash)
@@ -306,6 +316,10 @@ class KVCacheManager:
             self.pool.touch(hit_blocks)
             self._append_blocks(table, hit_blocks)
             table.num_cached_blocks = len(hit_blocks)
+        if prefix is not None and not prefix.swapped:
+            # Pin before allocating too: the blocks it evicts are saved to the host tier, and could evict these.
+            for block_hash in prefix.host_hashes:
+                self.host.pin(block_hash)
         new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         if prefix is not None and (prefix.host_blocks or prefix.swapped):
             self._plan_loads(request_id, prefix, new_blocks)
@@ -503,12 +517,11 @@ class KVCacheManager:
         return hit
 
     def _plan_loads(self, request_id: str, prefix: PrefixHit, new_blocks: list[KVCacheBlock]) -> None:
-        """Copies of ``prefix``'s host blocks into the first of ``new_blocks``; the host blocks stay held until the
-        copies are taken. A swapped-out request's KV is back: what it held and does not load is released."""
+        """Copies of ``prefix``'s host blocks into the first of ``new_blocks``; the host blocks stay held (pinned by
+        ``allocate_slots``, or held by the swapped-out request) until the copies are taken. A swapped-out request's
+        KV is back: what it held and does not load is released."""
         assert len(new_blocks) >= len(prefix.host_blocks), "fewer new blocks than host blocks to load"
         for host_block, block_hash, block in zip(prefix.host_blocks, prefix.host_hashes, new_blocks):
-            if not prefix.swapped:
-                self.host.pin(block_hash)
             self._loads.append((host_block, block.block_id, block_hash))
         self.num_blocks_loaded += len(prefix.host_blocks)
         if prefix.swapped:

@@ -3,6 +3,10 @@
     GET /dashboard           server/static/dashboard.html: a canvas map of the pool and the numbers
     GET /dashboard/snapshot  DashboardSnapshot, built from the engine's latest stats
 
+With a host tier (``--kv-offloading-size``) the snapshot also carries its blocks' states (free, cached or
+held, ``kvcache/host_pool.py``), encoded like the pool's, and its counters (``HostTier``); without one,
+``host`` is None and ``host_states`` empty.
+
 The snapshot reads only ``engine.stats()``, the latest snapshot the engine core process sent
 (taken between steps, at most ~50 ms old while it runs), so a request never sees the pool mid-step. The per-block states in it are a copy of an
 int8 array the block pool keeps current, so a snapshot costs a bincount and a base64 pass
@@ -24,6 +28,8 @@ from pydantic import BaseModel
 
 from engine.outputs import EngineStats
 from kvcache.block_pool import STATE_CACHED_FREE, STATE_FREE, STATE_IN_USE, STATE_NULL, STATE_SHARED
+from kvcache.host_pool import HOST_CACHED, HOST_FREE, HOST_HELD
+from kvcache.metrics import KVTransferStats
 from server.serving import ServingContext
 
 STATES_ENCODING = "base64-int8"
@@ -31,6 +37,9 @@ _NAME_OF_STATE = {STATE_FREE: "free", STATE_IN_USE: "in_use", STATE_CACHED_FREE:
                   STATE_SHARED: "shared", STATE_NULL: "null"}
 # The name of each state value, indexed by the value.
 STATE_NAMES = tuple(_NAME_OF_STATE[value] for value in range(len(_NAME_OF_STATE)))
+_NAME_OF_HOST_STATE = {HOST_FREE: "free", HOST_CACHED: "cached", HOST_HELD: "held"}
+# The name of each host block state value, indexed by the value.
+HOST_STATE_NAMES = tuple(_NAME_OF_HOST_STATE[value] for value in range(len(_NAME_OF_HOST_STATE)))
 
 
 class BlockCounts(BaseModel):
@@ -44,12 +53,38 @@ class BlockCounts(BaseModel):
     visual: int = 0  # of the used and cached blocks, those holding an image's tokens (their own color on the map)
 
 
+class Transfers(BaseModel):
+    """Copies in one direction between the device pool and the host tier since start (rank 0's share under
+    tensor parallelism); bytes / seconds is their bandwidth."""
+
+    blocks: int
+    bytes: int
+    seconds: float  # device time of the copies on CUDA (CPU time on the CPU), counted once they finished
+
+
+class HostTier(BaseModel):
+    """The host KV tier (``--kv-offloading-size``): occupancy now, counters since start."""
+
+    total: int  # host blocks: the minivllm:kv_host_blocks_total gauge
+    used: int  # cached or held: minivllm:kv_host_blocks_used, by_state cached + held
+    by_state: dict[str, int]  # host blocks in each state, keyed by HOST_STATE_NAMES
+    external_prefix_cache_queries: int  # prompt tokens looked up in the host tier (the device pool lacked them)
+    external_prefix_cache_hits: int  # of those, tokens found there and copied back
+    num_blocks_saved: int  # copies to the host tier: evicted cached blocks, swapped-out requests' blocks
+    num_blocks_loaded: int  # copies back: host prefix hits, swapped-in requests' blocks
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    num_swapped_requests: int  # preempted by swap and not resumed yet
+    to_host: Transfers
+    to_device: Transfers
+
+
 class DashboardSnapshot(BaseModel):
     time: float  # Unix time, seconds: the page divides token deltas by time deltas
     engine_status: str  # "ok", "shutting_down", "dead" or "unavailable", as /health would answer
     block_size: int  # tokens per block
     num_blocks: int  # entries in ``states``, the null block (id 0) included
-    states_encoding: str  # STATES_ENCODING: base64 of one int8 per block, in block id order
+    states_encoding: str  # STATES_ENCODING: base64 of one int8 per block, in block id order (host_states too)
     states: str
     state_names: list[str]  # STATE_NAMES: the name of each state value
     # Same encoding, one int8 per block: 1 where the block holds image tokens (a vision model's KV), else 0.
@@ -66,6 +101,12 @@ class DashboardSnapshot(BaseModel):
     prefix_cache_hits: int  # prompt tokens found cached
     # Forward passes so far by how they ran: "decode_graph", "mixed_graph", "eager" (minivllm:engine_steps_total).
     num_steps_by_kind: dict[str, int] = {}
+    # The host tier, when it is on (else None, 0 and ""): its counters, and its blocks' states in the
+    # states_encoding, one int8 per host block in block id order, named by host_state_names.
+    host: HostTier | None = None
+    num_host_blocks: int = 0
+    host_states: str = ""
+    host_state_names: list[str] = list(HOST_STATE_NAMES)
 
 
 def dashboard_router(ctx: ServingContext) -> APIRouter:
@@ -127,7 +168,36 @@ def snapshot_from_stats(
         prefix_cache_queries=kv.prefix_cache_queries,
         prefix_cache_hits=kv.prefix_cache_hits,
         num_steps_by_kind=dict(stats.num_steps_by_kind),
+        **_host_fields(stats),
     )
+
+
+def _host_fields(stats: EngineStats) -> dict:
+    """The snapshot's host tier fields; none (their defaults) while the tier is off."""
+    host, states = stats.kv.host, stats.host_block_states
+    if host is None or states is None:
+        return {}
+    copies = stats.kv_transfers or KVTransferStats()
+    return {
+        "host": HostTier(
+            total=host.num_total_blocks,
+            used=host.num_used_blocks,
+            by_state={name: int(np.count_nonzero(states == value)) for value, name in enumerate(HOST_STATE_NAMES)},
+            external_prefix_cache_queries=host.external_prefix_cache_queries,
+            external_prefix_cache_hits=host.external_prefix_cache_hits,
+            num_blocks_saved=host.num_blocks_saved,
+            num_blocks_loaded=host.num_blocks_loaded,
+            num_swapped_out_blocks=host.num_swapped_out_blocks,
+            num_swapped_in_blocks=host.num_swapped_in_blocks,
+            num_swapped_requests=host.num_swapped_requests,
+            to_host=Transfers(blocks=copies.blocks_to_host, bytes=copies.bytes_to_host,
+                              seconds=copies.seconds_to_host),
+            to_device=Transfers(blocks=copies.blocks_to_device, bytes=copies.bytes_to_device,
+                                seconds=copies.seconds_to_device),
+        ),
+        "num_host_blocks": len(states),
+        "host_states": base64.b64encode(states.astype(np.int8, copy=False).tobytes()).decode("ascii"),
+    }
 
 
 def _engine_status(engine) -> str:

@@ -1,4 +1,5 @@
-"""The KV dashboard: its snapshot against ``/metrics``, and the page in headless Chromium on a live server.
+"""The KV dashboard: its snapshot against ``/metrics``, and the page in headless Chromium on a live server, with
+and without a host KV tier (``--kv-offloading-size``).
 
 The browser test needs Debian's ``chromium`` and the ``playwright`` package (never
 ``playwright install``: the system browser is used). Without them it skips, or fails under CI.
@@ -19,8 +20,8 @@ import pytest
 
 pytest.register_assert_rewrite("tests.server_helpers")
 from engine.outputs import EngineStats  # noqa: E402
-from kvcache.metrics import KVCacheStats  # noqa: E402
-from server.dashboard import STATE_NAMES, snapshot_from_stats  # noqa: E402
+from kvcache.metrics import HostTierStats, KVCacheStats, KVTransferStats  # noqa: E402
+from server.dashboard import HOST_STATE_NAMES, STATE_NAMES, snapshot_from_stats  # noqa: E402
 from tests.server_helpers import (  # noqa: E402
     REPO_ROOT,
     TINY_MODEL_NAME,
@@ -44,11 +45,18 @@ BLOCK_SIZE = 16
 SHARED_PREFIX = list(range(1000, 1000 + 4 * BLOCK_SIZE))  # four full blocks every request shares
 NUM_CLIENTS = 6
 FREE, IN_USE, CACHED_FREE, SHARED, NULL = range(5)
+HOST_FREE, HOST_CACHED, HOST_HELD = range(3)
+# The host tier server: a pool too small to keep every prompt's blocks cached, over a host tier of a few dozen
+# blocks (of the tiny model's 4 or 8 KiB), so that blocks the pool evicts land there.
+HOST_POOL_BLOCKS = 24
+HOST_TIER_GIB = 0.00025
 
-# The state each cell is painted in, read back from the canvas pixels with the page's own layout.
-READ_CANVAS_JS = """() => {
-  const {layout, colors} = window.kvDashboard;
-  const canvas = document.getElementById("kv-map");
+# The state each cell is painted in, read back from the canvas pixels with the page's own layout: the pool's
+# map, or given [canvas id, layout, colors] of the page the host tier's (HOST_CANVAS).
+READ_CANVAS_JS = """which => {
+  const [canvasId, layoutKey, colorsKey] = which ?? ["kv-map", "layout", "colors"];
+  const layout = window.kvDashboard[layoutKey], colors = window.kvDashboard[colorsKey];
+  const canvas = document.getElementById(canvasId);
   const data = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
   const rgb = colors.map(hex => parseInt(hex.slice(1), 16));
   const half = Math.floor((layout.cellPx - layout.gapPx) / 2);
@@ -60,6 +68,7 @@ READ_CANVAS_JS = """() => {
   }
   return states;
 }"""
+HOST_CANVAS = ["host-map", "hostLayout", "hostColors"]
 
 # The numbers the page shows, by element id.
 SHOWN_IDS = ("running", "waiting", "preemptions", "gen-tokens", "prompt-tokens", "blocks-used", "blocks-free",
@@ -82,6 +91,17 @@ def server(tmp_path_factory, tiny_model_path):
             "--num-kvcache-blocks", str(NUM_BLOCKS), "--kvcache-block-size", str(BLOCK_SIZE),
             "--max-model-len", "1024", "--api-key", API_KEY]
     server = start_server(tmp_path_factory.mktemp("servers"), "dashboard", args)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def host_server(tmp_path_factory, tiny_model_path):
+    """A tiny model with a 24-block pool over a host tier (HOST_TIER_GIB), no API key."""
+    args = ["--model", str(tiny_model_path), "--served-model-name", TINY_MODEL_NAME,
+            "--num-kvcache-blocks", str(HOST_POOL_BLOCKS), "--kvcache-block-size", str(BLOCK_SIZE),
+            "--max-model-len", "256", "--kv-offloading-size", str(HOST_TIER_GIB)]
+    server = start_server(tmp_path_factory.mktemp("servers"), "dashboard-host", args)
     yield server
     server.stop()
 
@@ -114,9 +134,22 @@ def _browser_missing() -> str | None:
 # ------------------------------------------------------------------------ snapshot
 
 
-def decode_states(snapshot: dict) -> np.ndarray:
+def decode_states(snapshot: dict, key: str = "states") -> np.ndarray:
     assert snapshot["states_encoding"] == "base64-int8"
-    return np.frombuffer(base64.b64decode(snapshot["states"]), dtype=np.int8)
+    return np.frombuffer(base64.b64decode(snapshot[key]), dtype=np.int8)
+
+
+def fill_host_tier(url: str, first_token: int, num_prompts: int = 10) -> list[list[int]]:
+    """Send distinct 4-block prompts one by one, more than the pool keeps cached: the pool evicts the earliest
+    ones' cached blocks, and the host tier keeps them. Each prompt starts with ``first_token``, so that no other
+    test's prompt shares a block with them. Returns the prompts."""
+    prompts = [[first_token, *range(10_000 + 100 * i, 10_000 + 100 * i + 4 * BLOCK_SIZE - 1)]
+               for i in range(num_prompts)]
+    assert num_prompts * 4 > HOST_POOL_BLOCKS
+    for prompt in prompts:
+        body = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    return prompts
 
 
 def test_snapshot_agrees_with_metrics_and_routes_are_open(server):
@@ -164,6 +197,79 @@ def test_snapshot_of_a_large_pool_is_exact():
     snap = snapshot_from_stats(stats, "ok", generation_tokens_total=7, prompt_tokens_total=9)
     assert np.array_equal(decode_states(snap.model_dump()), states)
     assert snap.counts.by_state["shared"] == by_state[SHARED] and snap.counts.by_state["null"] == 1
+    # No host tier: its fields keep their defaults.
+    assert snap.host is None and snap.num_host_blocks == 0 and snap.host_states == ""
+    assert snap.host_state_names == list(HOST_STATE_NAMES) == ["free", "cached", "held"]
+
+
+def test_snapshot_of_a_host_tier_is_exact():
+    num_host_blocks = 50_000
+    host_states = np.random.default_rng(1).integers(0, 3, num_host_blocks, dtype=np.int8)
+    by_state = np.bincount(host_states, minlength=3)
+    host = HostTierStats(num_total_blocks=num_host_blocks, num_used_blocks=int(by_state[1:].sum()),
+                         external_prefix_cache_queries=640, external_prefix_cache_hits=160, num_blocks_saved=90,
+                         num_blocks_loaded=12, num_swapped_out_blocks=30, num_swapped_in_blocks=20,
+                         num_swapped_requests=2)
+    kv = KVCacheStats(block_size=16, num_total_blocks=9, num_free_blocks=9, num_used_blocks=0, num_cached_blocks=0,
+                      usage=0.0, fragmentation=0.0, prefix_cache_queries=0, prefix_cache_hits=0, host=host)
+    transfers = KVTransferStats(blocks_to_host=90, blocks_to_device=12, bytes_to_host=90 * 4096,
+                                bytes_to_device=12 * 4096, seconds_to_host=0.5, seconds_to_device=0.25)
+    stats = EngineStats(num_running=0, num_waiting=0, num_preemptions=2, kv=kv,
+                        block_states=np.zeros(10, dtype=np.int8), kv_transfers=transfers,
+                        host_block_states=host_states)
+    snap = snapshot_from_stats(stats, "ok", generation_tokens_total=0, prompt_tokens_total=0).model_dump()
+    assert np.array_equal(decode_states(snap, "host_states"), host_states)
+    assert snap["num_host_blocks"] == num_host_blocks
+    h = snap["host"]
+    assert h["by_state"] == dict(zip(HOST_STATE_NAMES, by_state.tolist()))
+    assert h["total"] == num_host_blocks and h["used"] == by_state[HOST_CACHED] + by_state[HOST_HELD]
+    assert (h["external_prefix_cache_queries"], h["external_prefix_cache_hits"]) == (640, 160)
+    assert (h["num_blocks_saved"], h["num_blocks_loaded"]) == (90, 12)
+    assert (h["num_swapped_out_blocks"], h["num_swapped_in_blocks"], h["num_swapped_requests"]) == (30, 20, 2)
+    assert h["to_host"] == {"blocks": 90, "bytes": 90 * 4096, "seconds": 0.5}
+    assert h["to_device"] == {"blocks": 12, "bytes": 12 * 4096, "seconds": 0.25}
+
+
+def test_snapshot_of_the_host_tier_agrees_with_metrics(host_server):
+    url = host_server.url
+    wait_until_idle(url)
+    before = httpx.get(f"{url}/dashboard/snapshot", timeout=10).json()["host"]
+    prompts = fill_host_tier(url, first_token=301)
+    # The first prompt's blocks left the pool long ago: the host tier has them (all but its last token's block).
+    body = {"prompt": prompts[0], "max_tokens": 1}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    metrics = wait_until_idle(url)
+    snap = httpx.get(f"{url}/dashboard/snapshot", timeout=10).json()
+
+    host_states = decode_states(snap, "host_states")
+    h = snap["host"]
+    assert snap["num_host_blocks"] == len(host_states) == h["total"] == metrics["minivllm:kv_host_blocks_total"]
+    assert h["total"] >= 16, "the host tier should hold a few dozen blocks"
+    assert h["by_state"] == dict(zip(HOST_STATE_NAMES, np.bincount(host_states, minlength=3).tolist()))
+    assert h["used"] == h["by_state"]["cached"] + h["by_state"]["held"] == metrics["minivllm:kv_host_blocks_used"]
+    assert h["by_state"]["cached"] >= 3 * 4, h  # evicted prompt blocks, still findable
+    assert h["by_state"]["held"] == h["num_swapped_requests"] == 0  # idle: nothing swapped out or being copied
+
+    delta = {key: h[key] - before[key] for key in ("num_blocks_saved", "num_blocks_loaded",
+                                                   "external_prefix_cache_queries", "external_prefix_cache_hits")}
+    for direction in ("to_host", "to_device"):
+        for key in ("blocks", "bytes"):
+            delta[f"{key}_{direction}"] = h[direction][key] - before[direction][key]
+    evicted = len(prompts) * 4 - (HOST_POOL_BLOCKS - 1)  # cached prompt blocks the pool could not keep, at least
+    assert delta["num_blocks_saved"] == delta["blocks_to_host"] >= evicted, delta
+    assert delta["num_blocks_loaded"] == delta["blocks_to_device"] >= 3, delta  # the first prompt's full blocks
+    assert delta["external_prefix_cache_hits"] >= 3 * BLOCK_SIZE, delta
+    assert delta["external_prefix_cache_queries"] >= delta["external_prefix_cache_hits"]
+    bytes_per_block = delta["bytes_to_host"] // delta["blocks_to_host"]
+    assert bytes_per_block > 0 and delta["bytes_to_host"] == delta["blocks_to_host"] * bytes_per_block
+    assert delta["bytes_to_device"] == delta["blocks_to_device"] * bytes_per_block
+    assert h["to_host"]["seconds"] > 0 and h["to_device"]["seconds"] > 0
+    # The counters are /metrics' too.
+    assert h["external_prefix_cache_hits"] == metrics["minivllm:external_prefix_cache_hits_total"]
+    assert h["external_prefix_cache_queries"] == metrics["minivllm:external_prefix_cache_queries_total"]
+    assert h["num_swapped_out_blocks"] == metrics["minivllm:kv_swap_out_blocks_total"]
+    for direction in ("to_host", "to_device"):
+        assert h[direction]["bytes"] == metrics[f'minivllm:kv_offload_bytes_total{{direction="{direction}"}}']
 
 
 # ------------------------------------------------------------------------- browser
@@ -259,5 +365,65 @@ def test_dashboard_page_live_in_chromium(browser, server, tmp_path):
     drawn = page.evaluate(READ_CANVAS_JS)
     assert drawn == list(decode_states(page.evaluate("window.kvDashboard.snapshot")))
     assert drawn.count(FREE) + drawn.count(CACHED_FREE) == metrics["minivllm:kv_cache_blocks_free"]
+    assert not console_errors, console_errors
+    page.close()
+
+
+def test_dashboard_host_strip_in_chromium(browser, host_server, tmp_path):
+    url = host_server.url
+    page = browser.new_page(viewport={"width": 1120, "height": 800})
+    console_errors: list[str] = []
+    page.on("pageerror", lambda exc: console_errors.append(str(exc)))
+    page.goto(f"{url}/dashboard")
+    page.wait_for_function("window.kvDashboard.numSnapshots > 0", timeout=10_000)
+    fill_host_tier(url, first_token=302)  # cached blocks in the host tier, whatever else ran on this server
+
+    # At a quiet moment, the strip has a cell per host block, painted in its state's color, and the numbers are
+    # /metrics' numbers.
+    metrics = wait_until_idle(url)
+    num_snapshots = page.evaluate("window.kvDashboard.numSnapshots")
+    page.wait_for_function(f"window.kvDashboard.numSnapshots >= {num_snapshots + 2}", timeout=10_000)
+    snap = page.evaluate("window.kvDashboard.snapshot")
+    assert page.is_visible("#host-map") and page.is_visible("#host-numbers") and not page.is_visible("#host-off")
+    drawn = page.evaluate(READ_CANVAS_JS, HOST_CANVAS)
+    assert len(drawn) == snap["num_host_blocks"] == metrics["minivllm:kv_host_blocks_total"] >= 16
+    assert drawn == decode_states(snap, "host_states").tolist()
+    assert drawn.count(HOST_CACHED) >= 4 and drawn.count(HOST_HELD) == 0
+    assert drawn.count(HOST_CACHED) + drawn.count(HOST_HELD) == metrics["minivllm:kv_host_blocks_used"]
+    shown = page.evaluate("""() => Object.fromEntries(Array.from(
+        document.querySelectorAll("#host-tier b, #host-numbers dd, #host-shape"), e => [e.id, e.textContent]))""")
+    assert shown["host-shape"] == f"{len(drawn)} blocks × {BLOCK_SIZE} tokens"
+    assert int(shown["host-blocks-total"]) == metrics["minivllm:kv_host_blocks_total"]
+    assert int(shown["host-blocks-used"]) == metrics["minivllm:kv_host_blocks_used"]
+    for state, name in enumerate(HOST_STATE_NAMES):
+        assert int(shown[f"host-legend-{name}"]) == drawn.count(state), name
+    h = snap["host"]
+    hits, queries = h["external_prefix_cache_hits"], h["external_prefix_cache_queries"]
+    assert shown["host-hit-rate"] == (f"{100 * hits / queries:.1f} %" if queries else "–")
+    assert shown["host-bytes-to-host"].endswith("KiB") and shown["host-bandwidth-to-host"].endswith("/s")
+    assert shown["host-swapped-requests"] == "0"
+    assert int(shown["host-swap-out"]) == metrics["minivllm:kv_swap_out_blocks_total"]
+    assert int(shown["host-swap-in"]) == metrics["minivllm:kv_swap_in_blocks_total"]
+    page.hover("#host-map", position={"x": 2, "y": 2})
+    assert page.text_content("#hover").startswith("host block 0: ")
+    # The pool's map, above it, is drawn as before.
+    assert page.evaluate(READ_CANVAS_JS) == decode_states(snap).tolist()
+    page.screenshot(path=str(tmp_path / "kv-map-host.png"), full_page=True)
+    assert not console_errors, console_errors
+    page.close()
+
+
+def test_dashboard_host_strip_off_in_chromium(browser, server):
+    page = browser.new_page(viewport={"width": 1120, "height": 600})
+    console_errors: list[str] = []
+    page.on("pageerror", lambda exc: console_errors.append(str(exc)))
+    page.goto(f"{server.url}/dashboard")
+    page.wait_for_function("window.kvDashboard.numSnapshots > 0", timeout=10_000)
+    assert page.evaluate("window.kvDashboard.snapshot.host") is None
+    assert page.evaluate("window.kvDashboard.hostStates") is None
+    assert not page.is_visible("#host-map") and not page.is_visible("#host-legend")
+    assert not page.is_visible("#host-numbers")
+    assert page.is_visible("#host-off") and page.text_content("#host-off") == "host tier off (--kv-offloading-size)"
+    assert page.evaluate("window.kvDashboard.layout.numBlocks") == NUM_BLOCKS
     assert not console_errors, console_errors
     page.close()

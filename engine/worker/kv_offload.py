@@ -24,6 +24,7 @@ copies, in the same order.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 
 import torch
@@ -194,7 +195,10 @@ def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.
     take 64)."""
     tensor = torch.empty(shape, dtype=dtype)
     if pin and tensor.numel():
-        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)
-        if int(err) != 0:
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)) != 0:
+            cudart.cudaGetLastError()  # clear it, or the next CUDA call would report it as its own
             return torch.empty(shape, dtype=dtype, pin_memory=True)
+        # Unregistered when the tensor goes: the allocator may hand the same pages to the next tier's tensor.
+        weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
     return tensor
