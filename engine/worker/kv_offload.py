@@ -200,5 +200,10 @@ def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.
             cudart.cudaGetLastError()  # clear it, or the next CUDA call would report it as its own
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         # Unregistered when the tensor goes: the allocator may hand the same pages to the next tier's tensor.
-        weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
+        weakref.finalize(tensor, _unregister, cudart, tensor.data_ptr())
     return tensor
+
+
+def _unregister(cudart, pointer: int) -> None:
+    if int(cudart.cudaHostUnregister(pointer)) != 0:
+        cudart.cudaGetLastError()
