@@ -259,6 +259,12 @@ class KVCacheManager:
         loads' host blocks are released here: later copies into them are made after these."""
         loads, self._loads = self._loads, []
         saves, self._saves = self._saves, []
+        # A host block stored into twice in one batch (its first hash evicted again for a later block): only the
+        # last save counts.
+        last = {host_block: i for i, (_, host_block) in enumerate(saves)}
+        if len(last) < len(saves):
+            self.num_blocks_saved -= len(saves) - len(last)
+            saves = [pair for i, pair in enumerate(saves) if last[pair[1]] == i]
         for host_block, _, block_hash in loads:
             if block_hash is None:
                 self.host.free_owned(host_block)

@@ -126,10 +126,10 @@ def _host_tier_metrics(host, transfers):
          "have).", host.external_prefix_cache_queries if host else 0),
         ("external_prefix_cache_hits", "Prompt tokens found in the host tier and copied back instead of computed.",
          host.external_prefix_cache_hits if host else 0),
-        ("kv_swap_out_blocks", "KV blocks of requests preempted by swap, kept in the host tier.",
-         host.num_swapped_out_blocks if host else 0),
-        ("kv_swap_in_blocks", "KV blocks of swapped-out requests given back to the device when they resumed.",
-         host.num_swapped_in_blocks if host else 0),
+        ("kv_swap_out_blocks", "KV blocks of requests preempted by swap, held in the host tier (copied there, or "
+         "there already); kv_offload_bytes_total counts the copies.", host.num_swapped_out_blocks if host else 0),
+        ("kv_swap_in_blocks", "KV blocks swapped-out requests resumed with (copied back, or still cached on the "
+         "device).", host.num_swapped_in_blocks if host else 0),
     ]:
         yield CounterMetricFamily(PREFIX + name, doc, value=value)
     moved = CounterMetricFamily(PREFIX + "kv_offload_bytes", "Bytes copied between the device KV pool and the host "

@@ -195,12 +195,14 @@ def test_evicted_block_is_saved_and_a_later_lookup_loads_it_back() -> None:
     assert new_ids == [1, 2, 3]  # b's cached blocks are evicted (and saved) to make room
     loads, saves = mgr.take_transfers()
     assert loads == [(1, 1), (0, 2)]  # the host blocks into the first new blocks, in order
-    assert [d for d, _ in saves] == [1, 2, 3]
+    # b's first block went to the host's last free block, then lost it again to b's third (the least recently
+    # used one then): one copy into it is made, the last.
+    assert [d for d, _ in saves] == [2, 3] and len({h for _, h in saves}) == 2
     assert {x: mgr.host.pin_counts().get(x, 0) for x in hashes} == {x: 0 for x in hashes}  # released when taken
     stats = mgr.get_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (9, 0)
     assert (stats.host.external_prefix_cache_queries, stats.host.external_prefix_cache_hits) == (9, 8)
-    assert (stats.host.num_blocks_saved, stats.host.num_blocks_loaded) == (5, 2)
+    assert (stats.host.num_blocks_saved, stats.host.num_blocks_loaded) == (4, 2)
     # c's loaded blocks are cached on the device again under a's hashes.
     assert [mgr.pool.blocks[i].block_hash for i in mgr.get_block_ids("c")[:2]] == hashes
     mgr.check_invariants()
