@@ -150,6 +150,7 @@ def test_snapshot_agrees_with_metrics_and_routes_are_open(server):
     assert snap["engine_status"] == "ok"
 
 
+@pytest.mark.unit
 def test_snapshot_of_a_large_pool_is_exact():
     num_blocks = 100_000
     rng = np.random.default_rng(0)
