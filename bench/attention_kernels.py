@@ -38,6 +38,7 @@ from engine.ops.attention import (  # noqa: E402
     paged_decode_attention,
     paged_prefill_attention,
 )
+from engine.ops.attention.decode import _launch_decode  # noqa: E402
 
 MAX_REL_ERR = 1e-2
 
@@ -89,10 +90,16 @@ def make_batch(reqs: list[tuple[int, int]], args, seed: int, dtype=torch.bfloat1
     return Batch(q, k, v, k_cache, v_cache, meta, 1.0 / math.sqrt(args.head_dim))
 
 
+def layer_step(backend, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """One attention layer's step on ``backend`` as a function: the cache bound once, as ``Attention`` binds it."""
+    layer = backend.bind(k_cache, v_cache, q.shape[1], scale)
+    return lambda: backend.forward(layer, q, k, v, meta)
+
+
 def reference(b: Batch) -> torch.Tensor:
     """The torch backend in float64 on the upcast inputs (its own copy of the cache)."""
-    return TorchAttentionBackend().forward(*[t.double() for t in (b.q, b.k, b.v, b.k_cache, b.v_cache)],
-                                           b.meta, b.scale)
+    return layer_step(TorchAttentionBackend(), *[t.double() for t in (b.q, b.k, b.v, b.k_cache, b.v_cache)],
+                      b.meta, b.scale)()
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -169,8 +176,8 @@ def run_mixed_decode_sweep(batch_size: int, args, copy_gbs: float) -> list[dict]
     def measure(label: str, splits: int, ordered: bool, tiles=None) -> None:
         b, ref = batches[ordered], refs[ordered]
         m, out = b.meta, torch.empty_like(b.q)
-        fn = lambda: paged_decode_attention(b.q, b.k_cache, b.v_cache, m.block_tables, m.seq_lens, b.scale, out,
-                                            splits, tiles)
+        fn = lambda: _launch_decode(b.q, b.k_cache, b.v_cache, m.block_tables, m.seq_lens, b.scale, out, splits,
+                                    tiles=tiles)
         out.fill_(float("nan"))
         try:
             fn()
@@ -201,7 +208,8 @@ def run_prefill_case(name: str, reqs: list[tuple[int, int]], args) -> dict:
     out.fill_(float("nan"))
     unified()
     err = rel_err(out, ref)
-    err = max(err, rel_err(TritonAttentionBackend().forward(b.q, b.k, b.v, b.k_cache, b.v_cache, m, b.scale), ref))
+    err = max(err, rel_err(layer_step(TritonAttentionBackend(), b.q, b.k, b.v, b.k_cache, b.v_cache, m, b.scale)(),
+                           ref))
     del ref
     row = dict(kind="prefill", case=name, batch=len(reqs), decodes=d, tokens=b.q.shape[0], rel_err=err,
                unified_ms=device_ms(unified))
@@ -214,7 +222,7 @@ def _backend_times(b: Batch) -> dict:
     """A whole step (write_kv included) through each backend, replayed from a graph and eager."""
     times = {}
     for name, backend in (("backend", TritonAttentionBackend()), ("torch", TorchAttentionBackend())):
-        step = lambda: backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale)
+        step = layer_step(backend, b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale)
         times[f"{name}_ms"] = device_ms(step)
         times[f"{name}_eager_ms"] = bench_ms(step)
     return times
@@ -223,15 +231,16 @@ def _backend_times(b: Batch) -> dict:
 def check_cuda_graph(args) -> dict:
     """Capture a decode step, change lengths, slots and inputs in place (one row to padding), replay, compare."""
     b = make_batch([(2047 - 100 * i, 1) for i in range(16)], args, seed=5)
-    m, backend = b.meta, TritonAttentionBackend()
+    m = b.meta
+    step = layer_step(TritonAttentionBackend(), b.q, b.k, b.v, b.k_cache, b.v_cache, m, b.scale)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, m, b.scale)
+        step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, m, b.scale)
+        out = step()
     new_lens = (m.seq_lens_cpu - torch.arange(16, dtype=torch.int32) * 37).clamp(min=1)
     new_lens[-1] = 0  # a padding row
     pos = (new_lens - 1).clamp(min=0).long()
@@ -251,7 +260,7 @@ def check_cuda_graph(args) -> dict:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
-        backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, m, b.scale)
+        step()
     host_us = (time.perf_counter() - t0) / calls * 1e6
     torch.cuda.synchronize()
     return dict(kind="cuda_graph", rel_err=err, padding_row_zero=padding_zero, replay_ms=bench_ms(graph.replay),

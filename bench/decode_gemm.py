@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp8_gemm import L2_BYTES, SHAPES, graph_time, print_sweep  # noqa: E402  (puts the repo root on the path)
 
-from engine.models.layers import k_slice_products  # noqa: E402
+from engine.models.linear.unquantized import k_slice_products  # noqa: E402
 
 BATCHES = (1, 32, 64, 128, 151, 256)
 MAX_ROWS = 256  # the widest token tile a program takes (the tensor cores' narrow side)

@@ -14,8 +14,9 @@ tokens in all, across (BLOCK_M rows, BLOCK_N keys, warps, stages).
 
     python bench/fp8_attention_sweep.py --baseline old_triton_kernels.py
 
-times the FP8 decode kernel as the engine picks it against the one in ``old_triton_kernels.py`` (a copy of
-engine/ops/attention.py from another commit, e.g. ``git show HEAD~1:engine/ops/attention.py``),
+times the FP8 decode kernel as the engine picks it against ``old_triton_kernels.py``, a module of its own that
+has ``paged_decode_attention`` (e.g. engine/ops/attention/ of another commit gathered into one file; the single-file
+engine/ops/attention.py of b5ef963 and earlier imports modules since removed, which it would need back),
 alternating, in one process, and prints how far their outputs are apart; ``--baseline-cache bf16`` does the
 same for the decode kernel on a bf16 cache.
 
@@ -41,15 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from roofline import graph_time  # noqa: E402
 
-from engine.ops.attention import (  # noqa: E402
-    _decode_kv_heads,
-    _decode_tiles,
-    _prefill_tiles,
-    choose_num_splits,
-    num_sms,
-    paged_decode_attention,
-    paged_prefill_attention,
-)
+from engine.ops.attention import choose_num_splits, num_sms  # noqa: E402
+from engine.ops.attention.decode import _launch_decode  # noqa: E402
+from engine.ops.attention.launch import _decode_kv_heads, _decode_tiles, _prefill_tiles  # noqa: E402
+from engine.ops.attention.prefill import _launch_prefill  # noqa: E402
 from kvcache.paged_cache import quantize_fp8  # noqa: E402
 
 VARIANTS = {  # (BLOCK_N, warps, stages, registers a thread at most[, FP8: KV heads a program])
@@ -147,8 +143,8 @@ def main() -> None:
                     picked = (*picked, _decode_kv_heads(group, kv_heads, splits))
                 for tiles in VARIANTS[kind] if n_rows == rows else [picked]:
                     try:
-                        us = graph_time(lambda: paged_decode_attention(
-                            qs, k, v, ts, ls, 0.088, out[:n_rows], splits, tiles=tiles, kv_scales=kv_scales)) * 1e6
+                        us = graph_time(lambda: _launch_decode(
+                            qs, k, v, ts, ls, 0.088, out[:n_rows], splits, kv_scales=kv_scales, tiles=tiles)) * 1e6
                     except Exception as error:  # e.g. a tile that does not fit the shared memory
                         print(f"group {group} {kind} {n_rows} rows {tiles}: {type(error).__name__}: {error}")
                         continue
@@ -271,7 +267,7 @@ def prefill_sweep(groups: list[int]) -> None:
             picked = _prefill_tiles(max(lens), group, head_dim, kind == "fp8")
             for tiles in PREFILL_VARIANTS:
                 try:
-                    us = graph_time(lambda: paged_prefill_attention(
+                    us = graph_time(lambda: _launch_prefill(
                         q, k, v, tables, starts, seq_lens, max(lens), 0.088, out, kv_scales=kv_scales,
                         tiles=tiles), calls=5) * 1e6
                 except Exception as error:  # e.g. a tile that does not fit the shared memory

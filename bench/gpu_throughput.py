@@ -5,15 +5,15 @@
     python bench/gpu_throughput.py --shape llama-3.1-8b --tensor-parallel-size 2 --peer-requests 0
     python bench/gpu_throughput.py --shape qwen3-0.6b --kv-cache-dtype fp8 --peer-requests 0
     python bench/gpu_throughput.py --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 --peer-requests 0
-    python bench/gpu_throughput.py --shape qwen3-0.6b --peer-requests 0 --env MINIVLLM_PDL=off --env MINIVLLM_PDL=on
+    python bench/gpu_throughput.py --shape qwen3-0.6b --peer-requests 0 --env MINIVLLM_DECODE_KSPLIT=0 \
+        --env MINIVLLM_DECODE_KSPLIT=auto
 
 With ``--kv-cache-dtype fp8`` or ``--quantization fp8`` the bf16 engine runs first on the same requests
 in the same invocation, and each run is given the roofline of its own bytes (FP8 weights and K/V are
 half of bf16's; their scales count too) and, for FP8 weights, the FP8 matmul rate measured here.
 With ``--env`` each of those runs once per setting given, in that order, on the same requests: a setting is
-environment variables the engine reads when its kernels first launch (``MINIVLLM_PDL``, ``engine.ops.pdl``;
-``MINIVLLM_L2_PREFETCH``, ``engine.ops.l2_prefetch``; ``MINIVLLM_DECODE_KSPLIT``, ``engine.models.layers``) or torch's
-``TORCH_BLAS_PREFER_CUBLASLT``, comma-separated.
+environment variables the engine reads (``MINIVLLM_DECODE_KSPLIT``, ``MINIVLLM_GREEDY_ARGMAX``,
+``MINIVLLM_DECODE_TILES``: ``LAUNCH_SETTINGS`` below) or torch's ``TORCH_BLAS_PREFER_CUBLASLT``, comma-separated.
 
 Measures copy bandwidth and matmul rate in the same run, computes the workload's
 roofline from them, runs minivllm (bf16, Triton attention, CUDA graphs), reports the
@@ -51,11 +51,11 @@ ALL_REDUCE_BATCHES = (1, 8, 32, 64, 128, 192, 256)
 # What --env sets; a run's record shows them. TORCH_BLAS_PREFER_CUBLASLT=1: the bf16 products through cuBLASLt
 # (torch.backends.cuda.preferred_blas_library), whose kernel choices for decode-sized products differ from cuBLAS's.
 # MINIVLLM_DECODE_KSPLIT=auto (the default), 0, S or qkv=S,o=S,gate_up=S,down=S: decode-sized products as S slices of K
-# (engine.models.layers), read when the model is built. MINIVLLM_GREEDY_ARGMAX=graph (the default), kernel or torch:
+# (engine.models.linear.ksplit), read when the model is built. MINIVLLM_GREEDY_ARGMAX=graph (the default), kernel or torch:
 # where engine.greedy's two-pass kernels take greedy rows' tokens (inside decode graphs; eager steps too; nowhere).
 # MINIVLLM_DECODE_TILES=BLOCK_N,warps,stages: the decode attention kernel's tiles for unsplit contexts.
-LAUNCH_SETTINGS = ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH", "TORCH_BLAS_PREFER_CUBLASLT", "MINIVLLM_DECODE_KSPLIT",
-                   "MINIVLLM_GREEDY_ARGMAX", "MINIVLLM_DECODE_TILES")
+LAUNCH_SETTINGS = ("TORCH_BLAS_PREFER_CUBLASLT", "MINIVLLM_DECODE_KSPLIT", "MINIVLLM_GREEDY_ARGMAX",
+                   "MINIVLLM_DECODE_TILES")
 _ENV_AT_START = {name: os.environ.get(name) for name in LAUNCH_SETTINGS}
 
 
@@ -113,9 +113,7 @@ def all_reduce_time(table: dict[int, float]):
 
 def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: str = "auto",
                  quantization: str | None = None, env: str | None = None) -> tuple[dict, LLM]:
-    from engine.ops import l2_prefetch, pdl
-
-    if env is not None:  # read when the engine's kernels first launch on a device; each run sets only its own
+    if env is not None:  # read when the engine starts or its kernels launch; each run sets only its own
         for name, value in _ENV_AT_START.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -123,8 +121,6 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
                 os.environ[name] = value
         for name, value in env_items(env):
             os.environ[name] = value
-        pdl.reread_env()
-        l2_prefetch.reread_env()
         torch.backends.cuda.preferred_blas_library(
             "cublaslt" if os.environ.get("TORCH_BLAS_PREFER_CUBLASLT") == "1" else "cublas")
     llm = LLM(str(model_dir), load_format="dummy", max_model_len=args.max_model_len,
@@ -260,7 +256,7 @@ def main() -> None:
                         help="GPUs the model is split over; the roofline is then per GPU, plus the all-reduces "
                              "measured in the same run")
     parser.add_argument("--env", action="append", default=None, metavar="NAME=VALUE[,NAME=VALUE]",
-                        help="run each configuration once per --env setting (e.g. MINIVLLM_PDL=on)")
+                        help="run each configuration once per --env setting (e.g. MINIVLLM_DECODE_KSPLIT=0)")
     args = parser.parse_args()
     for setting in args.env or []:
         for name, value in env_items(setting):

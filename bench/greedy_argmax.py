@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from roofline import cuda_time, graph_time  # noqa: E402
 
-from engine.ops.greedy import greedy_tokens  # noqa: E402
+from engine.ops.greedy import _launch_greedy  # noqa: E402
 
 VARIANTS = {"torch.argmax": None, **{f"2-pass {b}/{w}w": (b, w) for b in (2048, 4096, 8192) for w in (4, 8)}}
 
@@ -37,7 +37,7 @@ def copy_tbs() -> float:
 
 
 def run(variant, logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1) if variant is None else greedy_tokens(logits, *variant)
+    return logits.argmax(dim=-1) if variant is None else _launch_greedy(logits, *variant)
 
 
 def main() -> int:

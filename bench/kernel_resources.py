@@ -29,7 +29,10 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.ops import attention as tk  # noqa: E402
+from engine.ops.attention.decode import _decode_split_kernel  # noqa: E402
+from engine.ops.attention.decode_fp8 import _decode_split_fp8_kernel  # noqa: E402
+from engine.ops.attention.launch import _decode_tiles, _prefill_tiles  # noqa: E402
+from engine.ops.attention.prefill import _prefill_kernel  # noqa: E402
 
 SHARED_PER_SM = 228 * 1024
 SHARED_RESERVED_PER_PROGRAM = 1024
@@ -101,17 +104,16 @@ def programs_per_sm(shared: int, registers: int, warps: int) -> tuple[int, str]:
 
 def decode_row(tiles: tuple[int, int, int], fp8: bool, arch: int) -> dict:
     block_n, warps, stages = tiles
-    consts = dict(HEADS, BLOCK_N=block_n, NUM_SPLITS=1, DOT_PRECISION="ieee", SLIDING=False,
-                  SOFTCAP=False, PDL=False, PREFETCH=False)
+    consts = dict(HEADS, BLOCK_N=block_n, NUM_SPLITS=1, DOT_PRECISION="ieee", SLIDING=False, SOFTCAP=False)
     types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-             "prefetch_ptr": "*bf16", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     if fp8:
         consts.update(DOT_DTYPE=tl.float16, PTX=True, K_PAIRS=True, KV_HEADS=1, HEADS_FIRST=True)
         types.update(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
-        fn = tk._decode_split_fp8_kernel
+        fn = _decode_split_fp8_kernel
     else:
         types.update(k_cache_ptr="*bf16", v_cache_ptr="*bf16")
-        fn = tk._decode_split_kernel
+        fn = _decode_split_kernel
     kernel = compile_kernel(fn, consts, types, arch, warps, stages)
     return describe(kernel, ("decode FP8" if fp8 else "decode bf16"), tiles, warps, block_n)
 
@@ -120,12 +122,11 @@ def prefill_row(tiles: tuple[int, int, int, int], fp8: bool, arch: int) -> dict:
     block_m, block_n, warps, stages = tiles
     consts = dict(GROUP=HEADS["GROUP"], HEAD_DIM=HEADS["HEAD_DIM"], PAGE_SIZE=HEADS["PAGE_SIZE"], BLOCK_M=block_m,
                   BLOCK_Q=block_m // HEADS["GROUP"], BLOCK_N=block_n, DOT_PRECISION="ieee", SLIDING=False, FP8=fp8,
-                  SOFTCAP=False, DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16, HEADS_FIRST=True, SKIP_SINGLE=False,
-                  PDL=False)
+                  SOFTCAP=False, DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16, HEADS_FIRST=True, SKIP_SINGLE=False)
     cache = "*fp8e4nv" if fp8 else "*bf16"
     types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache,
              "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
-    kernel = compile_kernel(tk._prefill_kernel, consts, types, arch, warps, stages)
+    kernel = compile_kernel(_prefill_kernel, consts, types, arch, warps, stages)
     return describe(kernel, "prefill FP8" if fp8 else "prefill bf16", tiles, warps, block_n)
 
 
@@ -147,11 +148,11 @@ def main() -> int:
     args = p.parse_args()
     rows = []
     for fp8 in (False, True):
-        picked = tk._decode_tiles(HEADS["HEAD_DIM"], 1, fp8)
+        picked = _decode_tiles(HEADS["HEAD_DIM"], 1, fp8)
         for tiles in [tuple(int(x) for x in t.split(",")) for t in args.decode_tiles]:
             rows.append(dict(decode_row(tiles, fp8, args.arch), picked=tiles == picked))
     for fp8 in (False, True):
-        picked = tk._prefill_tiles(1024, HEADS["GROUP"], HEADS["HEAD_DIM"], fp8)
+        picked = _prefill_tiles(1024, HEADS["GROUP"], HEADS["HEAD_DIM"], fp8)
         for tiles in [tuple(int(x) for x in t.split(",")) for t in args.prefill_tiles]:
             rows.append(dict(prefill_row(tiles, fp8, args.arch), picked=tiles == picked))
     if args.json:

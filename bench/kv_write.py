@@ -14,11 +14,11 @@ one token per program with the queries beside K (the same bytes, scales and rota
 
 The rope table: q, k and v as views of one q|k|v tensor, as the models pass them; "pair" is the rope kernel
 (``fused_ops.rotary``, ``qk_norm_rotary`` with ``--qk-norm``; the column-scale pass first with ``--column-scales``,
-an FP8 q|k|v product's per-channel scales) followed by the write; "engine" is ``write_paged_kv(..., rope=...)`` as
-the engine calls it (on a bf16 cache one launch that ropes as it writes; on an FP8 one the rope kernel, with the
+an FP8 q|k|v product's per-channel scales) followed by the write; "engine" is the write given the rope, as the
+engine calls it (on a bf16 cache one launch that ropes as it writes; on an FP8 one the rope kernel, with the
 column scales, then the write, up to ``_FP8_FUSED_ROPE_MAX_ROWS`` rows the fused launch); "fused" the FP8 write
-kernel roping q and K itself (``fuse_rope=True``). Each is checked against the pair (a bf16 cache bit for bit; FP8:
-V and its scales bit for bit, K and the queries to a rare rounding step where fused).
+kernel roping q and K itself (``_launch_write(..., fuse_rope=True)``). Each is checked against the pair (a bf16
+cache bit for bit; FP8: V and its scales bit for bit, K and the queries to a rare rounding step where fused).
 """
 
 from __future__ import annotations
@@ -35,9 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from roofline import graph_time  # noqa: E402
 
-from engine.models.layers import RMSNorm, get_rope  # noqa: E402
+from engine.models.norm import RMSNorm  # noqa: E402
+from engine.models.rotary import get_rope  # noqa: E402
 from engine.ops import fused as fused_ops  # noqa: E402
-from engine.ops.attention import _splits_queries, _write_tokens, write_paged_kv  # noqa: E402
+from engine.ops.attention import write_paged_kv  # noqa: E402
+from engine.ops.attention.kv_write import _launch_write  # noqa: E402
+from engine.ops.attention.launch import _splits_queries, _write_tokens  # noqa: E402
 from engine.ops.fp8 import scale_columns_  # noqa: E402
 from kvcache.paged_cache import FP8_DTYPE  # noqa: E402
 
@@ -58,8 +61,8 @@ def tokens_per_program_sweep(args, rows: int, num_blocks: int, block: int, gen: 
         scales = tuple(torch.zeros(shape[:3], device=device) for _ in range(2))
 
         def write():
-            return write_paged_kv(k, v, fp8[0], fp8[1], slots, scales, q=q, tokens_per_program=tokens,
-                                  split_queries=split)
+            return _launch_write(k, v, fp8[0], fp8[1], slots, scales, q=q, tokens_per_program=tokens,
+                                 split_queries=split)
 
         q_out = write()
         results[tokens, split] = (fp8[0].view(torch.uint8).clone(), fp8[1].view(torch.uint8).clone(),
@@ -112,8 +115,8 @@ def rope_comparison(args, rows: int, num_blocks: int, block: int, gen: torch.Gen
 
             def with_rope(fuse_rope=None):
                 q, k, v = split(qkv)
-                return write_paged_kv(k, v, caches[0], caches[1], slots, scales, q=q, rope=pending,
-                                      fuse_rope=fuse_rope)
+                return _launch_write(k, v, caches[0], caches[1], slots, scales, q=q, rope=pending,
+                                     fuse_rope=fuse_rope)
 
             fn = {"pair": pair, "engine": with_rope, "fused": lambda: with_rope(True)}[name]
             scratch.copy_(qkv)  # the pair scales it again each call: only the first call's values are checked
@@ -135,9 +138,9 @@ def rope_comparison(args, rows: int, num_blocks: int, block: int, gen: torch.Gen
             scales = tuple(torch.zeros(shape[:3], device=device) for _ in range(2))
             q, k, v = split(qkv)
             for tokens, apart in itertools.product((1, 2, 4, 8, 16), (False, True)):
-                us = graph_time(lambda: write_paged_kv(k, v, caches[0], caches[1], slots, scales, q=q, rope=pending,
-                                                       tokens_per_program=tokens, split_queries=apart,
-                                                       fuse_rope=True)) * 1e6
+                us = graph_time(lambda: _launch_write(k, v, caches[0], caches[1], slots, scales, q=q, rope=pending,
+                                                      tokens_per_program=tokens, split_queries=apart,
+                                                      fuse_rope=True)) * 1e6
                 chosen = " (chosen)" if tokens == _write_tokens(rows) and apart == _splits_queries(rows) else ""
                 print(f"{rows:>7} {'fp8':>6} {'fused':>6} {us:>9.1f}  {tokens} a program, queries "
                       f"{'apart' if apart else 'with K'}{chosen}", flush=True)

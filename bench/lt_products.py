@@ -31,7 +31,7 @@ import cublaslt  # noqa: E402
 from decode_gemm import weights  # noqa: E402
 from fp8_gemm import SHAPES, graph_time  # noqa: E402  (puts the repo root on the path)
 
-from engine.models.layers import k_slice_products  # noqa: E402
+from engine.models.linear.unquantized import k_slice_products  # noqa: E402
 
 
 def time_candidates(product: cublaslt.LtProduct, x: torch.Tensor, ws: list[torch.Tensor], count: int,

@@ -7,7 +7,7 @@ every prefill finish, then records ``--steps`` decode steps under ``torch.profil
 prints the device time per step of each kernel (grouped by name) next to the step's
 roofline: the weights plus the active KV read once at the measured copy bandwidth.
 The same number of steps runs first without the profiler, whose tracing can change how kernels
-overlap (``MINIVLLM_PDL``): their median device time is printed beside the profiled steps'.
+overlap: their median device time is printed beside the profiled steps'.
 The Chrome trace goes to ``$OUT/decode_trace.json`` (or ``bench/out``).
 """
 
@@ -125,8 +125,8 @@ def main() -> None:
     roof_ms = (costs.weight_bytes + costs.kv_bytes_per_token * contexts.sum()) / ceil.copy_bytes_per_s * 1e3
     rows = kernel_table(prof, args.steps)
     total_us = sum(r[2] for r in rows)
-    settings = {name: os.environ[name] for name in ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH", "MINIVLLM_DECODE_KSPLIT",
-                                                    "TORCH_BLAS_PREFER_CUBLASLT") if name in os.environ}
+    settings = {name: os.environ[name] for name in ("MINIVLLM_DECODE_KSPLIT", "TORCH_BLAS_PREFER_CUBLASLT")
+                if name in os.environ}
     print(f"\n{args.shape}: {len(contexts)} requests decoding, context mean {contexts.mean():.0f} "
           f"(max {contexts.max()}), {'eager' if args.enforce_eager else 'CUDA graphs'}"
           f"{', async scheduling' if engine.async_scheduling else ''}{f', {settings}' if settings else ''}")

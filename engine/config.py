@@ -1,9 +1,21 @@
-"""The engine's configuration: one tree, validated once, passed down."""
+"""The engine's configuration: one tree, validated once, passed down.
+
+Every field a user may set is declared with ``option``: its help text, the heading it is listed under and, where
+the field's name in kebab case is not the flag's, the flag. ``minivllm serve`` and ``minivllm worker`` build their
+engine flags from these fields (``server/cli/engine_options.py``), so an engine option is declared here once:
+
+    max_num_seqs: int = option(256, "most requests in one running batch", group=SCHEDULING)
+        -> --max-num-seqs MAX_NUM_SEQS  (type int, default 256, under "scheduling and execution")
+
+A ``bool`` option off by default is a switch (``--enforce-eager``); one on by default or None (decided at start-up)
+also takes ``--no-...``. Fields declared without ``option`` are for the Python API only.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -20,72 +32,126 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # layers to float8_e4m3 at load time (engine/models/fp8.py). FP8 checkpoints are read as they are stored.
 QUANTIZATIONS = (None, "fp8")
 
+# The headings the options are listed under in ``minivllm serve --help``, in this order.
+MODEL = "model"
+KV_CACHE = "KV cache"
+SCHEDULING = "scheduling and execution"
+PARALLEL = "tensor parallelism"
+OPTION_GROUPS = (MODEL, KV_CACHE, SCHEDULING, PARALLEL)
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the field."""
+
+
+def option(default: Any, help: str, *, group: str, flag: str | None = None, aliases: Sequence[str] = (),
+           choices: Sequence[str] | None = None) -> Any:
+    """A field that is also a command-line option: ``help`` documents it, ``group`` (one of ``OPTION_GROUPS``) is
+    where ``--help`` lists it, ``flag`` names it where ``--`` and the field's name in kebab case do not (a field's
+    unit suffix that vLLM's flag leaves out), ``aliases`` are its other names and ``choices`` the values it takes."""
+    if group not in OPTION_GROUPS:
+        raise ValueError(f"option group must be one of {OPTION_GROUPS}, got {group!r}")
+    return field(default=default, metadata={"help": help, "group": group, "flag": flag, "aliases": tuple(aliases),
+                                            "choices": tuple(choices) if choices is not None else None})
 
 
 @dataclass
 class EngineConfig:
     """Every knob of the engine. ``model=None`` serves the embedded default model."""
 
-    model: str | None = None
-    tokenizer: str | None = None  # defaults to the model directory
-    # Run a model directory's own Python code for its config, tokenizer or processor (transformers' auto_map).
-    trust_remote_code: bool = False
-    served_model_name: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto: cuda if available, else cpu
-    load_format: str = "auto"
-    quantization: str | None = None  # one of QUANTIZATIONS
-    # Request defaults from generation_config.json: "auto" (the model's), "vllm" (none), or a folder.
-    generation_config: str = "auto"
-    seed: int = 0
-    max_logprobs: int = 20  # the most logprobs one token may ask for (vLLM's default); -1: the whole vocabulary
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # Model.
+    model: str | None = option(
+        None, "Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct (converted into "
+        "~/.cache/minivllm on first use)", group=MODEL)
+    tokenizer: str | None = option(None, "tokenizer directory; default: the model directory", group=MODEL)
+    trust_remote_code: bool = option(
+        False, "run the Python code a model directory ships for its config, tokenizer or processor (transformers' "
+        "auto_map); the model itself always runs on this engine's own code", group=MODEL)
+    served_model_name: str | None = option(
+        None, "the model name clients send; default: the model directory's name (SmolLM2-135M-Instruct for the "
+        "default model)", group=MODEL)
+    dtype: str = option("auto", "weights and activations; auto: bfloat16 on CUDA, float32 on CPU", group=MODEL,
+                        choices=("auto", *_DTYPES))
+    device: str = option("auto", "auto, cpu, cuda or cuda:N", group=MODEL)  # auto: cuda if available, else cpu
+    load_format: str = option("auto", "dummy: random weights (for benchmarks and tests)", group=MODEL,
+                              choices=_LOAD_FORMATS)
+    quantization: str | None = option(
+        None, "fp8: quantize the linear layers' weights to float8_e4m3 at load time (a scale per output channel, "
+        "activations per token at run time); checkpoints stored in FP8 need no flag", group=MODEL, aliases=("-q",),
+        choices=QUANTIZATIONS[1:])
+    generation_config: str = option(
+        "auto", "request defaults for temperature, top_p, top_k, min_p, repetition_penalty and max_tokens: 'auto' "
+        "reads the model's generation_config.json, 'vllm' ignores it, or a folder holding one", group=MODEL)
+    seed: int = option(0, "random seed of the engine", group=MODEL)
+    max_model_len: int | None = option(
+        None, "context length (prompt + output) in tokens; default: the model's maximum", group=MODEL)
     # KV cache (the seed's names).
-    kvcache_block_size: int = 16
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
-    num_kvcache_blocks: int = -1  # -1: size the pool from the memory budget
-    gpu_memory_utilization: float = 0.9
-    cpu_kvcache_space_gib: float = 2.0
-    enable_prefix_caching: bool = True
+    kvcache_block_size: int = option(16, "tokens per KV cache block (a multiple of 8)", group=KV_CACHE)
+    kv_cache_dtype: str = option(
+        "auto", "auto: K/V in the model's dtype; fp8 (= fp8_e4m3): float8_e4m3 with a float32 scale per token and KV "
+        "head, about twice the tokens in the same memory", group=KV_CACHE, choices=KV_CACHE_DTYPES)
+    num_kvcache_blocks: int = option(
+        -1, "KV cache blocks in the pool; -1: size the pool from the memory budget", group=KV_CACHE)
+    gpu_memory_utilization: float = option(
+        0.9, "fraction of GPU memory the engine may use (weights, activations and KV cache)", group=KV_CACHE)
+    cpu_kvcache_space_gib: float = option(2.0, "KV cache size in GiB when running on the CPU", group=KV_CACHE)
+    enable_prefix_caching: bool = option(
+        True, "share the KV cache blocks of common prompt prefixes between requests", group=KV_CACHE)
     # Scheduler.
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    enable_chunked_prefill: bool = True
-    # Structured outputs: the largest spec a request may give (its schema, regex, EBNF or choices, in UTF-8
-    # bytes; the API server refuses larger ones before anything starts), how long one grammar may compile
-    # before its request fails, and what xgrammar's cache of compiled grammars may hold (vLLM's
-    # VLLM_XGRAMMAR_CACHE_MB; 0: no cache).
-    structured_outputs_max_bytes: int = 256 * 1024
-    structured_outputs_compile_timeout_s: float = 60.0
-    xgrammar_cache_mb: int = 512
+    max_num_seqs: int = option(256, "most requests in one running batch", group=SCHEDULING)
+    max_num_batched_tokens: int = option(8192, "token budget of one engine step", group=SCHEDULING)
+    enable_chunked_prefill: bool = option(
+        True, "split long prompts across steps so they share steps with decodes", group=SCHEDULING)
+    max_logprobs: int = option(  # 20: vLLM's default
+        20, "the most logprobs a request may ask for per token (logprobs, top_logprobs, prompt_logprobs); -1: the "
+        "whole vocabulary, which -1 in a request asks for", group=SCHEDULING)
     # Execution.
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
-    enforce_eager: bool = False
-    # Queue the next step on the device before returning this step's outputs (None: on CUDA only).
-    overlap_steps: bool | None = None
-    # Also plan the next step before this step's tokens are known, so the device never waits for the
-    # host between decode steps (None: on with CUDA). Penalties and min_tokens turn it off for the
-    # steps they run in.
-    async_scheduling: bool | None = None
-    cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # empty: 1, 2, 4, 8, 16, 24, ... max_num_seqs
+    attention_backend: str = option("auto", "auto: triton on CUDA, torch elsewhere", group=SCHEDULING,
+                                    choices=_BACKENDS)
+    enforce_eager: bool = option(False, "never capture CUDA graphs", group=SCHEDULING)
     # Steps that mix decodes with prefill chunks (and decode batches past the largest decode graph) replay a CUDA
-    # graph up to this many tokens (``graph_token_sizes``); larger steps run eagerly. 0: all of them do.
-    cuda_graph_max_tokens: int = 2048
-    # Tensor parallelism (engine/distributed.py, engine/worker/ranks.py): one process per rank, this one rank 0.
-    tensor_parallel_size: int = 1
-    # Several machines: each runs tensor_parallel_size / nnodes ranks; node 0 runs the engine (rank 0), the
-    # others `minivllm worker` (torch.distributed's rendezvous at master_addr:master_port).
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0  # 0: a free port (one machine only)
-    distributed_timeout_s: float = 60.0  # a collective that waits longer fails (a rank died or hangs)
+    # graph up to this many tokens (``graph_token_sizes``).
+    cuda_graph_max_tokens: int = option(
+        2048, "steps that mix decodes with prefill chunks replay a CUDA graph up to this many tokens (padded to the "
+        "next captured size); larger steps run eagerly; 0: all of them do", group=SCHEDULING)
+    overlap_steps: bool | None = option(
+        None, "queue the next step on the device before handing out this step's tokens; default: on with CUDA, off "
+        "on the CPU", group=SCHEDULING)
+    # Penalties and min_tokens turn async scheduling off for the steps they run in.
+    async_scheduling: bool | None = option(
+        None, "also plan each step before the previous step's tokens are known, so the device does not wait for "
+        "the host between decode steps; default: on with CUDA", group=SCHEDULING)
+    # Structured outputs. The API server refuses a spec over structured_outputs_max_bytes before anything starts.
+    structured_outputs_max_bytes: int = option(
+        256 * 1024, "largest structured-output spec a request may give (its JSON schema, regex, EBNF grammar, "
+        "structural tag or choices, in UTF-8 bytes; 400 beyond)", group=SCHEDULING)
+    structured_outputs_compile_timeout_s: float = option(
+        60.0, "seconds a grammar may take to compile; past it its request fails with a 400 (or its stream's error "
+        "event) and the server goes on", group=SCHEDULING, flag="--structured-outputs-compile-timeout")
+    xgrammar_cache_mb: int = option(
+        512, "memory xgrammar's cache of compiled grammars may hold, least recently used out first (vLLM's "
+        "VLLM_XGRAMMAR_CACHE_MB); 0: no cache", group=SCHEDULING)
+    cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # empty: 1, 2, 4, 8, 16, 24, ... max_num_seqs
     # Check the KV manager's invariants when idle: after LLM.generate, and in the server once no request
     # has run for a second (the check takes ~1 us per block, so never while requests wait).
     check_invariants_when_idle: bool = True
+    # Tensor parallelism (engine/distributed.py, engine/worker/ranks.py): one process per rank, this one rank 0.
+    # Several machines: each runs tensor_parallel_size / nnodes ranks; node 0 runs the engine (rank 0), the
+    # others `minivllm worker` (torch.distributed's rendezvous at master_addr:master_port).
+    tensor_parallel_size: int = option(
+        1, "split every layer over this many ranks (GPUs, or CPU processes), one process each", group=PARALLEL,
+        aliases=("-tp",))
+    nnodes: int = option(1, "machines the ranks are spread over (tensor-parallel-size / nnodes on each)",
+                         group=PARALLEL)
+    node_rank: int = option(
+        0, "this machine's index: 0 runs the server and rank 0, the others `minivllm worker`", group=PARALLEL)
+    master_addr: str = option(
+        "127.0.0.1", "address of node 0, where the ranks meet (torch.distributed's rendezvous)", group=PARALLEL)
+    master_port: int = option(
+        0, "port on node 0 where the ranks meet; 0: a free one (one machine only)", group=PARALLEL)
+    distributed_timeout_s: float = option(
+        60.0, "seconds a collective may wait before the engine fails (a rank died or hangs)", group=PARALLEL,
+        flag="--distributed-timeout")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -88,16 +88,35 @@ class Logprobs(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: list[float]
 
 
-@dataclass
+@dataclass(slots=True)
+class PromptLogprobsChunk:
+    """One request's prompt logprobs computed by a step: an entry per prompt token from ``first_position``
+    on (the logits of the token before each one score it)."""
+
+    first_position: int
+    entries: list[Logprobs]
+
+
+@dataclass(slots=True, frozen=True)
+class RunnerTiming:
+    """The runner's measure of one step, when steps are measured (``ModelRunner.measure_steps``)."""
+
+    launched_s: float  # time.perf_counter() when the step's last launch returned: the host's work ended there
+    device_s: float  # forward pass and sampling on the device (CUDA events; on the CPU, launch to sync)
+    graph: bool  # replayed a captured graph (decode or mixed step)
+    num_reqs: int  # rows of the forward pass, a graph's padding included
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """Tokens sampled this step, for the requests whose known tokens are now all computed."""
 
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
-    # Per request computing prompt tokens that asked for their logprobs: (the prompt position of the
-    # first entry, one entry per prompt token from there).
-    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+    # Per request computing prompt tokens that asked for their logprobs.
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    timing: RunnerTiming | None = None  # when steps are measured
 
 
 class BeamResult(msgspec.Struct, array_like=True, gc=False):

@@ -1,6 +1,6 @@
 """minivllm's HTTP server: an OpenAI-compatible API on FastAPI and uvicorn.
 
-    cli.py          ``minivllm serve``: flags -> EngineConfig, uvicorn with a draining shutdown
+    cli/            ``minivllm serve``: flags (the engine's from EngineConfig) -> uvicorn, draining shutdown
     listeners.py    the listening sockets, bound before the model loads
     app.py          the FastAPI app: routes, lifespan
     routing.py      the root path; each route's API key and body limits
@@ -9,7 +9,7 @@
     generation.py   one request fanned out into engine requests, merged back
     streaming.py    SSE framing and client disconnects
     tokenization.py prompts, chat templates, token strings
-    protocol.py     the OpenAI wire format (pydantic)
+    protocol/       the OpenAI wire format (pydantic), by endpoint
     metrics.py      Prometheus metrics          errors.py  OpenAI-shaped errors
 """
 

@@ -138,6 +138,18 @@ TINY_CONFIGS = {
 }
 
 
+def set_use_triton(model: nn.Module, enabled: bool | None) -> None:
+    """Force the torch reference (False) or the Triton kernels (True) on every norm, activation and rotary module
+    of ``model``; None: by device (``engine.models.fused_path``)."""
+    from engine.models.activation import SiluAndMul
+    from engine.models.norm import RMSNorm
+    from engine.models.rotary import RotaryEmbedding
+
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
+            module.use_triton = enabled
+
+
 def spread_weights(model: torch.nn.Module) -> None:
     """Replace HF's tiny init with weights that make every block matter in the logits."""
     gen = torch.Generator().manual_seed(1)
@@ -182,7 +194,7 @@ def record_image_cuts(scheduler) -> list:
     def recording_schedule():
         out = schedule()
         for rid in out.num_scheduled_tokens:
-            request = scheduler.requests[rid]
+            request = scheduler.get_request(rid)
             end = request.num_computed_tokens  # after this step
             cuts.extend(mm for mm in request.mm_inputs if mm.offset < end < mm.end)
         return out

@@ -382,7 +382,7 @@ def _warmed_alike(counts: list[int], n: int, threshold: int) -> bool:
 def test_warm_up_token_counts_meet_every_kind_of_step(limit, data):
     """Start-up's step sizes include, for any step size and any switch by token count, one on the same side of
     the switch that Triton compiles alike: no step can bring a kernel variant start-up did not compile."""
-    from engine.worker.model_runner import warm_up_token_counts
+    from engine.worker.dummy_steps import warm_up_token_counts
 
     counts = warm_up_token_counts(limit)
     assert counts == sorted(set(counts)) and 1 <= counts[0] and counts[-1] == limit
@@ -394,7 +394,7 @@ def test_warm_up_token_counts_meet_every_kind_of_step(limit, data):
 
 @pytest.mark.parametrize("limit", [200, 300])  # budgets past a power of two: switches between it and them
 def test_warm_up_token_counts_every_step_and_switch(limit):
-    from engine.worker.model_runner import warm_up_token_counts
+    from engine.worker.dummy_steps import warm_up_token_counts
 
     counts = warm_up_token_counts(limit)
     missed = [(n, t) for n in range(1, limit + 1) for t in range(1, limit + 2) if not _warmed_alike(counts, n, t)]

@@ -22,7 +22,7 @@ from engine.loading.loader import load_model
 from engine.loading.model_config import ModelConfig
 from engine.models import fp8
 from kvcache.paged_cache import PagedKVCache
-from tests.helpers import PagedRunner, save_checkpoint, save_tiny_model
+from tests.helpers import PagedRunner, save_checkpoint, save_tiny_model, set_use_triton
 from tests.test_engine import make_prompts
 
 pytest.register_assert_rewrite("tests.server_helpers")
@@ -291,7 +291,7 @@ def test_fp8_block_checkpoint_loads_as_stored_and_matches_its_dequantized_weight
     model = load_model(config, torch.float32, "cpu")
     stored = load_file(fp8_dir / "model.safetensors")
     qkv = model.model.layers[1].self_attn.qkv_proj
-    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.fp8_block == (128, 128)
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.method.block == (128, 128)
     k_rows = qkv.shard_slices["k_proj"]
     assert torch.equal(qkv.weight[k_rows].view(torch.uint8),
                        stored["model.layers.1.self_attn.k_proj.weight"].view(torch.uint8))
@@ -353,7 +353,6 @@ def stand_in_for_cublas(monkeypatch) -> list[tuple[int, bool]]:
     """cuBLAS's block-scaled product stood in for by float32 arithmetic on the same operands (its layout checked),
     so that the decoder's FP8-input wiring runs on the CPU; returns the list each product appends (tokens, whether
     the channel scales were left to the caller) to."""
-    from engine.models.layers import Fp8Weights
     from kvcache.paged_cache import fp8_to_float32
 
     products = []
@@ -367,23 +366,18 @@ def stand_in_for_cublas(monkeypatch) -> list[tuple[int, bool]]:
         products.append((num_rows, deferred))
         return (out, channel_scales) if deferred else ((out.float() * channel_scales).to(dtype), None)
 
-    def matmul(self, x, bias):
-        return fp8.fp8_linear(x, self.weight, self.weight_scale_inv, bias, self.fp8_block,
-                              cublas_scales=self._kept("_cublas_scales"))
-
     monkeypatch.setattr(fp8, "fp8_gemm_available", lambda device: True)
     monkeypatch.setattr(fp8, "cublas_weight_scales", lambda weight, scale, block: scale)
     monkeypatch.setattr(fp8, "_cublas_product", cublas_stand_in)
-    monkeypatch.setattr(Fp8Weights, "matmul", matmul)
     return products
 
 
 def run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused: bool, **options):
     """Greedy tokens and logprobs of ``prompts`` with FP8 weights, the layers taking inputs quantized by the kernels
     before them (``fused``) or quantizing them themselves."""
-    from engine.models.layers import Fp8Weights, set_use_triton
+    from engine.models.linear import Fp8LinearMethod
 
-    monkeypatch.setattr(Fp8Weights, "takes_fp8_input", property(lambda self: fused and self.is_fp8))
+    monkeypatch.setattr(Fp8LinearMethod, "takes_fp8_input", lambda self, layer: fused)
     llm = LLM(str(model_dir), dtype="float32", max_model_len=512, quantization="fp8", num_kvcache_blocks=128,
               **options)
     set_use_triton(llm.engine.runner.model, True)
@@ -414,14 +408,15 @@ def test_projections_taking_inputs_quantized_by_norms_and_swiglu_compute_the_sam
         config = transformers.Qwen3MoeConfig(**{**BLOCK_CONFIG, "intermediate_size": 384}, moe_intermediate_size=128,
                                              num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
                                              mlp_only_layers=[1])
-    from engine.models.layers import RMSNorm
+    from engine.models.linear import LinearOutput
+    from engine.models.norm import RMSNorm
 
     norms_given_scales = []  # per norm call in the fused run: whether it applied a product's column scales
     norm_forward = RMSNorm.forward
 
-    def spy(self, x, residual=None, fp8_out=False, column_scales=None):
-        norms_given_scales.append(column_scales is not None)
-        return norm_forward(self, x, residual, fp8_out, column_scales)
+    def spy(self, x, residual=None, fp8_out=False):
+        norms_given_scales.append(isinstance(x, LinearOutput) and x.column_scales is not None)
+        return norm_forward(self, x, residual, fp8_out)
 
     monkeypatch.setattr(RMSNorm, "forward", spy)
     model_dir = save_checkpoint(config, tmp_path)

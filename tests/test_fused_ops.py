@@ -1,4 +1,5 @@
-"""Fused Triton ops (norms, rope, SwiGLU) against the torch code of ``engine.models.layers``, the reference.
+"""Fused Triton ops (norms, rope, SwiGLU) against the torch code of ``engine.models`` (norm, rotary, activation), the
+reference.
 
 On a GPU they run as compiled kernels on CUDA tensors. Without one they run in Triton's
 interpreter on CPU tensors (``TRITON_INTERPRET=1``, which conftest sets on hosts without CUDA).
@@ -19,9 +20,12 @@ pytest.importorskip("triton")
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from engine.loading.loader import load_model  # noqa: E402
 from engine.loading.model_config import ModelConfig  # noqa: E402
-from engine.models.layers import RMSNorm, SiluAndMul, get_rope, set_use_triton  # noqa: E402
+from engine.models.activation import SiluAndMul  # noqa: E402
+from engine.models.linear import LinearOutput  # noqa: E402
+from engine.models.norm import RMSNorm  # noqa: E402
+from engine.models.rotary import get_rope  # noqa: E402
 from engine.ops import fused as fused_ops  # noqa: E402
-from tests.helpers import VOCAB, PagedRunner, save_tiny_model  # noqa: E402
+from tests.helpers import VOCAB, PagedRunner, save_tiny_model, set_use_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -104,10 +108,8 @@ def test_fused_add_rms_norm_matches_torch(dtype, hidden_size):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_slices", [2, 3])
 def test_fused_add_rms_norm_adds_partial_products_first(dtype, num_slices):
-    """Partial products of K's slices ([slices, tokens, hidden], ``layers.PartialSums``) give what the norm gives on
-    their sum rounded once, and the module takes them on either path."""
-    from engine.models.layers import PartialSums
-
+    """Partial products of K's slices ([slices, tokens, hidden], ``LinearOutput.partials``) give what the norm gives
+    on their sum rounded once, and the module takes them on either path."""
     norm = _torch_norm(576, dtype, seed=9)
     slices = torch.stack([_randn(6, 576, dtype=dtype, seed=10 + i) for i in range(num_slices)])
     residual = _randn(6, 576, dtype=dtype, seed=20)
@@ -116,14 +118,14 @@ def test_fused_add_rms_norm_adds_partial_products_first(dtype, num_slices):
     out, new_residual = fused_ops.fused_add_rms_norm(slices, residual, norm.weight, norm.eps)
     _assert_matches(new_residual, ref_residual)
     _assert_matches(out, ref_out)
-    torch_out, torch_residual = norm(PartialSums(slices), residual)
+    torch_out, torch_residual = norm(LinearOutput(slices[0], partials=slices), residual)
     torch.testing.assert_close(torch_out, ref_out, atol=0, rtol=0)
     torch.testing.assert_close(torch_residual, ref_residual, atol=0, rtol=0)
     norm.use_triton = True
-    got_out, got_residual = norm(PartialSums(slices), residual)
+    got_out, got_residual = norm(LinearOutput(slices[0], partials=slices), residual)
     _assert_matches(got_out, ref_out)
     _assert_matches(got_residual, ref_residual)
-    _assert_matches(norm(PartialSums(slices)), norm(whole))  # without a residual: added up first
+    _assert_matches(norm(LinearOutput(slices[0], partials=slices)), norm(whole))  # without a residual: added up first
 
 
 def test_rms_norm_module_uses_the_kernel_on_3d_views():
@@ -207,20 +209,18 @@ def test_silu_and_mul_matches_torch(dtype, inter_size):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_slices", [2, 3])
 def test_silu_and_mul_adds_partial_products_first(dtype, num_slices):
-    """Partial products of gate|up ([slices, tokens, 2 * inter], ``layers.PartialSums``) give the SwiGLU of their sum
-    rounded once, plain and as an FP8 linear's input, and the module takes them on either path."""
-    from engine.models.layers import PartialSums
-
+    """Partial products of gate|up ([slices, tokens, 2 * inter], ``LinearOutput.partials``) give the SwiGLU of their
+    sum rounded once, plain and as an FP8 linear's input, and the module takes them on either path."""
     slices = torch.stack([_randn(5, 2 * 384, dtype=dtype, seed=30 + i, scale=2.0) for i in range(num_slices)])
     whole = slices.float().sum(0).to(dtype)
     torch_path = SiluAndMul()
     torch_path.use_triton = False
     ref = torch_path(whole)
     _assert_matches(fused_ops.silu_and_mul(slices), ref)
-    assert torch.equal(torch_path(PartialSums(slices)), ref)
+    assert torch.equal(torch_path(LinearOutput(slices[0], partials=slices)), ref)
     fused_path = SiluAndMul()
     fused_path.use_triton = True
-    _assert_matches(fused_path(PartialSums(slices)), ref)
+    _assert_matches(fused_path(LinearOutput(slices[0], partials=slices)), ref)
     values, scales = fused_ops.silu_and_mul_fp8(slices)
     want_values, want_scales = fused_ops.silu_and_mul_fp8(whole)
     if dtype != torch.bfloat16 or DEVICE == "cuda":  # the interpreter truncates the sum's rounding to bfloat16
@@ -254,8 +254,9 @@ def test_fp8_outputs_are_what_the_linear_would_quantize(dtype, num_tokens, swigl
     ordinary output with ``fp8_kernels.quantize_rows`` (SwiGLU's bit for bit), the padding rows zeros, the residual
     sum unchanged."""
     from engine.ops import fp8 as fp8_kernels
+    from engine.ops.fused import activation
 
-    monkeypatch.setattr(fused_ops, "_SWIGLU_ROWS_FROM", swiglu_rows_from)
+    monkeypatch.setattr(activation, "_SWIGLU_ROWS_FROM", swiglu_rows_from)
 
     hidden, inter = 384, 640  # 3 and 5 groups of 128; SwiGLU's columns in blocks of 1024, so one partial block
     x = _strided_rows(num_tokens, hidden, dtype, seed=21, scale=2.0)
@@ -287,7 +288,7 @@ def test_fp8_outputs_are_what_the_linear_would_quantize(dtype, num_tokens, swigl
     torch_norm = RMSNorm(hidden, 1e-5).to(dtype)
     torch_norm.weight.data.copy_(weight)
     torch_norm.use_triton = False
-    got = torch_norm(x, residual, column_scales=hidden_scales)
+    got = torch_norm(LinearOutput(x, column_scales=hidden_scales), residual)
     want = torch_norm((x.float() * hidden_scales).to(dtype), residual)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     gate_up = _strided_rows(num_tokens, 2 * inter, dtype, seed=24, scale=3.0)
@@ -304,7 +305,7 @@ def test_fp8_outputs_are_what_the_linear_would_quantize(dtype, num_tokens, swigl
     assert _same_bits(values, want_values) and torch.equal(scales, want_scales)
     torch_path = SiluAndMul()
     torch_path.use_triton = False
-    _assert_matches(torch_path(gate_up, column_scales=column_scales), torch_path(scaled))
+    _assert_matches(torch_path(LinearOutput(gate_up, column_scales=column_scales)), torch_path(scaled))
     with pytest.raises(ValueError, match="multiple of 128"):
         fused_ops.rms_norm_fp8(x[:, :320], weight[:320], 1e-5)
 
@@ -400,7 +401,7 @@ def test_decode_products_split_along_k_give_the_whole_products_logits(use_triton
     product; prompts longer than the decode sizes stay whole."""
     import transformers
 
-    from engine.models import layers
+    from engine.models.linear import decode_k_split_summary, unquantized
     from tests.helpers import SMALL_CONFIG, save_checkpoint
 
     config = transformers.Qwen3Config(**{**SMALL_CONFIG, "hidden_size": 128, "intermediate_size": 256}, head_dim=32,
@@ -410,9 +411,9 @@ def test_decode_products_split_along_k_give_the_whole_products_logits(use_triton
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (19, 250, 12)]
     steps = [[(0, prompts[0][:-1])], [(0, prompts[0][-1:]), (1, prompts[1]), (2, prompts[2])]]
     outputs, made = {}, []
-    real_partial_products = layers.DecodeKSplit.partial_products
-    monkeypatch.setattr(layers.DecodeKSplit, "partial_products", lambda self, x: made.append(
-        (self.k_slices, tuple(self.weight.shape), x.shape[0])) or real_partial_products(self, x))
+    real_k_slice_products = unquantized.k_slice_products
+    monkeypatch.setattr(unquantized, "k_slice_products", lambda x, weight, slices: made.append(
+        (slices, tuple(weight.shape), x.shape[0])) or real_k_slice_products(x, weight, slices))
     qkv, o, gate_up, down = (256, 128), (128, 128), (512, 128), (128, 256)  # the weights, [out, in]
     cases = {  # setting: (slices, weight) of each product cut, in layer order, both layers
         "0": [],
@@ -432,7 +433,7 @@ def test_decode_products_split_along_k_give_the_whole_products_logits(use_triton
         made.clear()
         model = load_model(ModelConfig.from_pretrained(path), torch.float32, DEVICE)
         set_use_triton(model, use_triton)
-        assert layers.decode_k_split_summary(model) == summaries[setting]  # the start-up log's line
+        assert decode_k_split_summary(model) == summaries[setting]  # the start-up log's line
         runner = PagedRunner(model)
         if use_triton:
             for layer in model.attention_layers():
@@ -447,28 +448,28 @@ def test_decode_products_split_along_k_give_the_whole_products_logits(use_triton
 
 
 def test_decode_k_split_setting_is_checked(monkeypatch):
-    from engine.models import layers
+    from engine.models.linear import ksplit
 
     monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "4")
-    assert [layers.decode_k_slices(p, 1024) for p in ("qkv", "o", "gate_up", "down")] == [4, 4, 4, 4]
-    assert layers.decode_k_slices("o", 192) == 1  # 4 slices of 48 columns: left whole
+    assert [ksplit.decode_k_slices(p, 1024) for p in ("qkv", "o", "gate_up", "down")] == [4, 4, 4, 4]
+    assert ksplit.decode_k_slices("o", 192) == 1  # 4 slices of 48 columns: left whole
     monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "o=4,down=8")
-    assert [layers.decode_k_slices(p, 1024) for p in ("qkv", "o", "gate_up", "down")] == [1, 4, 1, 8]
+    assert [ksplit.decode_k_slices(p, 1024) for p in ("qkv", "o", "gate_up", "down")] == [1, 4, 1, 8]
     for bad, match in (("two", "'two' is not a product"), ("o=2,q=2", "'q' is not a product"),
                        ("o=2,o=4", "'o' is not a product .* or is named twice"), ("down=17", "got '17' for down"),
                        ("gate_up=", "got '' for gate_up")):
         monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", bad)
         with pytest.raises(ValueError, match=match):
-            layers.decode_k_slices("o", 1024)
+            ksplit.decode_k_slices("o", 1024)
     with pytest.raises(ValueError, match="no K-split for product 'lm_head'"):
-        layers.decode_k_slices("lm_head", 1024)
+        ksplit.decode_k_slices("lm_head", 1024)
 
 
 def test_decode_k_split_by_default_cuts_o_and_down_to_fill_the_gpu(monkeypatch):
     """``auto`` (the default): on a GPU, products whose K is at least their width get the most slices (a power of
     two up to 4) that keep ~2 x width / 128 output tiles times the slices within the SM count: the counts measured
     best on an H100 (132 SMs) for both benchmark shapes. Nothing is cut on the CPU."""
-    from engine.models import layers
+    from engine.models.linear import ksplit
 
     monkeypatch.delenv("MINIVLLM_DECODE_KSPLIT", raising=False)
     sms = {"count": 132}
@@ -479,44 +480,72 @@ def test_decode_k_split_by_default_cuts_o_and_down_to_fill_the_gpu(monkeypatch):
         "qkv": ((1024, 4096), (4096, 6144)), "o": ((2048, 1024), (4096, 4096)),
         "gate_up": ((1024, 6144), (4096, 28672)), "down": ((3072, 1024), (14336, 4096)),
     }
-    counts = {p: tuple(layers.decode_k_slices(p, k, n, cuda) for k, n in pair) for p, pair in shapes.items()}
+    counts = {p: tuple(ksplit.decode_k_slices(p, k, n, cuda) for k, n in pair) for p, pair in shapes.items()}
     assert counts == {"qkv": (1, 1), "o": (4, 2), "gate_up": (1, 1), "down": (4, 2)}
-    assert layers.decode_k_slices("o", 2048, 1024, torch.device("cpu")) == 1
-    assert layers.decode_k_slices("o", 2048, 1024) == 1  # no shape and device given: whole
-    assert layers.decode_k_slices("o", 192, 64, cuda) == 1  # 2 slices of 96 columns: not multiples of 64
+    assert ksplit.decode_k_slices("o", 2048, 1024, torch.device("cpu")) == 1
+    assert ksplit.decode_k_slices("o", 2048, 1024) == 1  # no shape and device given: whole
+    assert ksplit.decode_k_slices("o", 192, 64, cuda) == 1  # 2 slices of 96 columns: not multiples of 64
     sms["count"] = 58  # a smaller GPU: the 8B's 64 tiles of o already outnumber its SMs
-    assert layers.decode_k_slices("o", 4096, 4096, cuda) == 1 and layers.decode_k_slices("o", 2048, 1024, cuda) == 2
+    assert ksplit.decode_k_slices("o", 4096, 4096, cuda) == 1 and ksplit.decode_k_slices("o", 2048, 1024, cuda) == 2
     monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "0")
-    assert layers.decode_k_slices("o", 2048, 1024, cuda) == 1
+    assert ksplit.decode_k_slices("o", 2048, 1024, cuda) == 1
+
+
+class _Block(torch.nn.Module):
+    """A decoder block's products as the K-split setting sees them: q|k|v, gate|up and down, each handed on to a
+    kernel that may add partial products (``deferred_products``)."""
+
+    deferred_products = ("qkv_proj", "gate_up_proj", "down_proj")
+
+    def __init__(self, qkv_bias: bool = False):
+        super().__init__()
+        from engine.models.linear import FusedLinear, RowParallelLinear
+
+        self.qkv_proj = FusedLinear(128, {"q_proj": 256, "k_proj": 64, "v_proj": 64}, bias=qkv_bias)
+        self.gate_up_proj = FusedLinear(128, {"gate_proj": 256, "up_proj": 256}, bias=False)
+        self.down_proj = RowParallelLinear(512, 128, bias=False)
+        for param in self.parameters():
+            torch.nn.init.normal_(param, std=0.05)
+
+
+def _slices(layer) -> int:
+    return getattr(layer.method, "k_slices", 1)
 
 
 def test_row_parallel_products_are_not_cut_on_several_ranks(monkeypatch):
     """With tensor parallelism o's and down's partial products are all-reduced whole, so they are never cut along K
     (and the start-up log does not list them); one rank cuts as set."""
     from engine import distributed
-    from engine.models import layers
+    from engine.models.linear import decode_k_split_summary, use_decode_k_split
 
     monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "2")
-    assert layers.RowParallelLinear(512, 128, bias=False, k_split="down").k_slices == 2
+    block = _Block()
+    use_decode_k_split(block)
+    assert _slices(block.down_proj) == 2 and decode_k_split_summary(block).endswith("down: 2 slices")
     monkeypatch.setattr(distributed, "_state", distributed.ParallelState(rank=1, world_size=2))
-    down = layers.RowParallelLinear(512, 128, bias=False, k_split="down")
-    assert down.weight.shape == (128, 256) and down.k_slices == 1
-    assert layers.FusedLinear(128, {"gate_proj": 256, "up_proj": 256}, bias=False, k_split="gate_up").k_slices == 2
+    block = _Block()
+    use_decode_k_split(block)
+    assert block.down_proj.weight.shape == (128, 256) and _slices(block.down_proj) == 1
+    assert _slices(block.gate_up_proj) == 2 and "down" not in decode_k_split_summary(block)
 
 
 def test_start_up_log_lists_only_products_that_are_cut(monkeypatch):
-    """A product with a bias or FP8 weights is never cut, whatever the setting: the start-up log leaves it out."""
-    from engine.models import layers
+    """A product with a bias or FP8 weights is never cut, whatever the setting: the start-up log leaves it out. A
+    cut product comes as partial products at decode sizes only, and from ``forward_deferred`` only."""
+    from engine.models.linear import Fp8LinearMethod, decode_k_split_summary, use_decode_k_split
 
     monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", "2")
-    plain = layers.FusedLinear(128, {"gate_proj": 256, "up_proj": 256}, bias=False, k_split="gate_up")
-    biased = layers.FusedLinear(128, {"q_proj": 256, "k_proj": 64, "v_proj": 64}, bias=True, k_split="qkv")
-    fp8 = layers.RowParallelLinear(256, 128, bias=False, k_split="down")
-    fp8.weight.data = fp8.weight.data.to(torch.float8_e4m3fn)
-    model = torch.nn.ModuleList([plain, biased, fp8])
-    assert layers.decode_k_split_summary(model) == "gate_up: 2 slices"
+    block = _Block(qkv_bias=True)
+    block.down_proj.set_method(Fp8LinearMethod())
+    use_decode_k_split(block)
+    assert decode_k_split_summary(block) == "gate_up: 2 slices"
     x = torch.randn(3, 128)
-    assert plain.splits_along_k(x) and not biased.splits_along_k(x) and not fp8.splits_along_k(torch.randn(3, 256))
+    assert block.gate_up_proj.forward_deferred(x).partials.shape == (2, 3, 512)
+    assert block.gate_up_proj.forward_deferred(torch.randn(257, 128)).partials is None  # past the decode sizes
+    assert block.gate_up_proj.forward_deferred(x, partials_ok=False).partials is None
+    assert block.qkv_proj.forward_deferred(x).partials is None
+    torch.testing.assert_close(block.gate_up_proj.forward_deferred(x).finished(), block.gate_up_proj(x))
+
 
 def test_host_integer_helpers_match_tritons():
     """The launch-sizing helpers give what triton.cdiv and triton.next_power_of_2 give, on every size a launch meets

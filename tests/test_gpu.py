@@ -197,8 +197,8 @@ def test_fp8_inputs_quantized_by_norms_and_swiglu_agree_with_separate_kernels(nu
 
     from engine.loading import fp8_weights
     from engine.models import fp8
-    from engine.models.layers import Fp8Weights, RMSNorm
     from engine.models.llama import LlamaMLP
+    from engine.models.norm import RMSNorm
 
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -211,23 +211,25 @@ def test_fp8_inputs_quantized_by_norms_and_swiglu_agree_with_separate_kernels(nu
 
     def run():
         h, new_residual = norm(x, residual, fp8_out=mlp.takes_fp8_input)
-        return mlp(h), new_residual, isinstance(h, fp8.Fp8Activation)
+        return mlp(h).finished(), new_residual, isinstance(h, fp8.Fp8Activation)
 
     got, got_residual, fused = run()
     # From 256 tokens down's channel scales are left to the next add-norm, which gives what applying them gives.
     h, new_residual = norm(x, residual, fp8_out=True)
-    out, column_scales = mlp.forward_deferring_scales(h)
-    assert (column_scales is not None) == (num_tokens >= fp8.block_scales_min_rows(512))
+    act = mlp.act_fn(mlp.gate_up_proj.forward_deferred(h), fp8_out=True)
+    out = mlp.down_proj.forward_deferred(act)
+    assert (out.column_scales is not None) == (num_tokens >= fp8.block_scales_min_rows(512))
     for fp8_out in (False, True):
-        deferred = norm(out, new_residual, fp8_out=fp8_out, column_scales=column_scales)
-        applied = norm(mlp(h), new_residual, fp8_out=fp8_out)
+        deferred = norm(out, new_residual, fp8_out=fp8_out)
+        applied = norm(mlp.down_proj(act), new_residual, fp8_out=fp8_out)
         assert torch.equal(deferred[1], applied[1])
         if fp8_out:
             assert torch.equal(deferred[0].values.view(torch.uint8), applied[0].values.view(torch.uint8))
             assert torch.equal(deferred[0].scales, applied[0].scales)
         else:
             assert torch.equal(deferred[0], applied[0])
-    monkeypatch.setattr(Fp8Weights, "takes_fp8_input", property(lambda self: False))
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        monkeypatch.setattr(layer, "takes_fp8_input", False)
     want, want_residual, unfused = run()
     assert fused and not unfused
     assert torch.equal(got_residual, want_residual)
@@ -244,9 +246,11 @@ def test_rope_fused_into_the_kv_write_matches_rope_then_write(fp8_cache, qk_norm
     write. As the engine calls it, bit for bit. The FP8 write kernel roping q and K itself (``fuse_rope``): V and
     its scales bit for bit, K's rotation summed as two dots may put a rare value one float8 step away and the
     rotated queries one bf16 rounding away."""
-    from engine.models.layers import RMSNorm, get_rope
+    from engine.models.norm import RMSNorm
+    from engine.models.rotary import get_rope
     from engine.ops import fused as fused_ops
     from engine.ops.attention import write_paged_kv
+    from engine.ops.attention.kv_write import _launch_write
     from engine.ops.fp8 import scale_columns_
 
     heads, kv_heads, head_dim, block = 32, 8, 128, 16
@@ -280,8 +284,8 @@ def test_rope_fused_into_the_kv_write_matches_rope_then_write(fp8_cache, qk_norm
             caches, scales = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)], None
         if variant != "reference":
             q, k, v = split(qkv)
-            q_out = write_paged_kv(k, v, *caches, slots, scales, q=q, rope=pending,
-                                   fuse_rope=True if variant == "fused" else None)
+            q_out = _launch_write(k, v, *caches, slots, scales, q=q, rope=pending,
+                                  fuse_rope=True if variant == "fused" else None)
         else:
             q, k, v = split(scale_columns_(qkv.clone(), column_scales))
             if qk_norm:
@@ -408,7 +412,7 @@ def test_no_kernel_compiles_after_start_up(tmp_path, fp8):
     256 and 1,024 tokens) compiles nothing new. With FP8 weights and KV cache on a shape whose products take
     FP8 inputs (cuBLAS's block scaling) and defer their column scales."""
     from engine.models import fp8 as fp8_module
-    from engine.ops import fused as fused_ops
+    from engine.ops.fused import activation
 
     # cuBLAS's block scaling takes inner sizes of 4 x 128 columns and more.
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
@@ -419,9 +423,9 @@ def test_no_kernel_compiles_after_start_up(tmp_path, fp8):
               max_num_batched_tokens=2048, **options)
     if fp8:
         assert llm.engine.runner.model.model.layers[0].mlp.gate_up_proj.takes_fp8_input
-    assert fused_ops._SWIGLU_ROWS_FROM < 2048 and fp8_module.BLOCK_SCALES_MIN_ROWS < 1000
+    assert activation._SWIGLU_ROWS_FROM < 2048 and fp8_module.BLOCK_SCALES_MIN_ROWS < 1000
     kernels = _engine_kernels()
-    assert {"fused._rope_kernel", "fused._silu_and_mul_kernel", "fused._rms_norm_kernel"} <= {
+    assert {"fused.rope._rope_kernel", "fused.activation._silu_and_mul_kernel", "fused.norm._rms_norm_kernel"} <= {
         name.removeprefix("engine.ops.") for name in kernels}
     before = {name: _compiled_variants(k) for name, k in kernels.items()}
     # Alone and chunked at 2,048 next to decodes: 1,0xx-token steps (not multiples of 16), 300-900, under 256.
@@ -433,60 +437,6 @@ def test_no_kernel_compiles_after_start_up(tmp_path, fp8):
     after = {name: _compiled_variants(k) for name, k in kernels.items()}
     assert {name: after[name] - before[name] for name in kernels if after[name] != before[name]} == {}
     llm.engine.close()
-
-
-@pytest.mark.parametrize("settings", [{"MINIVLLM_PDL": "on"}, {"MINIVLLM_PDL": "early", "MINIVLLM_L2_PREFETCH": "1"}],
-                         ids=["pdl", "pdl-early-and-l2-prefetch"])
-def test_launch_options_give_plain_launches_tokens(tmp_path, monkeypatch, settings):
-    """Programmatic dependent launch (``MINIVLLM_PDL``) and weights asked of the L2 (``MINIVLLM_L2_PREFETCH``), in
-    eager steps and CUDA-graph replays, give the greedy tokens of plain launches: a 16-bit cache, and FP8 weights
-    and KV. The kernels that ran carry the launch attribute and the prefetches."""
-    from engine.ops import attention as triton_kernels
-    from engine.ops import fused as fused_ops
-    from engine.ops import l2_prefetch, pdl
-
-    config = TINY_CONFIGS["qwen3"]()
-    config.max_position_embeddings = 1024  # room for the 700-token prompt and its 40 tokens
-    model_dir = save_checkpoint(config, tmp_path)
-    prompts = _prompts(VOCAB, [5, 150, 40, 90, 12, 200, 700, 1])
-
-    def greedy(env: dict, **options) -> list[list[int]]:
-        for name in ("MINIVLLM_PDL", "MINIVLLM_L2_PREFETCH"):
-            monkeypatch.setenv(name, env.get(name, "off"))
-        pdl.reread_env()
-        l2_prefetch.reread_env()
-        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=1024, num_kvcache_blocks=512,
-                  max_num_batched_tokens=256, **options)
-        try:
-            assert llm.engine.runner.graphs is not None
-            return _greedy(llm, prompts, 40)
-        finally:
-            llm.engine.close()
-
-    # The kernels before the products: before q|k|v, gate|up and down; before o (decode attention, its merge).
-    kernels = {"mlp": (fused_ops._rms_norm_kernel, fused_ops._silu_and_mul_kernel),
-               "attention": (triton_kernels._decode_split_kernel, triton_kernels._decode_split_fp8_kernel,
-                             triton_kernels._decode_merge_kernel)}
-
-    def compiled() -> dict:
-        return {(group, i, key): k for group, members in kernels.items() for i, kernel in enumerate(members)
-                for entry in kernel.device_caches.values() for key, k in entry[0].items()}
-
-    before = compiled()
-    try:
-        for options in ({}, dict(kv_cache_dtype="fp8", quantization="fp8")):
-            plain = greedy({}, **options)
-            assert greedy(settings, **options) == plain, options
-    finally:
-        monkeypatch.undo()
-        pdl.reread_env()  # later tests launch as the environment says
-        l2_prefetch.reread_env()
-    new = {key: k for key, k in compiled().items() if key not in before}  # this test's variants: the settings'
-    for group in kernels:
-        ran = [k for key, k in new.items() if key[0] == group]
-        assert any(k.metadata.launch_pdl for k in ran) == ("MINIVLLM_PDL" in settings), group
-        assert any("cp.async.bulk.prefetch.L2" in k.asm["ptx"] for k in ran) == (
-            "MINIVLLM_L2_PREFETCH" in settings), group
 
 
 def test_steps_never_synchronize_the_stream(tmp_path):
@@ -516,7 +466,7 @@ def test_decode_products_split_along_k_under_cuda_graphs_give_the_same_tokens(tm
     slices, added by the KV-cache write, add-norm and SwiGLU kernels that read them) and the default ``auto`` (o and
     down only here, whose K is at least their width) in CUDA-graph replays give the greedy tokens of whole products
     (float32)."""
-    from engine.models import layers
+    from engine.models.linear import unquantized
     from tests.helpers import SMALL_CONFIG
 
     config = transformers.Qwen3Config(**{**SMALL_CONFIG, "hidden_size": 128, "intermediate_size": 256}, head_dim=32,
@@ -524,9 +474,9 @@ def test_decode_products_split_along_k_under_cuda_graphs_give_the_same_tokens(tm
     model_dir = save_checkpoint(config, tmp_path)
     prompts = _prompts(VOCAB)
     made = {}
-    real_partial_products = layers.DecodeKSplit.partial_products
-    monkeypatch.setattr(layers.DecodeKSplit, "partial_products", lambda self, x: made[setting].add(
-        (tuple(self.weight.shape), self.k_slices)) or real_partial_products(self, x))
+    real_k_slice_products = unquantized.k_slice_products
+    monkeypatch.setattr(unquantized, "k_slice_products", lambda x, weight, slices: made[setting].add(
+        (tuple(weight.shape), slices)) or real_k_slice_products(x, weight, slices))
     tokens = {}
     for setting in ("0", "2", "auto"):
         monkeypatch.setenv("MINIVLLM_DECODE_KSPLIT", setting)

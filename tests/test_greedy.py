@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.ops.greedy import argmax_rows, greedy_tokens
+from engine.ops.greedy import _launch_greedy, argmax_rows, greedy_tokens
 
 
 @settings(max_examples=25, deadline=None)
@@ -20,7 +20,7 @@ def test_the_tokens_are_torch_argmaxs_ties_included(rows, vocab, block, dtype, l
     gen = torch.Generator().manual_seed(seed)
     wide = torch.randint(0, levels, (rows, vocab + (5 if padded else 0)), generator=gen).to(dtype)
     logits = wide[:, :vocab]
-    assert torch.equal(greedy_tokens(logits, block=block), logits.argmax(dim=-1))
+    assert torch.equal(_launch_greedy(logits, block=block), logits.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -31,7 +31,7 @@ def test_infinities_and_nan(dtype):
     logits[1, 260] = float("inf")  # two +inf: the first
     logits[2, 77] = float("nan")  # NaN wins over every number, as in torch
     logits[3, 10:] = float("-inf")
-    got = greedy_tokens(logits, block=128)
+    got = _launch_greedy(logits, block=128)
     assert got.tolist() == logits.argmax(dim=-1).tolist() == [0, 250, 77, int(logits[3, :10].float().argmax())]
     assert got.dtype == torch.int64
 
@@ -46,7 +46,7 @@ def test_the_sampler_takes_torchs_argmax_where_the_kernels_do_not_run(monkeypatc
         raise AssertionError("the kernels ran on CPU logits")
 
     monkeypatch.setenv("MINIVLLM_GREEDY_ARGMAX", "kernel")
-    monkeypatch.setattr(greedy, "greedy_tokens", no_kernels)
+    monkeypatch.setattr(greedy, "_launch_greedy", no_kernels)
     logits = torch.randn(3, 300)
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
     column_major = torch.randn(300, 3).t()

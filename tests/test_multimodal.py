@@ -219,7 +219,7 @@ def test_encoder_cache_frees_what_it_holds(llm):
     ids, mm = llm._images().process_text("USER: <image> <image> <image> <image> the end", pictures[:4])
     engine.add_request("aborted", ids, GREEDY, mm_inputs=mm)
     engine.step()  # 64 tokens: three images passed (let go of), the fourth cut
-    assert mm[3].offset < engine.scheduler.requests["aborted"].num_computed_tokens < mm[3].end
+    assert mm[3].offset < engine.scheduler.get_request("aborted").num_computed_tokens < mm[3].end
     assert cache.num_entries == 1 and mm[3].content_hash in cache and mm[3].content_hash in engine.runner.encoder_cache
     engine.abort_requests(["aborted"])
     llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=1), use_tqdm=False)
@@ -445,7 +445,7 @@ def test_the_dashboard_marks_the_blocks_holding_image_tokens(llm):
     ids, mm = llm._images().process_text("USER: two pictures <image> and <image> thanks", [image(60, 30, 30),
                                                                                           image(61, 33, 20)])
     engine.add_request("marked", ids, GREEDY, mm_inputs=mm)
-    while engine.scheduler.requests["marked"].num_computed_tokens < len(ids):
+    while engine.scheduler.get_request("marked").num_computed_tokens < len(ids):
         engine.step()
     bs = engine.kv_manager.block_size
     table = engine.kv_manager.get_block_ids("marked")

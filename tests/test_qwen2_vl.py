@@ -29,7 +29,8 @@ from engine.loading.model_config import ModelConfig
 from engine.loading.model_info import RequestError
 from engine.loading.mrope import mrope_positions
 from engine.loading.multimodal import MultiModalProcessor
-from engine.models.layers import RMSNorm, get_rope
+from engine.models.norm import RMSNorm
+from engine.models.rotary import get_rope
 from tests.helpers import PagedRunner, record_image_cuts, spread_weights
 from tests.helpers import random_image as image
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestGroup, RequestStatus
 from engine.core.scheduler import Scheduler
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from kvcache.manager import KVCacheManager
 
@@ -28,7 +28,7 @@ def run_step(sched: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list]:
     """Schedule, then 'sample' ``token`` for every request whose known tokens are all computed."""
     out = sched.schedule()
     # A request samples when the step computes its last known token: it then holds a placeholder.
-    sampled = [rid for rid in out.num_scheduled_tokens if sched.requests[rid].num_placeholders > 0]
+    sampled = [rid for rid in out.num_scheduled_tokens if sched.get_request(rid).num_placeholders > 0]
     events = sched.update_from_output(out, ModelRunnerOutput(sampled, [token] * len(sampled)))
     sched.kv.check_invariants()
     return out, events
@@ -43,7 +43,7 @@ def test_prefill_is_chunked_by_the_token_budget_then_decodes():
         counts.append(out.num_scheduled_tokens["a"])
     # 70 prompt tokens in chunks of 32, 32, 6; the last chunk samples, then a 1-token decode.
     assert counts == [32, 32, 6, 1]
-    assert sched.requests["a"].num_output_tokens == 2
+    assert sched.get_request("a").num_output_tokens == 2
 
 
 def test_one_step_mixes_decodes_and_a_new_prefill_within_the_budget():
@@ -111,7 +111,7 @@ def test_preemption_frees_the_newest_request_and_it_resumes_with_its_tokens():
     out, _ = run_step(sched)  # each needs a new block: 'new' is preempted so 'old' can go on
     assert out.num_preempted == 1
     assert sched.num_preemptions_total == 1
-    preempted = sched.requests["new"]
+    preempted = sched.get_request("new")
     assert preempted.status == RequestStatus.WAITING and preempted.num_computed_tokens == 0
     assert preempted.output_token_ids == [7]  # its generated token is kept
     assert "new" in out.freed_request_ids  # the runner is told to drop its state
@@ -172,3 +172,31 @@ def test_duplicate_request_id_is_rejected():
     sched.add_request(make_request("x", 3))
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(make_request("x", 3))
+
+
+def test_a_group_holds_its_seats_reports_instead_of_appending_and_ends_with_its_last_request():
+    """A beam search's requests (one RequestGroup): once its first is admitted the group holds its width in seats;
+    their tokens go back to their coordinator as logprobs, not into the requests; forks share the parent's
+    blocks; when the last one is dropped its seats are free again."""
+    sched = make_scheduler(max_seqs=3)
+    group = RequestGroup("g", width=2)
+    first = make_request("g#0", 20)
+    first.group = group
+    for request in (first, make_request("a", 10, first_token=300), make_request("b", 10, first_token=400)):
+        sched.add_request(request)
+    out = sched.schedule()
+    assert set(out.num_scheduled_tokens) == {"g#0", "a"}  # two seats for the group, one for "a": "b" waits
+    entry = Logprobs(7, -0.1, 1, [7, 8], [-0.1, -2.0])
+    sched.update_from_output(out, ModelRunnerOutput(["g#0", "a"], [7, 9], logprobs={"g#0": entry}))
+    assert sched.take_group_reports() == [(first, entry)] and first.output_token_ids == []
+    child = sched.fork_request(first, "g#1", 8)
+    sched.append_chosen_token(first, 7)
+    assert child.group is group and child.all_token_ids == first.prompt_token_ids + [8]
+    assert sched.kv.get_block_ids("g#1")[:1] == sched.kv.get_block_ids("g#0")[:1]  # the full block is shared
+    assert "b" not in sched.schedule().num_scheduled_tokens  # three running: no seat for "b"
+    sched.drop_request(first)
+    sched.drop_request(child)
+    assert sched.get_request("g#0") is None and sched.get_request("g#1") is None
+    out = sched.schedule()
+    assert "b" in out.num_scheduled_tokens and {"g#0", "g#1"} <= out.freed_request_ids
+    sched.kv.check_invariants()

@@ -25,14 +25,18 @@ pytest.importorskip("triton")
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend, write_kv  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from engine.ops import attention as triton_kernels  # noqa: E402
 from engine.ops.attention import (  # noqa: E402
+    PagedAttention,
     choose_num_splits,
     compile_variants,
     paged_decode_attention,
     paged_prefill_attention,
     write_paged_kv,
 )
+from engine.ops.attention import decode as decode_module  # noqa: E402
+from engine.ops.attention.decode import _launch_decode  # noqa: E402
+from engine.ops.attention.kv_write import _launch_write  # noqa: E402
+from engine.ops.attention.prefill import _launch_prefill  # noqa: E402
 from kvcache.paged_cache import quantize_fp8, rotate_heads  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -107,10 +111,16 @@ def make_case(seed: int, reqs: list, num_kv_heads: int, group: int, head_dim: in
     return Case(q.to(DEVICE), k, v, k_cache, v_cache, meta, 1.0 / math.sqrt(head_dim), padding_rows)
 
 
+def attend(backend, q, k, v, k_cache, v_cache, meta, scale, window=0, kv_scales=None, softcap=0.0, **kwargs):
+    """One attention layer's step on ``backend``, its cache bound as ``Attention`` binds it."""
+    layer = backend.bind(k_cache, v_cache, q.shape[1], scale, kv_scales, window, softcap)
+    return backend.forward(layer, q, k, v, meta, **kwargs)
+
+
 def reference(case: Case) -> torch.Tensor:
     # The torch backend writes k/v again (same values) into its own copy of the cache.
-    return TorchAttentionBackend().forward(case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
-                                           case.meta, case.scale)
+    return attend(TorchAttentionBackend(), case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
+                  case.meta, case.scale)
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor, padding_rows: list[int]) -> None:
@@ -171,13 +181,13 @@ def test_decode_tiles_setting_sets_unsplit_tiles_and_refuses_bad_values(monkeypa
     d = case.meta.num_decodes
     ref = reference(case)[:d]
     seen = []
-    original = triton_kernels._launch_decode
+    original = decode_module._decode_tiles
 
-    def spy(*args, **kwargs):
-        seen.append(triton_kernels._decode_tiles(case.q.shape[2], args[7], False))
-        return original(*args, **kwargs)
+    def spy(*args):
+        seen.append(original(*args))
+        return seen[-1]
 
-    monkeypatch.setattr(triton_kernels, "_launch_decode", spy)
+    monkeypatch.setattr(decode_module, "_decode_tiles", spy)
     monkeypatch.setenv("MINIVLLM_DECODE_TILES", "32,2,2")
     assert_matches(run_decode(case, 1), ref, case.padding_rows)
     assert_matches(run_decode(case, 2), ref, case.padding_rows)
@@ -294,8 +304,8 @@ def test_prefill_tile_shapes_agree(tiles):
     case = make_case(11, MIXED + [(0, 300)], 2, 2, 64, 16)
     m = case.meta
     out = torch.full_like(case.q, float("nan"))
-    paged_prefill_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.query_start_loc, m.seq_lens,
-                            m.max_query_len, case.scale, out, tiles=tiles)
+    _launch_prefill(case.q, case.k_cache, case.v_cache, m.block_tables, m.query_start_loc, m.seq_lens,
+                    m.max_query_len, case.scale, out, tiles=tiles)
     assert_matches(out, reference(case), [])
 
 
@@ -327,13 +337,13 @@ def test_half_precision():
 
 def test_backend_mixed_batch():
     case = make_case(11, MIXED, 1, 8, 128, 16)
-    out = TritonAttentionBackend().forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
+    out = attend(TritonAttentionBackend(), case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
     assert_matches(out, reference(case), [])
 
 
 def test_backend_decode_only_with_padding_rows():
     case = make_case(12, [(61, 1), (200, 1), PAD, PAD], 2, 4, 64, 16)
-    out = TritonAttentionBackend().forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
+    out = attend(TritonAttentionBackend(), case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
     assert_matches(out, reference(case), case.padding_rows)
 
 
@@ -375,7 +385,7 @@ def test_mixed_step_as_captured_matches_the_step_itself(extra_tokens, extra_reqs
     assert captured.q.shape[0] >= captured.meta.num_reqs  # the decode kernel reads one token a row
     for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
         k_cache, v_cache = captured.k_cache.clone(), captured.v_cache.clone()
-        out = backend.forward(captured.q, captured.k, captured.v, k_cache, v_cache, captured.meta, captured.scale)
+        out = attend(backend, captured.q, captured.k, captured.v, k_cache, v_cache, captured.meta, captured.scale)
         torch.testing.assert_close(out[:n], ref, **TOL)
         assert (out[n:] == 0).all(), backend.name
 
@@ -465,6 +475,56 @@ def test_prefill_rejects_bad_inputs():
             paged_prefill_attention(**{**good, **change})
 
 
+def test_binding_a_layer_checks_its_cache_and_configuration_once():
+    """What the Triton backend binds to each attention layer (``PagedAttention``) refuses, when it is bound, what the
+    kernels cannot take, naming it; an ``Attention`` layer binds when it has both its cache and its backend. A bound
+    layer's launches, which check nothing more, give the one-shot functions' outputs."""
+    from engine.attention.layer import Attention
+
+    case = make_case(3, [(20, 1), (33, 1), (7, 9)], 2, 2, 64, 16)
+    cache, m = case.k_cache, case.meta
+    fp8 = torch.zeros(cache.shape, dtype=torch.float8_e4m3fn, device=DEVICE)
+    scales = tuple(torch.ones(cache.shape[:3], device=DEVICE) for _ in range(2))
+    odd = torch.zeros(*cache.shape[:3], 65, dtype=fp8.dtype, device=DEVICE)[..., :64]
+    narrow = cache[..., :48].contiguous()
+    _, _, _, _, pending = _qkv_case(3, 1, 4, 2, 32, torch.float32, "rope")  # a rope table 32 wide
+    good = dict(k_cache=cache, v_cache=cache.clone(), num_heads=4, scale=case.scale)
+    bad = {
+        "caches of two shapes": (dict(v_cache=cache[:, :8]), "must both be"),
+        "head size": (dict(k_cache=narrow, v_cache=narrow.clone()), "head_dim 48 is not supported"),
+        "heads": (dict(num_heads=3), "multiple of num_kv_heads"),
+        "a cache not contiguous": (dict(k_cache=cache.transpose(0, 1).contiguous().transpose(0, 1)), "contiguous"),
+        "FP8 scales' dtype": (dict(k_cache=fp8, v_cache=fp8.clone(), kv_scales=(scales[0].double(), scales[1])),
+                              "kv_scales must be"),
+        "odd FP8 strides": (dict(k_cache=odd, v_cache=odd, kv_scales=scales), "strides must be even"),
+        "scale": (dict(scale=0.0), "scale must be"),
+        "window": (dict(window=-1), "window"),
+        "soft cap": (dict(softcap=float("inf")), "softcap"),
+        "rope table": (dict(rope=pending), "cos_sin_cache must be"),
+    }
+    for what, (change, error) in bad.items():
+        with pytest.raises(ValueError, match=error):
+            PagedAttention(**{**good, **change})
+            pytest.fail(f"bound: {what}")
+    layer = Attention(4, 48, 2, case.scale, layer_idx=0)
+    layer.set_backend(TritonAttentionBackend())
+    with pytest.raises(ValueError, match="head_dim 48"):
+        layer.bind_kv_cache(narrow, narrow.clone())
+    bound = PagedAttention(**good)
+    d = m.num_decodes
+    for num_splits in (1, 2):
+        ours, theirs = torch.full_like(case.q[:d], float("nan")), torch.full_like(case.q[:d], float("nan"))
+        bound.decode(case.q[:d], m.block_tables[:d], m.seq_lens[:d], ours, num_splits)
+        paged_decode_attention(case.q[:d], cache, good["v_cache"], m.block_tables[:d], m.seq_lens[:d], case.scale,
+                               theirs, num_splits)
+        assert torch.equal(ours, theirs)
+    ours, theirs = torch.full_like(case.q, float("nan")), torch.full_like(case.q, float("nan"))
+    bound.prefill(case.q, m.block_tables, m.query_start_loc, m.seq_lens, m.max_query_len, ours)
+    paged_prefill_attention(case.q, cache, good["v_cache"], m.block_tables, m.query_start_loc, m.seq_lens,
+                            m.max_query_len, case.scale, theirs)
+    assert torch.equal(ours, theirs)
+
+
 @pytest.mark.parametrize("window", [1, 16, 37])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_sliding_window_matches_reference(window, num_splits):
@@ -472,8 +532,8 @@ def test_sliding_window_matches_reference(window, num_splits):
     what remains), prefill tiles from the earliest key their first query still sees; rows of a tile that
     see nothing in its first key tiles stay finite."""
     case = make_case(21 + window, MIXED, 2, 4, 64, 16)
-    ref = TorchAttentionBackend().forward(case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
-                                          case.meta, case.scale, window)
+    ref = attend(TorchAttentionBackend(), case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
+                 case.meta, case.scale, window)
     d, m = case.meta.num_decodes, case.meta
     out = torch.full_like(case.q[:d], float("nan"))
     paged_decode_attention(case.q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d], case.scale,
@@ -504,8 +564,8 @@ def fp8_case(case: Case) -> tuple[Case, tuple[torch.Tensor, torch.Tensor], torch
 
 
 def fp8_reference(case: Case, kv_scales, window: int = 0) -> torch.Tensor:
-    return TorchAttentionBackend().forward(case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
-                                           case.meta, case.scale, window, tuple(s.clone() for s in kv_scales))
+    return attend(TorchAttentionBackend(), case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
+                  case.meta, case.scale, window, tuple(s.clone() for s in kv_scales))
 
 
 @pytest.mark.parametrize("group, head_dim, num_splits, window, block_size",
@@ -526,8 +586,8 @@ def test_fp8_cache_decode_and_prefill_match_reference(group, head_dim, num_split
     paged_prefill_attention(q, case.k_cache, case.v_cache, m.block_tables, m.query_start_loc, m.seq_lens,
                             m.max_query_len, case.scale, prefill, window=window, kv_scales=kv_scales)
     assert_matches(prefill, ref, [])
-    exact = TorchAttentionBackend().forward(dense.q, dense.k, dense.v, dense.k_cache.clone(), dense.v_cache.clone(),
-                                            dense.meta, dense.scale, window)
+    exact = attend(TorchAttentionBackend(), dense.q, dense.k, dense.v, dense.k_cache.clone(), dense.v_cache.clone(),
+                   dense.meta, dense.scale, window)
     error = (prefill - exact).abs()
     assert 0 < error.mean() < 0.02 and error.max() < 0.25, \
         f"FP8 attention is {error.mean()} (mean) and {error.max()} (max) from the exact one (unit-variance K/V)"
@@ -581,17 +641,16 @@ def test_fp8_decode_reads_several_kv_heads_in_one_program(group, num_kv_heads):
         outs = []
         for kv_heads in (1, 2):
             out = torch.full_like(q[:d], float("nan"))
-            paged_decode_attention(q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d],
-                                   case.scale, out, num_splits, kv_scales=kv_scales,
-                                   tiles=(128, 4, 2, None, kv_heads))
+            _launch_decode(q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d], case.scale, out,
+                           num_splits, kv_scales=kv_scales, tiles=(128, 4, 2, None, kv_heads))
             assert_matches(out, ref[:d], [])
             outs.append(out)
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
     # Twice the KV heads there are, or (8 query heads a KV head) all four: 32 rows where a dot has 16.
     too_many = num_kv_heads if group * num_kv_heads > 16 else num_kv_heads * 2
     with pytest.raises(ValueError, match="KV heads per program"):
-        paged_decode_attention(q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d], case.scale,
-                               torch.empty_like(q[:d]), 1, kv_scales=kv_scales, tiles=(128, 4, 2, None, too_many))
+        _launch_decode(q[:d], case.k_cache, case.v_cache, m.block_tables[:d], m.seq_lens[:d], case.scale,
+                       torch.empty_like(q[:d]), 1, kv_scales=kv_scales, tiles=(128, 4, 2, None, too_many))
 
 
 def test_fp8_decode_rejects_odd_cache_strides():
@@ -652,14 +711,14 @@ def test_backend_quantizes_the_output_of_decode_only_steps_with_128_wide_heads()
 
     case = make_case(15, [(61, 1), (200, 1), (7, 1), PAD], 2, 4, 128, 16)
     backend = TritonAttentionBackend()
-    args = (case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
-    plain = backend.forward(*args)
-    values, scales = backend.forward(*args, fp8_out=True)
+    args = (backend, case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
+    plain = attend(*args)
+    values, scales = attend(*args, fp8_out=True)
     want_values, want_scales = quantize_rows(plain.view(4, -1), 128, cublas_layout=True)
     assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)) and torch.equal(scales, want_scales)
     many = make_case(16, [(5 + i, 1) for i in range(40)], 8, 1, 128, 16)  # 320 programs unsplit on <= 132 SMs
     for case in (make_case(11, MIXED, 1, 8, 128, 16), make_case(12, [(61, 1), PAD], 2, 4, 64, 16), many):
-        out = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, fp8_out=True)
+        out = attend(backend, case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, fp8_out=True)
         assert_matches(out, reference(case), case.padding_rows)
 
 
@@ -707,8 +766,8 @@ def test_write_paged_kv_fp8_matches_reference(num_kv_heads, head_dim, tokens_per
     ours = [torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)]
     ours_scales = tuple(torch.ones(shape[:3], device=DEVICE) for _ in range(2))
     q = torch.randn(n + 3, 2 * num_kv_heads, head_dim, generator=gen).to(DEVICE)  # 3 padding rows past the slots
-    q_rotated = write_paged_kv(k, v, ours[0], ours[1], slots, ours_scales, q=q,
-                               tokens_per_program=tokens_per_program, split_queries=split_queries)
+    q_rotated = _launch_write(k, v, ours[0], ours[1], slots, ours_scales, q=q, tokens_per_program=tokens_per_program,
+                              split_queries=split_queries)
     torch.testing.assert_close(q_rotated, rotate_heads(q), atol=1e-5, rtol=1e-5)  # every row, padding included
     theirs = [torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)]
     theirs_scales = tuple(torch.ones(shape[:3], device=DEVICE) for _ in range(2))
@@ -737,10 +796,10 @@ def test_soft_capped_scores_match_reference(window):
     window, equals the torch backend's capped attention; the cap changes the result."""
     case = make_case(61 + window, MIXED, 2, 4, 64, 16)
     case = Case(case.q * 4, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, case.padding_rows)
-    ref = TorchAttentionBackend().forward(case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
-                                          case.meta, case.scale, window, None, 5.0)
-    uncapped = TorchAttentionBackend().forward(case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
-                                               case.meta, case.scale, window)
+    ref = attend(TorchAttentionBackend(), case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
+                 case.meta, case.scale, window, None, 5.0)
+    uncapped = attend(TorchAttentionBackend(), case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone(),
+                      case.meta, case.scale, window)
     assert (ref - uncapped).abs().max() > 0.05
     d, m = case.meta.num_decodes, case.meta
     out = torch.full_like(case.q[:d], float("nan"))
@@ -761,7 +820,8 @@ def _qkv_case(seed: int, rows: int, num_heads: int, num_kv_heads: int, head_dim:
               extra: str):
     """(q, k, v views of one q|k|v tensor [rows, width], the qkv tensor, a PendingRope at random positions) for the
     fused write; ``extra`` names what the rope carries besides rope: "norm", "mrope", "scales", joined by "+"."""
-    from engine.models.layers import RMSNorm, get_rope
+    from engine.models.norm import RMSNorm
+    from engine.models.rotary import get_rope
 
     gen = torch.Generator().manual_seed(seed)
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -862,8 +922,8 @@ def test_write_paged_kv_with_rope_matches_rope_then_write(cache, dtype, head_dim
         caches = [[c.clone() for c in cache] for _ in range(2)]
         scales = [None, None]
     qkv_before = qkv.clone()
-    ours = write_paged_kv(k, v, *caches[0], slots, scales[0], q=q, rope=pending,
-                          fuse_rope=True if cache == "fp8_fused" else None)
+    ours = _launch_write(k, v, *caches[0], slots, scales[0], q=q, rope=pending,
+                         fuse_rope=True if cache == "fp8_fused" else None)
     assert torch.equal(qkv, qkv_before), "q, k and v are read, never written"
     uq, uk, uv = _unfused(qkv, pending, num_heads, num_kv_heads, head_dim)
     theirs = write_paged_kv(uk, uv, *caches[1], slots, scales[1], q=uq)
@@ -959,8 +1019,8 @@ def test_write_paged_kv_fp8_with_rope_any_tokens_per_program(tokens_per_program,
     for tokens, split in ((None, None), (tokens_per_program, split_queries)):
         cache = [torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)]
         scales = tuple(torch.ones(shape[:3], device=DEVICE) for _ in range(2))
-        q_out = write_paged_kv(k, v, *cache, slots, scales, q=q, tokens_per_program=tokens, split_queries=split,
-                               rope=pending, fuse_rope=True)
+        q_out = _launch_write(k, v, *cache, slots, scales, q=q, tokens_per_program=tokens, split_queries=split,
+                              rope=pending, fuse_rope=True)
         results.append((q_out, cache[0].view(torch.uint8), cache[1].view(torch.uint8), *scales))
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -1003,8 +1063,8 @@ def test_backends_agree_on_a_pending_rope(fp8_cache):
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
         caches = (k_cache.clone(), v_cache.clone(), tuple(s.clone() for s in kv_scales) if kv_scales else None)
         with torch.inference_mode():  # as the engine runs them (the norms' weights are parameters)
-            outs.append(backend.forward(q, k, v, caches[0], caches[1], case.meta, case.scale, kv_scales=caches[2],
-                                        rope=pending))
+            outs.append(attend(backend, q, k, v, caches[0], caches[1], case.meta, case.scale, kv_scales=caches[2],
+                               rope=pending))
     torch.testing.assert_close(outs[1], outs[0], **(TOL if not fp8_cache else dict(atol=2e-3, rtol=2e-3)))
 
 

@@ -8,23 +8,23 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
-from engine.ops.feeds import FeedsLinear
 
 if TYPE_CHECKING:
-    from engine.models.layers import PendingRope
+    from engine.models.rotary import PendingRope
 
 
-class Attention(FeedsLinear, nn.Module):
+class Attention(nn.Module):
     """Paged attention for one decoder layer.
 
     The KV cache is bound after the pool is sized (``bind_kv_cache``), by layer index;
     the backend is chosen by the model runner (``set_backend``). Both are plain
-    attributes set once, never looked up by duck typing.
+    attributes set once, never looked up by duck typing. Once both are set the backend binds
+    the cache (``backend.bind``): the Triton backend checks the cache and this layer's
+    configuration there, once, and its steps' launches check nothing more.
 
     ``rope``: the rotary embedding (with Qwen3's q/k norms) that the q and k handed to ``forward`` still need,
     from ``RotaryEmbedding.pending``. The backend applies it with the KV-cache write (on the Triton path with a
     16-bit cache in the same kernel launch); the model runner compiles that write's variants before the first step.
-    ``feeds``: the output projection, whose weight decode steps may have the L2 fetch (``engine.ops.l2_prefetch``).
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int,
@@ -45,13 +45,21 @@ class Attention(FeedsLinear, nn.Module):
         # An FP8 cache's (k_scales, v_scales), each [num_blocks, block_size, num_kv_heads] float32; else None.
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self.backend = None
+        self.bound_cache = None  # the backend's binding of the cache (``backend.bind``), which ``forward`` hands it
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.k_cache, self.v_cache, self.kv_scales = k_cache, v_cache, kv_scales
+        self._bind()
 
     def set_backend(self, backend) -> None:
         self.backend = backend
+        self._bind()
+
+    def _bind(self) -> None:
+        if self.backend is not None and self.k_cache is not None:
+            self.bound_cache = self.backend.bind(self.k_cache, self.v_cache, self.num_heads, self.scale,
+                                                 self.kv_scales, self.sliding_window, self.softcap, self.rope)
 
     @property
     def takes_partial_products(self) -> bool:
@@ -75,14 +83,14 @@ class Attention(FeedsLinear, nn.Module):
 
         With a ``rope``, q and k (views of the q|k|v projection's output, rows of any stride) are not roped yet:
         the backend ropes them at ``positions``. ``column_scales``: the per-column FP8 weight scales the q|k|v
-        product left to be applied (``Fp8Weights.matmul_deferring_scales``), applied to q, k and v first.
-        ``partials`` (where ``takes_partial_products``): the q|k|v product cut along K (``layers.DecodeKSplit``), q, k
+        product left to be applied (``Fp8LinearMethod.apply_deferred``), applied to q, k and v first.
+        ``partials`` (where ``takes_partial_products``): the q|k|v product cut along K (``linear.ksplit``), q, k
         and v being views of its first slice; the slices are added before anything else.
 
-        ``fp8_out``: the caller's output projection takes an ``Fp8Activation`` (``Fp8Weights.takes_fp8_input``);
+        ``fp8_out``: the caller's output projection takes an ``Fp8Activation`` (``LinearBase.takes_fp8_input``);
         the backend then returns one where its decode kernels can quantize the output (decode-only steps with split
         contexts, heads 128 wide), and the plain output elsewhere."""
-        if self.k_cache is None or self.backend is None:
+        if self.bound_cache is None:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache or backend bound")
         rope = None
         if self.rope is not None:
@@ -96,19 +104,13 @@ class Attention(FeedsLinear, nn.Module):
             raise ValueError(f"attention layer {self.layer_idx}: partial products of q|k|v need a 16-bit KV cache")
         n = q.shape[0]
         out = self.backend.forward(
+            self.bound_cache,
             q.view(n, self.num_heads, self.head_dim),
             k.view(n, self.num_kv_heads, self.head_dim),
             v.view(n, self.num_kv_heads, self.head_dim),
-            self.k_cache,
-            self.v_cache,
             meta,
-            self.scale,
-            self.sliding_window,
-            self.kv_scales,
-            self.softcap,
             fp8_out=fp8_out,
             rope=rope,
-            prefetch=self._next_weight(),
         )
         if isinstance(out, tuple):
             from engine.models.fp8 import Fp8Activation

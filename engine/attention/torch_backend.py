@@ -8,6 +8,8 @@ the exact arithmetic the Triton kernels are checked against.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -56,10 +58,27 @@ def _gather_context(
     return blocks.view(n, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
+@dataclass(frozen=True)
+class LayerCache:
+    """One attention layer's view of the paged KV cache and its configuration, as this backend reads them."""
+
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    kv_scales: KVScales | None  # an FP8 cache's scales
+    scale: float
+    window: int = 0  # a sliding window: a query sees only the last ``window`` positions; 0: all
+    softcap: float = 0.0  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
+
+
 class TorchAttentionBackend:
     """Decode requests run as one padded batch; prefill requests run one by one."""
 
     name = "torch"
+
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
+             kv_scales: KVScales | None = None, window: int = 0, softcap: float = 0.0, rope=None) -> LayerCache:
+        """One layer's cache and configuration, as ``forward`` takes them (torch's ops check their inputs)."""
+        return LayerCache(k_cache, v_cache, kv_scales, scale, window, softcap)
 
     def warm_up(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, max_query_len: int, windows: tuple[int, ...] = (0,),
@@ -70,22 +89,18 @@ class TorchAttentionBackend:
 
     def forward(
         self,
+        layer: LayerCache,  # ``bind``'s
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int = 0,  # a sliding window: a query sees only the last ``window`` positions; 0: all
-        kv_scales: KVScales | None = None,  # an FP8 cache's scales
-        softcap: float = 0.0,  # scores capped as softcap * tanh(scores / softcap) (Gemma 2); 0: off
         fp8_out: bool = False,  # the Triton backend may return the output quantized; this one never does
-        rope=None,  # the rope q and k still need (``engine.models.layers.PendingRope``), or None
-        prefetch: torch.Tensor | None = None,  # a hint for the Triton kernels' L2 cache; nothing to do here
+        rope=None,  # the rope q and k still need (``engine.models.rotary.PendingRope``), or None
     ) -> torch.Tensor:
         """The attention output; a ``rope`` is applied op by op first (``PendingRope.apply``), as the Triton
         backend's KV-cache write applies it in its kernel."""
+        k_cache, v_cache, kv_scales = layer.k_cache, layer.v_cache, layer.kv_scales
+        scale, window, softcap = layer.scale, layer.window, layer.softcap
         if rope is not None:
             q, k, v = rope.apply(q, k, v)
         num_tokens = meta.slot_mapping.shape[0]

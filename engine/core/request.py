@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 from engine.loading.mrope import MRopePositions
 from engine.loading.multimodal import image_spans
@@ -20,6 +21,22 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.value in ("stop", "length", "abort")
+
+
+@dataclass(slots=True, eq=False)
+class RequestGroup:
+    """Requests of one caller request (their parent) that the scheduler runs together: the beams of a beam search.
+
+    The scheduler appends no sampled token to them: it reports each one's logprobs instead
+    (``Scheduler.take_group_reports``), and the group's coordinator (engine/core/beam_search.py) chooses their
+    tokens. Once its first request is admitted, the group holds ``width`` seats of the running batch, running
+    or not, so that none of its beams ever waits for a seat that another request took.
+    """
+
+    request_id: str  # the parent: the caller's request
+    width: int  # seats it holds once started
+    started: bool = False  # its first request was admitted
+    num_requests: int = 0  # its requests in the scheduler (added or forked, not finished yet)
 
 
 class Request:
@@ -57,7 +74,7 @@ class Request:
         # them; handed out with the first token, then dropped.
         self.prompt_logprobs: list | None = (
             [None] * (len(prompt_token_ids) - 1) if sampling_params.prompt_logprobs is not None else None)
-        self.beam = None  # its BeamGroup (engine/core/beam_search.py) when it is one beam of a beam search
+        self.group: RequestGroup | None = None  # the group it runs in (a beam of a beam search); None: on its own
         self.resend = False  # its tokens changed other than by a sampled token: the runner gets it anew
         self.grammar = None  # a RequestGrammar (engine/core/structured_output.py) when the output is constrained
         self.set_images(mm_inputs)

@@ -14,7 +14,7 @@ Images (a multimodal model's prompts) are encoded when a chunk first reaches the
 tokens: each step encodes at most ``max_num_encoder_tokens`` image tokens' worth of images (the
 same number as the token budget), into the encoder cache (``engine/core/encoder_cache.py``), which holds
 each image until every request that needs it has prefilled past it. A chunk that would reach an
-image the step cannot encode (budget spent, cache full) stops before it.
+image the step cannot encode (budget spent, cache full) stops before it (``engine/core/step_images.py``).
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from collections import deque
 from collections.abc import Iterable
 
 from engine.core.encoder_cache import EncoderCacheManager
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestGroup, RequestStatus
+from engine.core.step_images import StepImages
 from engine.outputs import (
     CachedRequestData,
     EngineOutput,
     FinishReason,
+    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -51,32 +53,41 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._freed_ids: set[str] = set()  # reported to the runner with the next step
         self.num_preemptions_total = 0
-        self.beam_groups: dict = {}  # request id -> BeamGroup of the beam searches running
-        # Beams whose step gave their next-token logprobs: (request, Logprobs), for the engine to pick from.
-        self.beam_reports: list = []
-        self._block_copies: list[tuple[int, int]] = []  # forked beams' partial blocks, copied before the next step
+        self._groups: dict[str, RequestGroup] = {}  # started groups that have requests, by parent id: they hold seats
+        # Grouped requests whose step gave their next-token logprobs: (request, Logprobs), for their coordinator.
+        self.group_reports: list[tuple[Request, Logprobs]] = []
+        self._block_copies: list[tuple[int, int]] = []  # forked requests' partial blocks, copied before the next step
         # A model that takes images: the image tokens a step may encode, which is also the encoder cache's size.
-        self.max_num_encoder_tokens = max_num_encoder_tokens
         self.encoder_cache = EncoderCacheManager(max_num_encoder_tokens) if max_num_encoder_tokens > 0 else None
-        self._encoder_budget = 0  # what is left of max_num_encoder_tokens in the step being planned
-        self._encoder_inputs: list = []  # the images the step being planned encodes
+        self._images = StepImages(self.encoder_cache, max_num_encoder_tokens) if max_num_encoder_tokens > 0 else None
 
     # ----------------------------------------------------------------- public API
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
+        self._requests[request.request_id] = request
+        if request.group is not None:
+            request.group.num_requests += 1
         self.waiting.append(request)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request of that id, or None."""
+        return self._requests.get(request_id)
+
+    def grammars_of(self, request_ids: list[str]) -> list:
+        """Each request's grammar (``RequestGrammar``), in order; None for a request without one, or gone."""
+        requests = self._requests
+        return [None if (r := requests.get(rid)) is None else r.grammar for rid in request_ids]
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineOutput]:
         """Finish the given requests with reason "abort" and free their blocks. Unknown ids are ignored."""
-        aborted = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
+        aborted = [self._requests[rid] for rid in dict.fromkeys(request_ids) if rid in self._requests]
         if not aborted:
             return []
         # One pass over each queue, however many are aborted: a client that drops a request of
@@ -93,7 +104,11 @@ class Scheduler:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self._requests)
+
+    def has_ready_requests(self) -> bool:
+        """Whether a step could run now: a request is running, or one waits whose grammar (if any) is compiled."""
+        return bool(self.running) or any(r.ready for r in self.waiting)
 
     @property
     def num_running(self) -> int:
@@ -109,7 +124,8 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         num_preempted = 0
-        self._encoder_budget = self.max_num_encoder_tokens
+        if self._images is not None:
+            self._images.begin_step()
 
         # 1. Running requests, oldest first. If one cannot get blocks, preempt from the newest end.
         i = 0
@@ -120,22 +136,22 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens_ahead - request.num_computed_tokens, budget)
             if request.mm_end > request.num_computed_tokens:  # images ahead: the chunk may stop before one
-                num_new = self._fit_images(request, request.num_computed_tokens, num_new)
+                num_new = self._images.fit(request, request.num_computed_tokens, num_new)
             if num_new == 0:
-                i += 1  # a beam that waits for its group to choose its next token, or an image that waits
+                i += 1  # a grouped request that waits for its next token to be chosen, or an image that waits
                 continue
             new_block_ids, preempted = self._allocate_or_preempt(request, num_new)
             num_preempted += preempted
             if new_block_ids is None:  # the request itself was preempted
                 break
-            if request.resend:  # a beam whose tokens the engine chose or that was forked
+            if request.resend:  # a grouped request whose token was chosen, or that was forked
                 new_reqs.append(self._new_request_data(request, request.num_computed_tokens))
                 request.resend = False
             else:
                 cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
             num_scheduled[request.request_id] = num_new
             if request.mm_end > request.num_computed_tokens:
-                self._take_images(request, num_new)
+                self._images.take(request, num_new)
             self._advance(request, num_new)
             budget -= num_new
             i += 1
@@ -144,9 +160,9 @@ class Scheduler:
         # whose grammar is still compiling is passed over (it keeps its place) rather than holding up the queue.
         if num_preempted == 0:
             budget = self._admit_waiting(budget, new_reqs, num_scheduled)
-            if not num_scheduled and self.waiting and self.beam_groups:
+            if not num_scheduled and self.waiting and self._groups:
                 # Everything running is a beam waiting for siblings that wait for memory: make room.
-                while not num_scheduled and self._preempt_parked_beam_group():
+                while not num_scheduled and self._preempt_parked_group():
                     budget = self._admit_waiting(budget, new_reqs, num_scheduled)
 
         freed, self._freed_ids = self._freed_ids, set()
@@ -160,11 +176,8 @@ class Scheduler:
             num_preempted=num_preempted,
             block_copies=copies,
         )
-        if self.encoder_cache is not None:
-            # Images no request holds now: passed by this step's chunks, or let go of by requests preempted here
-            # or finished since the last step (one that a request of this step took again stays, not encoded anew).
-            out.freed_encoder_hashes = self.encoder_cache.collect()
-            out.encoder_inputs, self._encoder_inputs = self._encoder_inputs, []
+        if self._images is not None:
+            out.encoder_inputs, out.freed_encoder_hashes = self._images.end_step()
         return out
 
     def update_from_output(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineOutput]:
@@ -174,17 +187,19 @@ class Scheduler:
         token for it is dropped (the request is gone by then).
         """
         outputs: list[EngineOutput] = []
-        for rid, (start, entries) in runner_out.prompt_logprobs.items():
-            request = self.requests.get(rid)
+        requests = self._requests
+        for rid, chunk in runner_out.prompt_logprobs.items():
+            request = requests.get(rid)
             if request is not None and request.prompt_logprobs is not None:
-                request.prompt_logprobs[start - 1 : start - 1 + len(entries)] = entries
+                start = chunk.first_position - 1  # the request's list has no entry for position 0
+                request.prompt_logprobs[start : start + len(chunk.entries)] = chunk.entries
         for rid, token_id in zip(runner_out.request_ids, runner_out.sampled_token_ids):
-            request = self.requests.get(rid)
+            request = requests.get(rid)
             if request is None:  # aborted or finished while the step ran
                 continue
             request.num_placeholders -= 1
-            if request.beam is not None:  # the engine picks its token, with the rest of its group
-                self.beam_reports.append((request, runner_out.logprobs[rid]))
+            if request.group is not None:  # its coordinator picks its token, with the rest of its group
+                self.group_reports.append((request, runner_out.logprobs[rid]))
                 continue
             request.append_token(token_id)
             status = request.check_stop(self.max_model_len)
@@ -209,20 +224,21 @@ class Scheduler:
             request = self._first_ready_waiting()
             if request is None:
                 break
-            if self.beam_groups and not self._has_seat(request):
+            if (self._groups or request.group is not None) and not self._has_seat(request):
                 break
             scheduled = self._schedule_waiting(request, budget)
             if scheduled is None:
                 break
-            if request.beam is not None:
-                request.beam.started = True
+            if request.group is not None and not request.group.started:
+                request.group.started = True
+                self._groups[request.group.request_id] = request.group
             self.waiting.remove(request) if request is not self.waiting[0] else self.waiting.popleft()
             self.running.append(request)
             new_data, num_new = scheduled
             new_reqs.append(new_data)
             num_scheduled[request.request_id] = num_new
             if request.mm_end > request.num_computed_tokens:
-                self._take_images(request, num_new)
+                self._images.take(request, num_new)
             self._advance(request, num_new)
             budget -= num_new
         return budget
@@ -235,7 +251,7 @@ class Scheduler:
     @staticmethod
     def _follow_grammar(request: Request, token_id: int) -> RequestStatus | None:
         """A grammar that has ended with this token (or refused it) ends the request. The engine has
-        fed the step's tokens into the grammars already (LLMEngine._advance_grammars)."""
+        fed the step's tokens into the grammars already (StepPipeline.finish)."""
         if request.grammar.ended:
             if token_id in request.eos_token_ids or token_id in request.sampling_params.stop_token_ids:
                 request.stop_token_id = token_id
@@ -255,10 +271,10 @@ class Scheduler:
         """Whether the next step may be planned before this step's tokens are known.
 
         Not while a running request needs its exact output so far to sample: penalties count
-        generated tokens, and min_tokens counts them to mask EOS. Nor while a beam search runs: its
-        next tokens are chosen from all its beams' logprobs.
+        generated tokens, and min_tokens counts them to mask EOS. Nor while a group runs (a beam search):
+        its next tokens are chosen from all its requests' logprobs.
         """
-        return not any(r.sampling_params.has_penalties or r.sampling_params.min_tokens or r.beam is not None
+        return not any(r.sampling_params.has_penalties or r.sampling_params.min_tokens or r.group is not None
                        for r in self.running)
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int] | None, int]:
@@ -296,7 +312,7 @@ class Scheduler:
             return None
         num_new = min(num_new, budget)
         if request.mm_end > num_cached:
-            fitted = self._fit_images(request, num_cached, num_new)
+            fitted = self._images.fit(request, num_cached, num_new)
             if fitted == 0 or (fitted < num_new and not self.enable_chunked_prefill):
                 return None  # its next image cannot be encoded this step
             num_new = fitted
@@ -330,98 +346,29 @@ class Scheduler:
             mrope=request.mrope,
         )
 
-    # ------------------------------------------------------------------ images
+    # ------------------------------------------------------------------ groups
 
-    def _fit_images(self, request: Request, start: int, num_new: int) -> int:
-        """How many of the ``num_new`` tokens from ``start`` this step can compute given the images they reach:
-        one not in the encoder cache is encoded this step if the step's encoder budget and the cache's free
-        space allow it; otherwise the chunk stops just before it (0: the request waits for a later step)."""
-        end, cost, counted = start + num_new, 0, set()
-        for mm in request.mm_inputs:
-            if mm.offset >= end:
-                break
-            if mm.end <= start or mm.content_hash in self.encoder_cache or mm.content_hash in counted:
-                continue
-            cost += mm.length
-            if cost > self._encoder_budget or not self.encoder_cache.has_room(cost):
-                return max(0, mm.offset - start)
-            counted.add(mm.content_hash)
-        return num_new
+    def take_group_reports(self) -> list[tuple[Request, Logprobs]]:
+        """The grouped requests whose steps gave their next-token logprobs since the last call, with them."""
+        reports, self.group_reports = self.group_reports, []
+        return reports
 
-    def _take_images(self, request: Request, num_new: int) -> None:
-        """The request's next ``num_new`` tokens run this step: it holds each image they reach (the step
-        encodes the ones not in the cache yet) and lets go of the ones it has now prefilled past."""
-        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-        cache, held = self.encoder_cache, request.held_images
-        for mm in request.mm_inputs:
-            if mm.offset >= end:
-                break
-            if mm.end <= start or mm.content_hash in held:
-                continue
-            if cache.acquire(mm.content_hash, request.request_id, mm.length):
-                self._encoder_inputs.append(mm)
-                self._encoder_budget -= mm.length
-            held.add(mm.content_hash)
-        if held:
-            ahead = {mm.content_hash for mm in request.mm_inputs if mm.end > end}
-            for content_hash in held - ahead:
-                cache.release(content_hash, request.request_id)
-            held &= ahead
-
-    def _release_images(self, request: Request) -> None:
-        """A preempted or finished request holds no image (a preempted one takes them again when it resumes)."""
-        for content_hash in request.held_images:
-            self.encoder_cache.release(content_hash, request.request_id)
-        request.held_images.clear()
-
-    # ------------------------------------------------------------------ beams
-
-    def _has_seat(self, request: Request) -> bool:
-        """Room in the running batch: a beam search holds seats for all its beams once it has started."""
-        reserved = sum(g.width - sum(1 for b in g.beams if self.requests[b].status == RequestStatus.RUNNING)
-                       for g in self.beam_groups.values() if g.started)
-        if request.beam is None:
-            return len(self.running) + reserved < self.max_num_seqs
-        if not request.beam.started:
-            return len(self.running) + reserved + request.beam.width <= self.max_num_seqs
-        return len(self.running) + reserved <= self.max_num_seqs  # its own seat is among the reserved
-
-    def _preempt_parked_beam_group(self) -> bool:
-        """Make room for the head of the queue when every running request is a beam waiting for siblings
-        that wait for blocks: preempt the newest other beam search whose running beams are all waiting so.
-
-        Its beams queue behind its own waiting beams, so that the head's search (whose parked beams stay)
-        gets its beams in and moves on. False if there is none to preempt.
-        """
-        head = self.waiting[0].beam
-        for request in reversed(self.running):
-            group = request.beam
-            if group is None or group is head:
-                continue
-            beams = [r for r in self.running if r.beam is group]
-            if any(r.num_tokens_ahead != r.num_computed_tokens for r in beams):
-                continue
-            after = max((i for i, r in enumerate(self.waiting) if r.beam is group), default=len(self.waiting) - 1)
-            for r in beams:
-                self.running.remove(r)
-                self._preempt(r, queue_at=after + 1)
-            return True
-        return False
-
-    def append_beam_token(self, request: Request, token_id: int) -> None:
-        """A beam continues with the token its group chose (the runner gets its row anew)."""
+    def append_chosen_token(self, request: Request, token_id: int) -> None:
+        """A grouped request goes on with the token its coordinator chose (the runner gets its row anew)."""
         request.append_token(token_id)
         request.resend = True
 
-    def fork_beam(self, parent: Request, child_id: str, token_id: int) -> Request:
-        """A new beam: the parent's tokens plus ``token_id``. With the parent's KV in the pool, it shares the
-        full blocks and copies the partial one; otherwise (the parent was preempted) it is recomputed."""
+    def fork_request(self, parent: Request, child_id: str, token_id: int) -> Request:
+        """A new request of the parent's group: the parent's tokens plus ``token_id``. With the parent's KV in the
+        pool, it shares the full blocks and copies the partial one; otherwise (the parent was preempted) it is
+        recomputed."""
         child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_ids,
                         parent.arrival_time, parent.mm_inputs, parent.mrope)
         child.all_token_ids = parent.all_token_ids + [token_id]
-        child.beam = parent.beam
+        child.group = parent.group
+        child.group.num_requests += 1
         child.first_scheduled_time, child.num_cached_tokens = parent.first_scheduled_time, parent.num_cached_tokens
-        self.requests[child_id] = child
+        self._requests[child_id] = child
         if parent.status == RequestStatus.RUNNING and parent.num_computed_tokens > 0:
             copies = self.kv.fork(parent.request_id, child_id, parent.num_computed_tokens)
             if copies is not None:
@@ -433,19 +380,52 @@ class Scheduler:
         self.waiting.appendleft(child)
         return child
 
-    def drop_beam(self, request: Request) -> None:
-        """A beam its group did not continue: gone without an output."""
+    def drop_request(self, request: Request) -> None:
+        """A request gone without an output (a beam its group did not continue)."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
 
+    def _has_seat(self, request: Request) -> bool:
+        """Room in the running batch: a started group holds seats for all its requests, running or not."""
+        # Every running grouped request's group is a started one, and no group runs more than its width.
+        reserved = sum(g.width for g in self._groups.values()) - sum(1 for r in self.running if r.group is not None)
+        group = request.group
+        if group is None:
+            return len(self.running) + reserved < self.max_num_seqs
+        if not group.started:
+            return len(self.running) + reserved + group.width <= self.max_num_seqs
+        return len(self.running) + reserved <= self.max_num_seqs  # its own seat is among the reserved
+
+    def _preempt_parked_group(self) -> bool:
+        """Make room for the head of the queue when every running request is a beam waiting for siblings
+        that wait for blocks: preempt the newest other group whose running requests are all waiting so.
+
+        Its requests queue behind its own waiting ones, so that the head's group (whose parked requests stay)
+        gets its requests in and moves on. False if there is none to preempt.
+        """
+        head = self.waiting[0].group
+        for request in reversed(self.running):
+            group = request.group
+            if group is None or group is head:
+                continue
+            members = [r for r in self.running if r.group is group]
+            if any(r.num_tokens_ahead != r.num_computed_tokens for r in members):
+                continue
+            after = max((i for i, r in enumerate(self.waiting) if r.group is group), default=len(self.waiting) - 1)
+            for r in members:
+                self.running.remove(r)
+                self._preempt(r, queue_at=after + 1)
+            return True
+        return False
+
     def _preempt(self, request: Request, queue_at: int = 0) -> None:
         """Recompute preemption: drop the KV, keep the tokens, requeue (at the front)."""
         self.kv.free(request.request_id)
         if request.held_images:
-            self._release_images(request)
+            self._images.release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -457,9 +437,14 @@ class Scheduler:
         request.status = status
         self.kv.free(request.request_id)
         if request.held_images:
-            self._release_images(request)
-        del self.requests[request.request_id]
+            self._images.release(request)
+        del self._requests[request.request_id]
         self._freed_ids.add(request.request_id)
+        group = request.group
+        if group is not None:
+            group.num_requests -= 1
+            if group.num_requests == 0:  # the group is over: its seats are free
+                self._groups.pop(group.request_id, None)
 
     @staticmethod
     def _output(request: Request, new_token_ids: list[int], finished: bool = False, new_logprobs=None) -> EngineOutput:

@@ -5,7 +5,7 @@
     add_request ──> GrammarManager.attach: compiled on a thread of its own (engine/core/grammar_compiles.py;
                     several at once, cached by spec up to a memory bound) within a time bound
     schedule    ──> a request waits until its grammar is compiled; then it gets a matcher. A compile
-                    that fails or passes its time bound ends its request with an error (LLMEngine)
+                    that fails or passes its time bound ends its request with an error (StepPipeline)
     each step   ──> fill_bitmask(the step's sampled requests): one int32 word per 32 tokens
                     per constrained row, filled at once (xgrammar's batch matcher, multithreaded)
                     into pinned memory; the sampler applies it to those rows on the device
@@ -16,7 +16,7 @@
 
 With steps planned ahead, a step is launched before the previous step's tokens are known;
 its forward pass runs while the host waits, and only its sampling waits for the masks,
-which are filled once those tokens are accepted (``LLMEngine`` orders this).
+which are filled once those tokens are accepted (``engine/core/step_pipeline.py`` orders this).
 """
 
 from __future__ import annotations
@@ -343,11 +343,13 @@ class GrammarManager:
         job = self._fill_job(grammars)
         return None if job is None else job()
 
-    def advance(self, grammars: list[RequestGrammar], token_ids: list[int]) -> None:
-        """One step's tokens into their grammars (``RequestGrammar.advance``), timed for benchmarks."""
+    def advance(self, grammars: list[RequestGrammar | None], token_ids: list[int]) -> None:
+        """One step's tokens into their grammars (``RequestGrammar.advance``; None: a request without one), timed
+        for benchmarks."""
         start = time.perf_counter()
         for grammar, token_id in zip(grammars, token_ids):
-            grammar.advance(token_id)
+            if grammar is not None:
+                grammar.advance(token_id)
         self.accept_seconds.append(time.perf_counter() - start)
 
     def fill_bitmask_async(self, grammars: list[RequestGrammar | None]) -> concurrent.futures.Future | None:

@@ -357,8 +357,8 @@ class AsyncEngine:
                     self._metrics.record_delivery(received - step.sent_s, time.monotonic() - received)
 
     def _fail_request(self, child_id: str, reason: str, error: BaseException | None = None) -> None:
-        request_id = child_id.rpartition("-")[0]
-        stream = self._streams.pop(request_id, None)
+        request_id = self.processor.request_of(child_id)
+        stream = self._streams.pop(request_id, None) if request_id is not None else None
         if stream is not None:
             self.abort(request_id)
             stream.fail(error or RuntimeError(f"the engine refused the request: {reason}"))

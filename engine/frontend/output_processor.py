@@ -2,6 +2,7 @@
 
     add_request(id, prompts, params) ──> one engine request per choice: "{id}-{index}",
                                           index = prompt_index * n + sample_index
+                                          (the choice keeps its request and its engine request's id)
     process(step's EngineOutputs) ──> per choice: detokenize, stop strings, logprobs
                                   ──> ChoiceDelta to the request's sink; ids to abort
 
@@ -76,9 +77,10 @@ class Usage:
 
 @dataclass(slots=True)
 class _Choice:
-    request: RequestState
+    request: RequestState  # the caller's request: its parent
     index: int
     prompt_index: int
+    child_id: str  # the id of its engine request (a beam search's later choices have none of their own)
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
     clock: ChoiceClock
@@ -150,17 +152,16 @@ class OutputProcessor:
                 index = prompt_index * params.n + sample_index
                 seed = None if params.seed is None else params.seed + sample_index
                 child_params = dataclasses.replace(params, n=1, seed=seed)
-                choice = _Choice(state, index, prompt_index, child_params, self._detokenizer(prompt, child_params),
-                                 ChoiceClock(state.arrival_s))
+                choice = _Choice(state, index, prompt_index, child_request_id(request_id, index), child_params,
+                                 self._detokenizer(prompt, child_params), ChoiceClock(state.arrival_s))
                 state.choices.append(choice)
                 if params.use_beam_search:  # one engine request per prompt; its n best beams are the choices
                     if sample_index == 0:
-                        children.append(ChildRequest(child_request_id(request_id, index), prompt, params,
-                                                     prompt_index))
-                        self._choices[children[-1].request_id] = choice
+                        children.append(ChildRequest(choice.child_id, prompt, params, prompt_index))
+                        self._choices[choice.child_id] = choice
                     continue
-                children.append(ChildRequest(child_request_id(request_id, index), prompt, child_params, prompt_index))
-                self._choices[children[-1].request_id] = choice
+                children.append(ChildRequest(choice.child_id, prompt, child_params, prompt_index))
+                self._choices[choice.child_id] = choice
         state.num_unfinished = len(state.choices)
         self.requests[request_id] = state
         return state, children
@@ -184,13 +185,19 @@ class OutputProcessor:
             choice.num_preemptions = out.num_preemptions
             delta = self._delta(choice, out)
             if delta.finish_reason is not None:
-                self._finish(choice, out.request_id, delta.finish_reason, now, step)
+                self._finish(choice, delta.finish_reason, now, step)
                 if not out.finished:
                     to_abort.append(out.request_id)
             choice.request.sink.put(delta)
         if step is not None:
             self.metrics.record(step)
         return to_abort
+
+    def request_of(self, child_id: str) -> str | None:
+        """The id of the caller's request that an engine request serves; None once its choice has finished (or
+        for an id never given out)."""
+        choice = self._choices.get(child_id)
+        return None if choice is None else choice.request.request_id
 
     def _beam_choices(self, first: _Choice, out: EngineOutput, now: float, step: StepMetrics | None) -> None:
         """A finished beam search: its beams, best first, are the choices of its prompt."""
@@ -206,11 +213,11 @@ class OutputProcessor:
             choice.num_cached_tokens = out.num_cached_tokens
             choice.num_preemptions = out.num_preemptions
             delta = self._delta(choice, beam_out)
-            self._finish(choice, child_request_id(state.request_id, choice.index), delta.finish_reason, now, step)
+            self._finish(choice, delta.finish_reason, now, step)
             state.sink.put(delta)
         for choice in state.choices[first.index + len(out.beams):first.index + state.params.n]:
             if not choice.finished:  # fewer beams than asked for (a vocabulary smaller than the width)
-                self._finish(choice, child_request_id(state.request_id, choice.index), out.finish_reason, now, step)
+                self._finish(choice, out.finish_reason, now, step)
                 state.sink.put(ChoiceDelta(choice.index, choice.prompt_index, "", [], [], out.finish_reason))
 
     def abort(self, request_id: str) -> list[str]:
@@ -224,11 +231,10 @@ class OutputProcessor:
         for choice in state.choices:
             if choice.finished:
                 continue
-            child_id = child_request_id(request_id, choice.index)
             text = choice.detokenizer.next_delta(finished=True) if choice.detokenizer is not None else ""
-            self._finish(choice, child_id, FinishReason.ABORT, now, step)
+            self._finish(choice, FinishReason.ABORT, now, step)
             state.sink.put(ChoiceDelta(choice.index, choice.prompt_index, text, [], [], FinishReason.ABORT))
-            aborted.append(child_id)
+            aborted.append(choice.child_id)
         if step is not None:
             self.metrics.record(step)
         return aborted
@@ -268,10 +274,9 @@ class OutputProcessor:
         return ChoiceDelta(choice.index, choice.prompt_index, text, token_ids, out.new_logprobs, finish_reason,
                            stop_reason, out.prompt_logprobs)
 
-    def _finish(self, choice: _Choice, child_id: str, reason: FinishReason, now: float,
-                step: StepMetrics | None) -> None:
+    def _finish(self, choice: _Choice, reason: FinishReason, now: float, step: StepMetrics | None) -> None:
         choice.finished = True
-        self._choices.pop(child_id, None)  # a beam search's later choices have no engine request of their own
+        self._choices.pop(choice.child_id, None)  # a beam search's later choices have no engine request of their own
         state = choice.request
         state.num_unfinished -= 1
         if state.num_unfinished == 0:

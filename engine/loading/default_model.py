@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from engine import settings
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -40,7 +41,7 @@ _RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 def default_cache_dir() -> Path:
     """``$MINIVLLM_CACHE`` if set, else ``~/.cache/minivllm``."""
-    return Path(os.environ.get("MINIVLLM_CACHE") or Path.home() / ".cache" / "minivllm")
+    return settings.cache_dir()
 
 
 def ensure_default_model(cache_dir: Path | None = None) -> Path:

@@ -15,7 +15,8 @@ from torch import nn
 from engine.loading import fp8_weights
 from engine.loading.model_config import ModelConfig
 from engine.models import fp8, get_model_class
-from engine.models.layers import RMSNorm
+from engine.models.linear import process_weights_after_loading, use_decode_k_split
+from engine.models.norm import RMSNorm
 from kvcache.paged_cache import FP8_DTYPE
 
 logger = logging.getLogger("minivllm")
@@ -37,8 +38,9 @@ def load_model(
     ``load_format``: "safetensors" reads every shard in ``config.model_path``; "dummy" fills random
     weights of the real shapes, deterministic in ``seed`` (for benchmarks without a checkpoint);
     "auto" means safetensors. ``quantization="fp8"`` quantizes the linear layers to FP8 after loading;
-    a checkpoint stored in FP8 (its ``quantization_config``) is loaded in FP8 as it is. Returns the model
-    in eval mode.
+    a checkpoint stored in FP8 (its ``quantization_config``) is loaded in FP8 as it is. Each linear layer gets
+    its weight method before loading (``_set_linear_methods``) and processes its weights after. Returns the
+    model in eval mode.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
@@ -52,25 +54,37 @@ def load_model(
     # Parameters are created where and how they will live: no CPU copy, no float32 copy.
     with torch.device(device), _default_dtype(dtype), _without_default_init():
         model = model_class(config)
-        if config.quantization_config is not None:
-            layers = fp8_weights.prepare_fp8_checkpoint(model, fp8.Fp8Scheme.from_hf(config.quantization_config))
-            logger.info("FP8 checkpoint (weight blocks %s): %d linear layers load in FP8",
-                        config.quantization_config.get("weight_block_size"), layers)
+        quantized = _set_linear_methods(model, config, quantization)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
         model.load_weights(iter_safetensors(files))
-    if quantization == "fp8" and config.quantization_config is None:
-        before = fp8_weights.weight_bytes(model)
-        layers = fp8_weights.quantize_model_weights(model)
+    before = fp8_weights.weight_bytes(model)
+    process_weights_after_loading(model)
+    if quantized:
         logger.info("quantized %d linear layers to FP8 (a scale per output channel): weights %.2f -> %.2f GiB",
-                    layers, before / 2**30, fp8_weights.weight_bytes(model) / 2**30)
+                    quantized, before / 2**30, fp8_weights.weight_bytes(model) / 2**30)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "loaded %s: %.1fM parameters in %.2f s", config.architecture, num_params / 1e6, time.perf_counter() - start_s
     )
     return model
+
+
+def _set_linear_methods(model: nn.Module, config: ModelConfig, quantization: str | None) -> int:
+    """Each linear layer's weight method, before loading: an FP8 checkpoint's layout, ``--quantization fp8``'s,
+    or 16-bit weights cut along K at decode sizes (``MINIVLLM_DECODE_KSPLIT``). Returns how many layers are
+    quantized after loading."""
+    quantized = 0
+    if config.quantization_config is not None:
+        layers = fp8_weights.use_fp8_methods(model, fp8.Fp8Scheme.from_hf(config.quantization_config))
+        logger.info("FP8 checkpoint (weight blocks %s): %d linear layers load in FP8",
+                    config.quantization_config.get("weight_block_size"), layers)
+    elif quantization == "fp8":
+        quantized = fp8_weights.use_fp8_methods(model, None)
+    use_decode_k_split(model)
+    return quantized
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""FP8 linear layers: float8_e4m3 weights with float32 scales, activations quantized at run time.
+"""The FP8 arithmetic of the linear layers: float8_e4m3 weights with float32 scales, activations quantized at run
+time.
 
 Two weight layouts, both kept in FP8 in memory (half the bytes of bfloat16):
 
@@ -23,8 +24,9 @@ already quantized (``Fp8Activation``, ``fused_ops.rms_norm_fp8``), and SwiGLU ap
 as it reads the product (``fp8_linear_deferring_scales``): fewer launches and passes over the activations.
 Elsewhere (the CPU) the same arithmetic runs as dequantize-then-matmul: activations are
 rounded through FP8 exactly as the GPU path rounds them, so CPU accuracy tests measure what the GPU
-computes. The CPU layers widen their FP8 values to float32 once and keep them (``Fp8Weights``): CPUs have
-no FP8 arithmetic to save memory with.
+computes. The CPU layers widen their FP8 values to float32 once and keep them (``Fp8LinearMethod``): CPUs
+have no FP8 arithmetic to save memory with. The layers' side of it (which parameters, when they are quantized,
+what the kernels around a product may take over) is ``engine.models.linear.fp8``.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ class Fp8Activation:
     ``silu_and_mul_fp8``), in the layout cuBLAS's block-scaled product takes: float8 ``values`` [rows padded to
     a multiple of 4, k], float32 ``scales`` one per token and 128 columns (a token-major transposed view), the
     ``num_rows`` real tokens, and the compute ``dtype`` the product returns. Only layers whose product runs
-    through cuBLAS's block scaling take one (``Fp8Weights.takes_fp8_input``)."""
+    through cuBLAS's block scaling take one (``LinearBase.takes_fp8_input``)."""
 
     values: torch.Tensor
     scales: torch.Tensor

@@ -26,15 +26,10 @@ from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.distributed import kv_head_range, shard_range
 from engine.loading.model_config import ModelConfig
-from engine.models.layers import (
-    FusedLinear,
-    ParallelLMHead,
-    RotaryEmbedding,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    get_rope,
-    load_checkpoint_weights,
-)
+from engine.models.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.models.linear import FusedLinear, RowParallelLinear
+from engine.models.rotary import RotaryEmbedding, get_rope
+from engine.models.weight_loading import load_checkpoint_weights
 
 
 class GemmaRMSNorm(nn.Module):

@@ -9,13 +9,14 @@ model's.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from engine.attention.layer import Attention
-from engine.models.layers import load_checkpoint_weights
+from engine.models.weight_loading import load_checkpoint_weights
 
 
 class ImageTextModel(nn.Module):
@@ -41,3 +42,15 @@ class ImageTextModel(nn.Module):
 
     def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError
+
+
+@contextlib.contextmanager
+def without_transformers_init():
+    """Build transformers modules (a vision-language model's vision tower) without their random initialisation:
+    every weight is loaded after."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        from transformers.modeling_utils import no_init_weights
+    with no_init_weights():
+        yield

@@ -6,6 +6,12 @@ fills them from the separate checkpoint tensors.
 
 Variants differ only in their ``AttentionSpec`` (biases, q/k norm); Qwen2 and Qwen3
 subclass ``LlamaForCausalLM`` and override ``attention_spec``.
+
+Each projection's product is handed on as a ``LinearOutput`` (``forward_deferred``): the kernel that reads it
+next (the KV-cache write after q|k|v, the residual add-norms after o and down, SwiGLU after gate|up) does its
+last elementwise step as it reads it, and each of those kernels writes its output as the next projection takes
+it (``takes_fp8_input``). How a projection holds and multiplies its weight is its weight method's
+(``engine.models.linear``), chosen by the loader.
 """
 
 from __future__ import annotations
@@ -20,17 +26,12 @@ from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.distributed import kv_head_range, shard_range
 from engine.loading.model_config import ModelConfig
-from engine.models.layers import (
-    FusedLinear,
-    ParallelLMHead,
-    RMSNorm,
-    RotaryEmbedding,
-    RowParallelLinear,
-    SiluAndMul,
-    VocabParallelEmbedding,
-    get_rope,
-    load_checkpoint_weights,
-)
+from engine.models.activation import SiluAndMul
+from engine.models.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.models.linear import FusedLinear, LinearOutput, RowParallelLinear
+from engine.models.norm import RMSNorm
+from engine.models.rotary import RotaryEmbedding, get_rope
+from engine.models.weight_loading import load_checkpoint_weights
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class AttentionSpec:
 
 
 class LlamaAttention(nn.Module):
+    # q|k|v's product is finished by the attention layer's KV-cache write, o's by the next residual add-norm
+    # (LinearBase.forward_deferred).
+    deferred_products = ("qkv_proj", "o_proj")
+
     def __init__(
         self, config: ModelConfig, spec: AttentionSpec, rotary_emb: RotaryEmbedding, layer_idx: int
     ):
@@ -59,10 +64,8 @@ class LlamaAttention(nn.Module):
             {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
             bias=spec.qkv_bias,
             source_rows={"q_proj": (q_start * hd, self.q_size), "k_proj": kv_rows, "v_proj": kv_rows},
-            k_split="qkv",
         )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, bias=spec.o_proj_bias,
-                                        k_split="o")
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, bias=spec.o_proj_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -74,68 +77,41 @@ class LlamaAttention(nn.Module):
         rope = rotary_emb.pending(self.q_norm, self.k_norm) if spec.qk_norm else rotary_emb.pending()
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_idx,
                               sliding_window=window, rope=rope)
-        self.attn.feeds(self.o_proj)  # decode attention may have the L2 fetch o's weight (engine.l2_prefetch)
 
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]; [3, num_tokens] for M-RoPE (ModelConfig.mrope_section)
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size], or as q|k|v takes it (LinearBase.takes_fp8_input)
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(out [num_tokens, hidden_size], the column scales out still needs or None): with FP8 weights, products
-        of prefill-sized steps may leave their per-channel weight scales to the kernel that reads them next. q|k|v's
-        are applied by the attention layer's KV-cache write; o's are returned for the residual add-norm. ``out`` may be
-        o's ``PartialSums`` (``RowParallelLinear.forward_deferring_scales``), which that add-norm adds up."""
-        partials = None
-        if self.qkv_proj.takes_fp8_input and self.qkv_proj.bias is None:
-            qkv, column_scales = self.qkv_proj.matmul_deferring_scales(hidden)
-        elif self.qkv_proj.splits_along_k(hidden) and self.attn.takes_partial_products:
-            # A decode-sized product cut along K (MINIVLLM_DECODE_KSPLIT): the KV-cache write adds the slices up.
-            partials = self.qkv_proj.partial_products(hidden).slices
-            qkv, column_scales = partials[0], None
-        else:
-            qkv, column_scales = self.qkv_proj(hidden), None  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # q and k go to attention unroped (and, for Qwen3, unnormed): it applies both as it writes the KV cache.
-        # With FP8 weights a decode step's attention output comes quantized as o_proj takes it (``Fp8Activation``).
-        out = self.attn(q, k, v, meta, positions, column_scales, fp8_out=self.o_proj.takes_fp8_input,
-                        partials=partials)  # [num_tokens, q_size]
-        return self.o_proj.forward_deferring_scales(out)
+    ) -> LinearOutput:  # [num_tokens, hidden_size]: o's product, which the next add-norm finishes
+        # [num_tokens, q_size + 2 * kv_size], finished as attention writes K and V (and ropes q and k)
+        qkv = self.qkv_proj.forward_deferred(hidden, partials_ok=self.attn.takes_partial_products)
+        q, k, v = qkv.values.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        out = self.attn(q, k, v, meta, positions, qkv.column_scales, fp8_out=self.o_proj.takes_fp8_input,
+                        partials=qkv.partials)  # [num_tokens, q_size]
+        return self.o_proj.forward_deferred(out)
 
 
 class LlamaMLP(nn.Module):
+    # gate|up's product is finished by SwiGLU, down's by the next residual add-norm (LinearBase.forward_deferred).
+    deferred_products = ("gate_up_proj", "down_proj")
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         start, size = shard_range(config.intermediate_size)  # this rank's columns (column-parallel)
         self.gate_up_proj = FusedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=False,
-                                        source_rows={"gate_proj": (start, size), "up_proj": (start, size)},
-                                        k_split="gate_up")
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False, k_split="down")
+                                        source_rows={"gate_proj": (start, size), "up_proj": (start, size)})
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_fn = SiluAndMul()
 
     @property
     def takes_fp8_input(self) -> bool:
         return self.gate_up_proj.takes_fp8_input
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size], or an Fp8Activation
-        return self.down_proj(self._activation(x))  # [num_tokens, hidden_size]
-
-    def forward_deferring_scales(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``forward``, with down's per-channel FP8 weight scales left to the residual add-norm that reads the
-        output next, where the product leaves them (``RowParallelLinear.forward_deferring_scales``)."""
-        return self.down_proj.forward_deferring_scales(self._activation(x))
-
-    def _activation(self, x):
-        # With FP8 weights, SwiGLU applies gate|up's per-channel scales where the product leaves them (prefill) and
-        # writes the down projection's input already quantized: two passes over the activations fewer. A decode-sized
-        # product cut along K (MINIVLLM_DECODE_KSPLIT) comes as partial products, which SwiGLU adds as it reads them.
-        if self.gate_up_proj.takes_fp8_input:
-            gate_up, column_scales = self.gate_up_proj.matmul_deferring_scales(x)
-        elif self.gate_up_proj.splits_along_k(x):
-            gate_up, column_scales = self.gate_up_proj.partial_products(x), None
-        else:
-            gate_up, column_scales = self.gate_up_proj(x), None
-        return self.act_fn(gate_up, fp8_out=self.down_proj.takes_fp8_input, column_scales=column_scales)
+    def forward(self, x: torch.Tensor) -> LinearOutput:  # x: [num_tokens, hidden_size], or as gate|up takes it
+        gate_up = self.gate_up_proj.forward_deferred(x)  # [num_tokens, 2 * intermediate]
+        hidden = self.act_fn(gate_up, fp8_out=self.down_proj.takes_fp8_input)  # [num_tokens, intermediate]
+        return self.down_proj.forward_deferred(hidden)  # [num_tokens, hidden_size], for the next add-norm
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -146,38 +122,25 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # The kernels that compute a product's input may have the L2 fetch its weight (engine.l2_prefetch).
-        self.input_layernorm.feeds(self.self_attn.qkv_proj)
-        if isinstance(mlp, LlamaMLP):
-            self.post_attention_layernorm.feeds(mlp.gate_up_proj)
-            mlp.act_fn.feeds(mlp.down_proj)
 
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        hidden: torch.Tensor | LinearOutput,  # [num_tokens, hidden_size]: the embeddings, or the last block's
         residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None for the first layer
         meta: AttentionMetadata,
-        column_scales: torch.Tensor | None = None,  # [hidden_size] float32: scales hidden's columns still need
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(hidden, residual, the column scales hidden still needs or None). The residual add of the previous block
-        is fused into this block's first norm. With FP8 weights the norms write the projections' inputs already
-        quantized (``Fp8Activation``), and in prefill steps the o and down projections' per-channel weight scales
-        are applied by the next add-norm as it reads the product (``RowParallelLinear.forward_deferring_scales``)."""
+    ) -> tuple[torch.Tensor | LinearOutput, torch.Tensor]:
+        """(hidden, residual). The residual add of the previous block is fused into this block's first norm, which
+        finishes that block's last product; each norm writes its output as the next projection takes it."""
         fp8_qkv = self.self_attn.qkv_proj.takes_fp8_input
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden, fp8_out=fp8_qkv)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, fp8_out=fp8_qkv, column_scales=column_scales)
-        hidden, column_scales = self.self_attn(positions, hidden, meta)
-        if not isinstance(self.mlp, LlamaMLP):  # a mixture of experts
-            hidden, residual = self.post_attention_layernorm(hidden, residual, column_scales=column_scales)
-            return self.mlp(hidden), residual, None
-        hidden, residual = self.post_attention_layernorm(hidden, residual, fp8_out=self.mlp.takes_fp8_input,
-                                                         column_scales=column_scales)
-        hidden, column_scales = self.mlp.forward_deferring_scales(hidden)
-        return hidden, residual, column_scales
+            hidden, residual = self.input_layernorm(hidden, residual, fp8_out=fp8_qkv)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, fp8_out=self.mlp.takes_fp8_input)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -198,10 +161,10 @@ class LlamaModel(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         # [num_tokens, hidden_size]: the token embeddings, or the caller's (a vision model's prompt images in them)
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = column_scales = None
+        residual = None
         for layer in self.layers:
-            hidden, residual, column_scales = layer(positions, hidden, residual, meta, column_scales)
-        hidden, _ = self.norm(hidden, residual, column_scales=column_scales)
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
         return hidden  # [num_tokens, hidden_size]
 
 

@@ -22,8 +22,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.loading.model_config import ModelConfig
-from engine.models.image_text import ImageTextModel
-from engine.models.layers import without_transformers_init
+from engine.models.image_text import ImageTextModel, without_transformers_init
 from engine.models.llama import LlamaForCausalLM
 
 # Checkpoint name prefixes, by where transformers puts them: in memory under transformers 5

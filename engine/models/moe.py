@@ -18,22 +18,23 @@ installed and ``MINIVLLM_MOE_BACKEND`` is not ``torch``; True or False forces on
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import settings
 from engine.distributed import all_reduce, shard_range, tp_size
 from engine.loading.model_config import ModelConfig
-from engine.models.layers import _triton_installed, copy_weight, take
+from engine.models.fused_path import triton_installed
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
+from engine.models.weight_loading import copy_weight, take
 
 
 def moe_backend() -> str:
     """``$MINIVLLM_MOE_BACKEND``: ``triton`` (the default: the fused kernels on CUDA) or ``torch`` (the reference)."""
-    backend = os.environ.get("MINIVLLM_MOE_BACKEND", "triton").strip().lower() or "triton"
+    backend = settings.moe_backend()
     if backend not in ("triton", "torch"):
         raise ValueError(f"MINIVLLM_MOE_BACKEND must be 'triton' or 'torch', got {backend!r}")
     return backend
@@ -52,7 +53,7 @@ class FusedExperts(nn.Module):
         """Whether ``forward`` runs the fused Triton path for input ``x`` (``use_triton`` resolved)."""
         if self.use_triton is not None:
             return self.use_triton
-        return x.is_cuda and _triton_installed() and moe_backend() == "triton"
+        return x.is_cuda and triton_installed() and moe_backend() == "triton"
 
     def weight_targets(self, prefix: str) -> dict:
         """Checkpoint name -> loader for every expert's ``gate_proj``, ``up_proj`` and ``down_proj``."""
@@ -94,6 +95,8 @@ class FusedExperts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """The MLP of a sparse layer: the router (``gate``, replicated on every rank) and the experts."""
+
+    takes_fp8_input = False  # the router and the experts read the normed hidden states in the model dtype
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
 from engine.loading.model_config import ModelConfig
-from engine.models.image_text import ImageTextModel
-from engine.models.layers import without_transformers_init
+from engine.models.image_text import ImageTextModel, without_transformers_init
 from engine.models.qwen2 import Qwen2ForCausalLM
 
 # Checkpoint name prefixes: as transformers 5 holds them in memory (``model.language_model.*``,

@@ -19,15 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops import pdl
 from engine.ops.intmath import cdiv, next_power_of_2
 from kvcache.paged_cache import FP8_DTYPE
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, group_size, num_groups, stride_x, stride_q,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+                          BLOCK: tl.constexpr):
     row = tl.program_id(0)
     g = tl.program_id(1)
     start = g * group_size
@@ -49,10 +47,9 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, num_cols, group_size, num_groups,
 
 @triton.jit(do_not_specialize=["num_rows", "stride_s", "stride_sg"])
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, num_rows, num_cols, num_groups, stride_x, stride_q, stride_s,
-                            stride_sg, GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, PDL: tl.constexpr):
+                            stride_sg, GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     """``GROUPS_PER_PROGRAM`` groups of one row, read once: [groups, GROUP] values, one scale per group. Rows
     past ``num_rows`` (padding) become zeros."""
-    pdl.wait(PDL)
     row = tl.program_id(0)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -95,13 +92,13 @@ def quantize_rows(x: torch.Tensor, group: int | None = None,
         per_program = max(1, min(next_power_of_2(num_groups), 2048 // group))
         _quantize_groups_kernel[(rows, cdiv(num_groups, per_program))](
             x, values, scales, m, k, num_groups, x.stride(0), values.stride(0), scales.stride(0), scales.stride(1),
-            GROUP=group, GROUPS_PER_PROGRAM=per_program, num_warps=4, **pdl.launch_args(x))
+            GROUP=group, GROUPS_PER_PROGRAM=per_program, num_warps=4)
     elif cublas_layout:
         raise ValueError("quantize_rows: the cuBLAS layout needs a power-of-two group")
     else:
         block = min(next_power_of_2(group_size), 1024)
         _quantize_rows_kernel[(m, num_groups)](x, values, scales, k, group_size, num_groups, x.stride(0),
-                                               values.stride(0), BLOCK=block, num_warps=4, **pdl.launch_args(x))
+                                               values.stride(0), BLOCK=block, num_warps=4)
     return values, scales
 
 
@@ -237,9 +234,7 @@ def sum_splits(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _scale_columns_kernel(x_ptr, s_ptr, num_rows, num_cols, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          PDL: tl.constexpr):
-    pdl.wait(PDL)
+def _scale_columns_kernel(x_ptr, s_ptr, num_rows, num_cols, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < num_rows) & (cols[None, :] < num_cols)
@@ -251,8 +246,8 @@ def _scale_columns_kernel(x_ptr, s_ptr, num_rows, num_cols, stride_x, BLOCK_M: t
 
 def scale_columns_(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x *= scales`` in place for x [m, n] (rows contiguous) and float32 scales [n], multiplied in float32 and
-    rounded once. torch's broadcast multiply takes its unvectorized path here (a 16k-token prefill step of
-    Llama-3.1-8B spent 66 ms in it on an H200); this kernel reads and writes 16-byte vectors."""
+    rounded once. torch's broadcast multiply takes its unvectorized path here, which long prefill steps pay for
+    (bench/RESULTS.md); this kernel reads and writes 16-byte vectors."""
     if x.dim() != 2 or x.stride(1) != 1 or scales.shape != (x.shape[1],) or scales.dtype != torch.float32:
         raise ValueError(f"scale_columns_: x {tuple(x.shape)} with contiguous rows and float32 scales of its "
                          f"{x.shape[-1]} columns expected, got scales {tuple(scales.shape)} {scales.dtype}")
@@ -260,6 +255,5 @@ def scale_columns_(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if m:
         block_m, block_n = 16, 256
         _scale_columns_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
-            x, scales.contiguous(), m, n, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
-            **pdl.launch_args(x))
+            x, scales.contiguous(), m, n, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return x

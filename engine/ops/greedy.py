@@ -1,7 +1,7 @@
 """The greedy token of each row of a logits matrix, as ``torch.argmax(logits, dim=-1)`` gives it, in two Triton passes.
 
 A decode step of greedy rows ends with the argmax of a [rows, vocab] logits matrix (151,936 columns on Qwen3). torch's
-reduction reads it at 29-34% of the copy bandwidth at 151-256 rows on an H200. Here the first pass cuts each row into
+reduction reads it at about a third of the copy bandwidth (bench/RESULTS.md). Here the first pass cuts each row into
 chunks of ``BLOCK`` columns, one program a chunk, each writing its largest value and that value's first column; the
 second pass takes, per row, the first chunk holding the row's largest value. Ties go to the lowest column, as in
 torch. NaN counts as larger than any number, as in torch; a row holding both +inf and NaN, where torch returns the
@@ -10,20 +10,20 @@ first NaN, gives the first of either here.
 Where they run (``MINIVLLM_GREEDY_ARGMAX``; decode graphs read it when they are captured, the sampler at each call):
 ``graph`` (the default) inside the decode CUDA graphs, whose replays then hand the sampler each row's argmax along
 with the logits, with torch.argmax for eager steps; ``kernel`` in the graphs and in eager CUDA steps; ``torch``
-nowhere, torch.argmax after the graph and in eager steps. On an H200 the kernels take half torch's device time (18.9
-against 37.6 us for 151 rows), but their two launches cost 74 us of host time against torch's 17: inside a graph that
-cost is gone, outside one it is paid on every step (bench/RESULTS.md, 2026-12-06).
+nowhere, torch.argmax after the graph and in eager steps. The kernels take half torch's device time, but their two
+launches cost several times torch's host time: inside a graph that cost is gone, outside one it is paid on every step
+(bench/RESULTS.md, 2026-12-06).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from engine import settings
 from engine.ops.intmath import cdiv, next_power_of_2
+from engine.ops.triton_helpers import interpreted
 
 BLOCK = 4096  # columns a first-pass program reads: 8 KB of bfloat16
 NUM_WARPS = 4
@@ -56,13 +56,19 @@ def takes(logits: torch.Tensor) -> bool:
             and logits.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
-def greedy_tokens(logits: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` ([rows] int64) of a [rows, vocab] matrix through the two kernels: CUDA tensors, or
     CPU ones under Triton's interpreter."""
-    if not takes(logits) or not (logits.is_cuda or not isinstance(_chunk_max_kernel, triton.runtime.JITFunction)):
+    if not takes(logits) or not (logits.is_cuda or interpreted()):
         raise ValueError(f"greedy_tokens: logits must be a non-empty 2-D float tensor with contiguous rows on a CUDA "
                          f"device, got {tuple(logits.shape)} {logits.dtype} with strides {logits.stride()} on "
                          f"{logits.device}")
+    return _launch_greedy(logits)
+
+
+def _launch_greedy(logits: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """The two passes on logits ``greedy_tokens`` takes; ``block`` and ``num_warps`` (the first pass's) replace the
+    launch's, for sweeps."""
     rows, vocab = logits.shape
     num_chunks = cdiv(vocab, block)
     vals = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
@@ -75,7 +81,7 @@ def greedy_tokens(logits: torch.Tensor, block: int = BLOCK, num_warps: int = NUM
 
 
 def _setting() -> str:
-    setting = os.environ.get("MINIVLLM_GREEDY_ARGMAX", "graph")
+    setting = settings.greedy_argmax()
     if setting not in ("graph", "kernel", "torch"):
         raise ValueError(f"MINIVLLM_GREEDY_ARGMAX must be 'graph', 'kernel' or 'torch', got {setting!r}")
     return setting
@@ -90,5 +96,5 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """The sampler's greedy tokens: with ``MINIVLLM_GREEDY_ARGMAX=kernel``, the kernels for CUDA logits they take;
     else torch.argmax."""
     if _setting() == "kernel" and logits.is_cuda and takes(logits):
-        return greedy_tokens(logits)
+        return _launch_greedy(logits)
     return logits.argmax(dim=-1)

@@ -36,9 +36,8 @@ and the slot sum has a fixed order, so results are deterministic. Padding rows l
 Block sizes (``choose_blocks``) follow the expected rows per expert, ``T * k / E``: a decode step of up to a few
 hundred tokens on 128 experts gives most experts 0-16 rows, hence ``BLOCK_M = 16`` there.
 
-On an H200 with Qwen3-30B-A3B's experts (bf16, E=128, k=8, H=2048, I=768) under CUDA graphs, one layer takes
-32 us for one token (the weights of its 8 experts need 16 us at 4.8 TB/s; the routing is 3 us of it), 198 us for
-16 tokens (floor 173 us) and 293 us for 128 (all 128 experts, floor 252 us).
+A layer's time on Qwen3-30B-A3B's experts under CUDA graphs, against the time its experts' weights take to read:
+bench/RESULTS.md.
 
 Numerics: float32 accumulation, one rounding to the activation dtype for ``act`` and one for each pair's output
 row (the reference rounds after each linear and after the product). float32 inputs use exact float32 dots
@@ -188,7 +187,7 @@ def choose_blocks(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEBl
     if dtype == torch.float32:  # exact float32 dots: twice the bytes per tile, no tensor-core fast path
         return MoEBlocks(min(block_m, 64), 32, 32, num_warps=4, num_stages=2)
     # Measured on an H200 with Qwen3-30B-A3B's experts (bf16, E=128, k=8, H=2048, I=768), under CUDA graphs.
-    if block_m == 16:  # decode: weight streaming dominates (90% of the bandwidth floor per GEMM)
+    if block_m == 16:  # decode: weight streaming dominates (near the bandwidth floor per GEMM; bench/RESULTS.md)
         return MoEBlocks(16, 64, 128, num_warps=4, num_stages=3)
     if block_m == 64:
         return MoEBlocks(64, 64, 64, num_warps=4, num_stages=3)

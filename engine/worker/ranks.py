@@ -30,8 +30,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine import distributed
+from engine import distributed, settings
 from engine.config import EngineConfig
+from engine.worker.prompt_logprobs import follow_prompt_logprobs
 from engine.worker.step_channel import StepChannel
 
 logger = logging.getLogger("minivllm")
@@ -63,7 +64,7 @@ def follow(runner) -> None:
             if shape.num_logits:
                 runner.model.compute_logits(hidden[logits_indices])
             if len(prompt_lp_indices):
-                runner.follow_prompt_logprobs(hidden, torch.from_numpy(prompt_lp_indices).to(runner.device))
+                follow_prompt_logprobs(runner.model, hidden, torch.from_numpy(prompt_lp_indices).to(runner.device))
 
 
 # ------------------------------------------------------------------------------------------ processes
@@ -78,7 +79,7 @@ def spawn_local_workers(config: EngineConfig, first_rank: int, count: int) -> li
     payload = json.dumps(dataclasses.asdict(config))
     procs = []
     for rank in range(first_rank, first_rank + count):
-        env = dict(os.environ, MINIVLLM_WORKER_CONFIG=payload)
+        env = settings.worker_env(payload)
         procs.append(subprocess.Popen([sys.executable, "-m", "engine.worker.ranks", "--rank", str(rank)], env=env))
     logger.info("tensor parallel: started ranks %d-%d (pids %s)", first_rank, first_rank + count - 1,
                 ", ".join(str(p.pid) for p in procs))
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [rank {args.rank}]: "
                         "%(message)s")
-    config = EngineConfig(**json.loads(os.environ["MINIVLLM_WORKER_CONFIG"]))
+    config = EngineConfig(**settings.worker_config())
     _exit_with_parent()
     run_worker(config, args.rank)
 

@@ -9,43 +9,11 @@ so its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
 import torch
 import xgrammar as xgr
 
 from engine.ops.greedy import argmax_rows
-from engine.outputs import Logprobs
-
-
-@dataclass
-class SamplingTensors:
-    """Per-row sampling parameters of one step, already on the device."""
-
-    temperature: torch.Tensor  # [N] float32; 0 means greedy
-    top_k: torch.Tensor | None  # [N] int64, vocab size where disabled; None if no row uses it
-    top_p: torch.Tensor | None  # [N] float32; None if no row uses it
-    min_p: torch.Tensor | None  # [N] float32; None if no row uses it
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its seeded generator
-    all_greedy: bool = False
-    # Penalties (None if no row uses them).
-    presence_penalty: torch.Tensor | None = None  # [N]
-    frequency_penalty: torch.Tensor | None = None  # [N]
-    repetition_penalty: torch.Tensor | None = None  # [N]
-    output_token_counts: torch.Tensor | None = None  # [N, vocab] int: how often each token was generated
-    prompt_token_mask: torch.Tensor | None = None  # [N, vocab] bool: tokens present in the prompt
-    max_num_logprobs: int = -1  # -1: no row wants logprobs
-    # (rows, token ids) that must not be sampled yet: EOS and stop tokens before min_tokens.
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None
-    # (rows, token ids, biases) added to the logits (OpenAI's logit_bias).
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # (rows limited to some tokens, and the (row, token id) pairs they may sample): vLLM's allowed_token_ids.
-    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # [N, ceil(vocab / 32)] int32: the tokens each row's grammar allows (bit set = allowed), meant for the
-    # rows in bitmask_rows only; None: no grammar.
-    bitmask: torch.Tensor | None = None
-    bitmask_rows: list[int] | None = None
+from engine.worker.sampling_tensors import SamplingTensors
 
 
 class Sampler:
@@ -130,58 +98,3 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         mass_before = probs.cumsum(dim=-1) - probs
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-
-
-def gather_logprobs(
-    raw_logprobs: torch.Tensor,  # [N, vocab]
-    sampled: torch.Tensor,  # [N]
-    num_top: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Device-side pieces of the logprobs: the sampled tokens' logprob and rank, and the top-N."""
-    chosen = raw_logprobs.gather(-1, sampled[:, None])  # [N, 1]
-    ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
-    top_vals, top_ids = raw_logprobs.topk(max(num_top, 1), dim=-1)
-    return chosen[:, 0], ranks, top_ids, top_vals
-
-
-def score_tokens(
-    logits: torch.Tensor,  # [N, vocab] float32
-    targets: torch.Tensor,  # [N]
-    num_top: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``gather_logprobs`` of ``targets`` from raw logits, without the [N, vocab] log-softmax: a logprob is
-    the logit less the row's log-sum-exp, and ranks and the top-N are the same on logits."""
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [N, 1]
-    chosen = logits.gather(-1, targets[:, None])  # [N, 1]
-    ranks = (logits > chosen).sum(dim=-1) + 1
-    top_vals, top_ids = logits.topk(max(num_top, 1), dim=-1)
-    return (chosen - lse)[:, 0], ranks, top_ids, top_vals - lse
-
-
-def pad_token_ids(rows: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, its token ids (None: none), as one [rows, longest] int64 array padded with token 0, and each row's
-    count: the index of one gather over the rows' logprobs."""
-    counts = np.asarray([0 if ids is None else len(ids) for ids in rows], dtype=np.int64)
-    padded = np.zeros((len(rows), max(int(counts.max(initial=0)), 1)), dtype=np.int64)
-    for i, ids in enumerate(rows):
-        if ids is not None:
-            padded[i, : len(ids)] = ids
-    return padded, counts
-
-
-def build_logprobs(
-    token_ids: list[int], chosen: list[float], ranks: list[int], top_ids: list[list[int]], top_vals: list[list[float]],
-    num_top: list[int], explicit: tuple[np.ndarray, np.ndarray, list[list[float]]] | None = None,
-) -> list[Logprobs]:
-    """Host-side assembly, one entry per row, each with that row's own top-N; ``explicit``: (padded token ids,
-    counts, their logprobs) of the rows that named their tokens (logprob_token_ids), which take the top-N's place."""
-    entries = [
-        Logprobs(token_ids[i], chosen[i], ranks[i], top_ids[i][: num_top[i]], top_vals[i][: num_top[i]])
-        for i in range(len(token_ids))
-    ]
-    if explicit is not None:
-        ids, counts, values = explicit
-        for i in np.nonzero(counts)[0].tolist():
-            n = int(counts[i])
-            entries[i].top_token_ids, entries[i].top_logprobs = ids[i, :n].tolist(), values[i][:n]
-    return entries

@@ -1,4 +1,5 @@
-"""Persistent step-input buffers: numpy views on (pinned) host memory, mirrored on the device.
+"""Persistent step-input buffers: numpy views on (pinned) host memory, mirrored on the device; and the small
+host/device copies of a step that do not wait for the device.
 
 A step writes its inputs into the host side with numpy, then each buffer is copied to
 the device with one asynchronous copy of the rows in use. The device side never moves,
@@ -62,3 +63,23 @@ class StepBuffers:
         if self.mrope_positions is None:
             return self.positions.device[:num_tokens]
         return self.mrope_positions.device[:, :num_tokens]
+
+
+def upload(t: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on the device without waiting for the device.
+
+    A blocking copy (``.to(device)``) would synchronize the stream, i.e. wait for the step
+    in flight. From pageable memory the driver stages the bytes before the call returns,
+    so the source may be dropped at once.
+    """
+    if isinstance(t, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(t))
+    return t.to(device, non_blocking=True)
+
+
+def copy_to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor, queued behind the work before it (pinned memory on CUDA): valid once an
+    event recorded after this call has passed."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+    host.copy_(t, non_blocking=True)
+    return host
