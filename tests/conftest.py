@@ -79,16 +79,20 @@ TIERS = ("unit", "engine", "kernels", "server", "gpu")
 TIER_OF_FILE = {
     "test_block_pool.py": "unit",
     "test_chat_templates.py": "unit",
+    "test_cli.py": "unit",
+    "test_code_size.py": "unit",
     "test_forced_tool_calls.py": "unit",
     "test_generation_defaults.py": "unit",
     "test_kv_manager.py": "unit",
     "test_layout.py": "unit",
+    "test_linear_methods.py": "unit",
     "test_media.py": "unit",
     "test_output_processor.py": "unit",
     "test_paged_cache.py": "unit",
     "test_roofline.py": "unit",
     "test_sampler.py": "unit",
     "test_scheduler.py": "unit",
+    "test_settings.py": "unit",
     "test_tool_parsers.py": "unit",
 
     "test_beam_search.py": "engine",
@@ -108,7 +112,6 @@ TIER_OF_FILE = {
 
     "test_fused_ops.py": "kernels",
     "test_greedy.py": "kernels",
-    "test_launch_options.py": "kernels",
     "test_moe_kernels.py": "kernels",
     "test_triton_attention.py": "kernels",
 
