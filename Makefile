@@ -2,6 +2,9 @@
 #   make serve   create the virtualenv with what serving needs, fetch the default model, serve it on
 #                http://127.0.0.1:8000 (HOST=0.0.0.0 to listen on every interface, PORT=N for another port)
 #   make test    the same virtualenv plus the test tools, fetch the default model, run the tests
+#                (in a random order, whose seed is printed: PYTEST_ARGS=--randomly-seed=N repeats an order,
+#                PYTEST_ARGS='-p no:randomly' keeps file order)
+#   make test-fast   only the unit tier (tests/conftest.py gives each test file its tier), in under two minutes
 # On Linux without an NVIDIA GPU, PyTorch's CPU build is installed first (hundreds of MB instead of the CUDA
 # build's 5 GB); TORCH_INDEX_URL=<index> picks another index, TORCH_INDEX_URL= (empty) takes PyPI's torch.
 PYTHON ?= python3
@@ -22,7 +25,7 @@ TORCH_INDEX_URL ?= $(CPU_TORCH_INDEX_URL)
 endif
 TORCH_INDEX_URL ?=
 
-.PHONY: install install-dev model serve test bench constraints clean
+.PHONY: install install-dev model serve test test-fast bench constraints clean
 
 # torch from TORCH_INDEX_URL; where that index cannot be reached, the next step takes PyPI's torch instead.
 define TORCH_FROM_INDEX
@@ -55,6 +58,9 @@ serve: model
 
 test: install-dev model
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install-dev model
+	$(PY) -m pytest -q -m unit $(PYTEST_ARGS)
 
 bench: install-dev model
 	$(PY) bench/offline_throughput.py

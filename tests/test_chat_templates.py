@@ -213,6 +213,7 @@ def trusting(tmp_path_factory, tiny_model_path):
     server.stop()
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize", "/invocations"])
 def test_a_request_template_needs_the_trust_flag(tiny_server, path):
     body = {"messages": CHAT, "chat_template": LISTING, "max_tokens": 2}
@@ -224,6 +225,7 @@ def test_a_request_template_needs_the_trust_flag(tiny_server, path):
                                 "Refused request with untrusted chat template.")
 
 
+@pytest.mark.server
 def test_with_the_flag_a_request_template_replaces_the_models(trusting):
     ids = httpx.post(f"{trusting.url}/tokenize", json={"messages": CHAT, "chat_template": LISTING}).json()["tokens"]
     text = httpx.post(f"{trusting.url}/detokenize", json={"tokens": ids}).json()["prompt"]
@@ -234,6 +236,7 @@ def test_with_the_flag_a_request_template_replaces_the_models(trusting):
     assert reply.usage.prompt_tokens == len(ids)
 
 
+@pytest.mark.server
 def test_a_template_that_never_ends_is_a_400_and_holds_up_nobody(trusting):
     """Three nested loops of 100,000: a 400 naming the time bound. Meanwhile a chat completion (the model's own
     template) and text tokenization are answered, and afterwards nothing is left running."""
@@ -258,6 +261,7 @@ def test_a_template_that_never_ends_is_a_400_and_holds_up_nobody(trusting):
     assert wait_until_idle(trusting.url)["minivllm:kv_cache_blocks_used"] == 0
 
 
+@pytest.mark.server
 def test_sigterm_ends_a_server_while_a_render_loops(tmp_path, tiny_model_path):
     """The request is sent on a connection kept open (so the render is not cancelled as its client leaves); a
     /health answered after it was sent shows the server took it in. SIGTERM then ends the server, exit code 0."""

@@ -159,9 +159,15 @@ def test_snapshot_agrees_with_metrics_and_routes_are_open(server):
     assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401  # the key is on
     assert_error_shape(httpx.post(f"{server.url}/dashboard/snapshot", timeout=10), 405)
 
+    # The module's server is shared: counters are compared as what this request added to them.
+    before = wait_until_idle(server.url)
+    assert before["minivllm:num_requests_running"] == before["minivllm:kv_cache_blocks_used"] == 0
     body = {"prompt": SHARED_PREFIX + [7, 8, 9], "max_tokens": 20, "ignore_eos": True}
     assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
     metrics = wait_until_idle(server.url)
+    eager_steps = 'minivllm:engine_steps_total{kind="eager"}'
+    added = {name: metrics[name] - before[name]
+             for name in ("minivllm:generation_tokens_total", "minivllm:prompt_tokens_total", eager_steps)}
     snap = httpx.get(f"{server.url}/dashboard/snapshot", timeout=10).json()
 
     states = decode_states(snap)
@@ -174,15 +180,18 @@ def test_snapshot_agrees_with_metrics_and_routes_are_open(server):
     for name in ("total", "free", "used", "cached"):
         assert counts[name] == metrics[f"minivllm:kv_cache_blocks_{name}"], name
     assert snap["num_running"] == metrics["minivllm:num_requests_running"] == 0
-    assert snap["generation_tokens_total"] == metrics["minivllm:generation_tokens_total"] >= 20
+    assert snap["generation_tokens_total"] == metrics["minivllm:generation_tokens_total"]
     assert snap["prompt_tokens_total"] == metrics["minivllm:prompt_tokens_total"]
     assert snap["prefix_cache_hits"] == metrics["minivllm:prefix_cache_hits_total"]
+    assert added["minivllm:generation_tokens_total"] == 20
+    assert added["minivllm:prompt_tokens_total"] == len(body["prompt"])
     steps = snap["num_steps_by_kind"]
-    assert steps["eager"] == metrics['minivllm:engine_steps_total{kind="eager"}'] >= 20  # the CPU: all eager
+    assert steps["eager"] == metrics[eager_steps] and added[eager_steps] >= 20  # the CPU: all eager
     assert steps["decode_graph"] == steps["mixed_graph"] == 0
     assert snap["engine_status"] == "ok"
 
 
+@pytest.mark.unit
 def test_snapshot_of_a_large_pool_is_exact():
     num_blocks = 100_000
     rng = np.random.default_rng(0)

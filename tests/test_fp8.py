@@ -141,6 +141,7 @@ def test_fp8_kv_engine_gives_the_same_tokens_through_chunks_prefix_hits_and_pree
     assert got == expected
 
 
+@pytest.mark.server
 def test_the_server_takes_both_fp8_flags(tmp_path, tiny_model_path):
     """``minivllm serve --kv-cache-dtype fp8 --quantization fp8``: the start-up log says what was quantized and how
     many tokens the pool holds, /metrics names the cache dtype, and the SDK gets answers."""

@@ -125,6 +125,22 @@ def model_dir(tmp_path_factory) -> Path:
     return save_checkpoint(config, tmp_path_factory.mktemp("llama"))
 
 
+@pytest.fixture(scope="module")
+def scripts(model_dir, tmp_path_factory):
+    """Both scenarios' scripts, started together: each runs in a fresh process (and group) of its own, and the
+    two use two cores where one scenario alone would leave one idle. A test reads its own with ``finish``."""
+    prompts = [[3, 17, 42, 99, 7], [250, 11, 64]]
+    broken = tmp_path_factory.mktemp("broken-tokenizer")
+    (broken / "tokenizer.json").write_text("not json")
+    procs = {"lifecycle": python(LIFECYCLE_SCRIPT, str(model_dir), json.dumps(prompts), str(broken)),
+             "exit": python(PROC_HELPERS + EXIT_SCRIPT, str(model_dir), start_new_session=True)}
+    yield procs
+    for proc in procs.values():  # a test that was deselected or failed early leaves its script behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def python(script: str, *args: str, **popen) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *args], cwd=REPO_ROOT, env=env,
@@ -142,17 +158,13 @@ def finish(proc: subprocess.Popen) -> tuple[str, str]:
     return out, err
 
 
-def test_three_tp2_llms_in_turn_then_tp1_leave_no_rank_and_no_process_group(model_dir, tmp_path):
+def test_three_tp2_llms_in_turn_then_tp1_leave_no_rank_and_no_process_group(scripts):
     """A TP=2 LLM whose start fails after its rank started leaves neither rank nor group. Then three TP=2 LLMs,
     released by ``del llm``, by ``shutdown()`` (twice) and by a ``with`` block, and a TP=1 one: each TP=2 LLM had
     its rank process while alive and none after, the process group is gone, the engine and its model were freed
     (after ``shutdown()`` and ``with`` too, while the LLM object lives on), and each generated the TP=1 LLM's greedy
     tokens. A shut-down LLM refuses work with a clear error."""
-    prompts = [[3, 17, 42, 99, 7], [250, 11, 64]]
-    broken = tmp_path / "broken-tokenizer"
-    broken.mkdir()
-    (broken / "tokenizer.json").write_text("not json")
-    out, err = finish(python(LIFECYCLE_SCRIPT, str(model_dir), json.dumps(prompts), str(broken)))
+    out, err = finish(scripts["lifecycle"])
     result = json.loads(out.strip().splitlines()[-1])
     failed = result["failed_start"]
     assert failed is not None, "an LLM with a broken tokenizer started"
@@ -176,10 +188,10 @@ def test_three_tp2_llms_in_turn_then_tp1_leave_no_rank_and_no_process_group(mode
     assert "trying to initialize the default process group twice" not in err
 
 
-def test_interpreter_exit_with_a_live_tp2_llm_leaves_no_orphan(model_dir):
+def test_interpreter_exit_with_a_live_tp2_llm_leaves_no_orphan(scripts):
     """A script that ends with its TP=2 LLM still alive stops the rank cleanly on the way out (status 0, not
     killed), and nothing of its process group outlives it."""
-    proc = python(PROC_HELPERS + EXIT_SCRIPT, str(model_dir), start_new_session=True)
+    proc = scripts["exit"]
     out, err = finish(proc)
     run = json.loads(out.strip().splitlines()[-1])
     assert len(run["tokens"]) == 4 and len(run["ranks"]) == 1

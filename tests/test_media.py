@@ -588,6 +588,7 @@ def client(media_server):
     return openai.OpenAI(base_url=f"{media_server.url}/v1", api_key="unused", max_retries=0)
 
 
+@pytest.mark.server
 def test_the_server_refuses_images_for_a_text_only_model_without_fetching(client, media_server, site):
     content = [{"type": "text", "text": "What is in this picture?"}, image_part(f"{site.url}/img.png")]
     for stream in (False, True):
@@ -602,6 +603,7 @@ def test_the_server_refuses_images_for_a_text_only_model_without_fetching(client
     assert sum(site.hits.values()) == 0
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("part, param, says", [
     ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "messages.0.content",
      "'input_audio' are not supported"),
@@ -619,6 +621,7 @@ def test_bad_content_parts_are_400s_naming_them(client, part, param, says):
     assert info.value.body["param"] == param and says in info.value.body["message"], info.value.body
 
 
+@pytest.mark.server
 def test_models_say_they_take_text_only(client, media_server):
     (model,) = client.models.list().data
     assert model.id == TINY_MODEL_NAME and model.model_extra["input_modalities"] == ["text"]

@@ -177,6 +177,7 @@ AGREEMENT_CASES = [
 ]
 
 
+@pytest.mark.server
 def test_offline_and_http_give_the_same_text_tokens_and_finish_reasons(default_server, default_model_path, tokenizer):
     """One request at a time on both paths, so batches (and so float rounding) are the same."""
     llm = LLM(str(default_model_path), max_model_len=1024, num_kvcache_blocks=256)

@@ -236,34 +236,43 @@ def test_the_bound_follows_what_the_tokenizer_folds_or_drops():
         bound.check("x" * 17, "prompt")
 
 
+LONG_TEXT = TEXT * 2000  # about 90,000 tokens
+
+
+@pytest.fixture(scope="module")
+def long_text_ids(tokenizer) -> dict[str, list[int]]:
+    """The tokens of LONG_TEXT whole, as a prompt and as a chat's one message, tokenized once for the module."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": LONG_TEXT}], add_generation_prompt=True,
+                                             tokenize=False)
+    return {"prompt": tokenizer(LONG_TEXT)["input_ids"],
+            "chat": tokenizer(rendered, add_special_tokens=False)["input_ids"]}
+
+
 @pytest.mark.parametrize("keep", [1, 16, 500])
-def test_truncation_tokenizes_only_the_end_and_keeps_its_tokens(http, tokenizer, keep):
+def test_truncation_tokenizes_only_the_end_and_keeps_its_tokens(http, long_text_ids, keep):
     """A text far past the context with a lone surrogate at its start: with truncate_prompt_tokens it is
     answered (its start never reached the tokenizer), and the tokens kept are those of tokenizing it whole."""
-    text = TEXT * 2000
-    body = {"prompt": SURROGATE + text, "max_tokens": 1, "truncate_prompt_tokens": keep, "return_token_ids": True}
-    reply = post_raw(http, CMPL, body)
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["choices"][0]["prompt_token_ids"] == tokenizer(text)["input_ids"][-keep:]
-    chat = {"messages": [{"role": "user", "content": SURROGATE + text}], "max_tokens": 1,
-            "truncate_prompt_tokens": keep, "return_token_ids": True}
-    reply = post_raw(http, CHAT, chat)
-    assert reply.status_code == 200, reply.text
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
-    assert reply.json()["prompt_token_ids"] == tokenizer(rendered, add_special_tokens=False)["input_ids"][-keep:]
-
-
-@pytest.mark.parametrize("keep", [1, 500])
-def test_right_truncation_tokenizes_only_the_start_and_keeps_its_tokens(http, tokenizer, keep):
-    """truncation_side "right" keeps the first tokens: a lone surrogate at the end of a text far past the context
-    never reaches the tokenizer, and the tokens kept are the first ones of tokenizing the text whole."""
-    text = TEXT * 2000
-    body = {"prompt": text + SURROGATE, "max_tokens": 1, "truncate_prompt_tokens": keep, "truncation_side": "right",
+    body = {"prompt": SURROGATE + LONG_TEXT, "max_tokens": 1, "truncate_prompt_tokens": keep,
             "return_token_ids": True}
     reply = post_raw(http, CMPL, body)
     assert reply.status_code == 200, reply.text
-    assert reply.json()["choices"][0]["prompt_token_ids"] == tokenizer(text)["input_ids"][:keep]
+    assert reply.json()["choices"][0]["prompt_token_ids"] == long_text_ids["prompt"][-keep:]
+    chat = {"messages": [{"role": "user", "content": SURROGATE + LONG_TEXT}], "max_tokens": 1,
+            "truncate_prompt_tokens": keep, "return_token_ids": True}
+    reply = post_raw(http, CHAT, chat)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["prompt_token_ids"] == long_text_ids["chat"][-keep:]
+
+
+@pytest.mark.parametrize("keep", [1, 500])
+def test_right_truncation_tokenizes_only_the_start_and_keeps_its_tokens(http, long_text_ids, keep):
+    """truncation_side "right" keeps the first tokens: a lone surrogate at the end of a text far past the context
+    never reaches the tokenizer, and the tokens kept are the first ones of tokenizing the text whole."""
+    body = {"prompt": LONG_TEXT + SURROGATE, "max_tokens": 1, "truncate_prompt_tokens": keep,
+            "truncation_side": "right", "return_token_ids": True}
+    reply = post_raw(http, CMPL, body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["prompt_token_ids"] == long_text_ids["prompt"][:keep]
 
 
 # ------------------------------------------------------------------------------------ tokenizer routes

@@ -130,7 +130,9 @@ def test_openai_metadata_fields_are_accepted_and_unused(http):
 
 
 def test_no_block_leaks_after_the_table(http, tiny_server):
-    # Runs after the table (file order): every refused request must have left the pool as it was.
+    """Every refused request of the table leaves the pool as it was."""
+    for _, method, path, body, status, _ in BAD_REQUESTS:
+        assert send(http, method, path, body).status_code == status
     metrics = wait_until_idle(tiny_server.url, timeout_s=10)
     assert metrics["minivllm:num_requests_running"] == 0
     assert metrics["minivllm:num_requests_waiting"] == 0

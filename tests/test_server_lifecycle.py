@@ -286,11 +286,22 @@ def test_an_address_in_use_is_refused_before_the_model_loads(where, tmp_path, ti
 # ------------------------------------------------------------ overload and shutdown
 
 
+def small_server_args(tiny_model_path) -> list[str]:
+    return tiny_server_args(tiny_model_path) + ["--max-num-seqs", "2", "--max-waiting-requests", "1",
+                                                "--shutdown-timeout", "10", "--max-tokens-limit", "4000"]
+
+
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory, tiny_model_path):
-    args = tiny_server_args(tiny_model_path) + ["--max-num-seqs", "2", "--max-waiting-requests", "1",
-                                                 "--shutdown-timeout", "10", "--max-tokens-limit", "4000"]
-    server = start_server(tmp_path_factory.mktemp("servers"), "small", args)
+    server = start_server(tmp_path_factory.mktemp("servers"), "small", small_server_args(tiny_model_path))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def draining_server(tmp_path, tiny_model_path):
+    """A small server of the test's own, for a test that shuts it down."""
+    server = start_server(tmp_path, "draining", small_server_args(tiny_model_path))
     yield server
     server.stop()
 
@@ -341,15 +352,15 @@ def test_full_waiting_queue_is_503(small_server):
     assert_idle_and_serving(url, wait_until_idle(url, timeout_s=15))
 
 
-def test_sigterm_drains_then_aborts_then_exits_0(small_server):
+def test_sigterm_drains_then_aborts_then_exits_0(draining_server):
     """In flight at SIGTERM: a short request finishes, a long one is aborted at the deadline, then exit 0.
 
     Events decide, not speed: the short request (3 tokens, already running) has the whole drain
     (--shutdown-timeout 10) for its last two steps, and the engine core is paused once it has
     finished, so the long one (4000 tokens, in the same batch) cannot finish before the deadline
     on any machine."""
-    url = small_server.url
-    core = engine_core_pid(small_server)
+    url = draining_server.url
+    core = engine_core_pid(draining_server)
 
     async def scenario():
         async with async_client(url) as client:
@@ -361,7 +372,7 @@ def test_sigterm_drains_then_aborts_then_exits_0(small_server):
             assert long_stream.status_code == short_stream.status_code == 200
             short_lines = short_stream.aiter_lines()
             first = await anext_event(short_lines)  # the short request runs beside the long one
-            small_server.send_signal()
+            draining_server.send_signal()
             await asyncio.to_thread(wait_for_health_code, url, "shutting_down")
             refused = await client.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
             short_events = [first] + await asyncio.wait_for(rest_of_events(short_lines), timeout=60)
@@ -379,8 +390,8 @@ def test_sigterm_drains_then_aborts_then_exits_0(small_server):
         last = json.loads(events[-2])["choices"][0]
         assert last["finish_reason"] == reason
         assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
-    assert small_server.wait(timeout_s=30) == 0
-    assert "aborted 1 requests that did not finish in time" in small_server.log_path.read_text()
+    assert draining_server.wait(timeout_s=30) == 0
+    assert "aborted 1 requests that did not finish in time" in draining_server.log_path.read_text()
 
 
 async def anext_event(lines) -> str:

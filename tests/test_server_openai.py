@@ -214,7 +214,17 @@ def test_sdk_raises_on_errors(client):
 
 
 def test_no_blocks_held_afterwards(client, default_server):
-    # Runs last (file order): stop strings, errors and n > 1 above must all have released their blocks.
+    """Stop strings (whole and streamed), refused requests and n > 1 all release their blocks."""
+    prompt = "The history of the Roman Empire"
+    reference = complete(client, prompt, temperature=0, max_tokens=16).choices[0].text
+    stop = reference[12:20]
+    assert complete(client, prompt, temperature=0, max_tokens=16, stop=stop).choices[0].finish_reason == "stop"
+    assert stream_completion_text(client, prompt, temperature=0, max_tokens=16, stop=stop)[1] == "stop"
+    with pytest.raises(openai.BadRequestError):
+        complete(client, prompt, temperature=-1)
+    with pytest.raises(openai.BadRequestError):
+        complete(client, prompt, max_tokens=10**6)
+    assert len(complete(client, prompt, n=3, max_tokens=4, temperature=1.0, seed=11).choices) == 3
     metrics = wait_until_idle(default_server.url, timeout_s=10)
     assert metrics["minivllm:num_requests_running"] == 0
     assert metrics["minivllm:kv_cache_blocks_used"] == 0
