@@ -21,8 +21,9 @@ PYTHON_ONLY = {"cuda_graph_batch_sizes", "check_invariants_when_idle"}
 ENGINE_FLAGS = [
     "--model", "--tokenizer", "--trust-remote-code", "--served-model-name", "--dtype", "--device", "--load-format",
     "--quantization", "-q", "--generation-config", "--seed", "--max-model-len",
-    "--kvcache-block-size", "--kv-cache-dtype", "--num-kvcache-blocks", "--gpu-memory-utilization",
-    "--cpu-kvcache-space-gib", "--enable-prefix-caching", "--no-enable-prefix-caching",
+    "--kvcache-block-size", "--kv-cache-dtype", "--num-kvcache-blocks", "--num-gpu-blocks-override",
+    "--gpu-memory-utilization", "--cpu-kvcache-space-gib", "--enable-prefix-caching", "--no-enable-prefix-caching",
+    "--kv-offloading-size", "--kv-offloading-backend", "--preemption-mode",
     "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
     "--max-logprobs", "--attention-backend", "--enforce-eager", "--cuda-graph-max-tokens", "--overlap-steps",
     "--no-overlap-steps", "--async-scheduling", "--no-async-scheduling", "--structured-outputs-max-bytes",
