@@ -79,7 +79,14 @@ sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
 from serve_client import (  # noqa: E402
-    ClientConfig, RequestResult, completion_payload, finish, headers, read_usage, warm_up)
+    ClientConfig,
+    RequestResult,
+    completion_payload,
+    finish,
+    headers,
+    read_usage,
+    warm_up,
+)
 from serve_datasets import SampleRequest  # noqa: E402
 from serve_metrics import LatencyStats, compute_metrics  # noqa: E402
 from serve_vs_offline import Server, run_in_subprocess  # noqa: E402

@@ -301,7 +301,8 @@ class KVCacheManager:
         num_tokens = num_computed_tokens + num_new_tokens
         table = self._tables.get(request_id)
         if (table is not None and not hit_blocks and prefix is None
-                and num_tokens <= len(table.blocks) * self.block_size and (not self.enable_prefix_caching or num_tokens // self.block_size <= table.num_cached_blocks)):
+                and num_tokens <= len(table.blocks) * self.block_size
+                and (not self.enable_prefix_caching or num_tokens // self.block_size <= table.num_cached_blocks)):
             # The common decode step: the tokens fit in the last block and fill no block. Nothing to do.
             table.num_tokens = max(table.num_tokens, num_tokens)
             return []

@@ -8,8 +8,9 @@ held, ``kvcache/host_pool.py``), encoded like the pool's, and its counters (``Ho
 ``host`` is None and ``host_states`` empty.
 
 The snapshot reads only ``engine.stats()``, the latest snapshot the engine core process sent
-(taken between steps, at most ~50 ms old while it runs), so a request never sees the pool mid-step. The per-block states in it are a copy of an
-int8 array the block pool keeps current, so a snapshot costs a bincount and a base64 pass
+(taken between steps, at most ~50 ms old while it runs), so a request never sees the pool mid-step. The
+per-block states in it are a copy of an int8 array the block pool keeps current, so a snapshot costs a bincount
+and a base64 pass
 over ``num_blocks`` bytes, and no Python loop over blocks. Token totals are read from the
 same Prometheus counters ``/metrics`` renders. Like ``/metrics``, both routes are open.
 """

@@ -3,12 +3,20 @@ however its KV travelled (evicted to the host and loaded back, swapped out and i
 
 from __future__ import annotations
 
+import json
+import threading
+
+import httpx
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import ConfigError
-from tests.helpers import VOCAB, save_tiny_model
+pytest.register_assert_rewrite("tests.server_helpers")
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.config import ConfigError  # noqa: E402
+from tests.helpers import VOCAB, save_tiny_model  # noqa: E402
+from tests.server_helpers import TINY_MODEL_NAME, start_server, wait_until_idle  # noqa: E402
+
+pytest_plugins = ["tests.server_helpers"]
 
 BLOCK = 16
 # A pool of 14 blocks (13 usable, 208 tokens) under 8 requests of up to 178 tokens: preemptions and evictions.
@@ -168,3 +176,47 @@ def test_the_tier_settings_are_checked(checkpoint):
         LLM(checkpoint, preemption_mode="swap", **COMMON)
     with pytest.raises(ConfigError, match="holds no KV block"):
         LLM(checkpoint, kv_offloading_size_gib=1e-9, **COMMON)
+
+
+@pytest.mark.server
+def test_clients_that_disconnect_while_their_kv_moves_leave_both_tiers_clean(tmp_path, tiny_model_path):
+    """A real server with a small pool over a host tier, swapping: twelve streams at once, half of them dropped by
+    their clients after a few tokens. The rest finish with every token; afterwards no device block is in use and no
+    host block is held (only cached ones remain)."""
+    args = ["--model", str(tiny_model_path), "--served-model-name", TINY_MODEL_NAME, "--num-kvcache-blocks", "20",
+            "--kvcache-block-size", "16", "--max-model-len", "256", "--max-num-batched-tokens", "64",
+            "--kv-offloading-size", "0.002", "--preemption-mode", "swap"]
+    server = start_server(tmp_path, "host-tier-disconnects", args)
+    try:
+        url = server.url
+        results: dict[int, int] = {}
+
+        def stream(i: int) -> None:
+            prompt = [(7 * i + j) % 250 + 3 for j in range(60 + 9 * i)]
+            body = {"model": TINY_MODEL_NAME, "prompt": prompt, "max_tokens": 48, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+                chunks = 0
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks += 1
+                        if i % 2 and chunks == 3:
+                            return  # the client goes away mid-stream
+                        usage = json.loads(line.removeprefix("data: ")).get("usage")
+                        if usage:
+                            results[i] = usage["completion_tokens"]
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=180)
+        assert {i: results.get(i) for i in range(0, 12, 2)} == {i: 48 for i in range(0, 12, 2)}
+        metrics = wait_until_idle(url)
+        assert metrics["minivllm:kv_cache_blocks_used"] == 0
+        assert metrics["minivllm:num_preemptions_total"] > 0 and metrics["minivllm:kv_swap_out_blocks_total"] > 0
+        host = httpx.get(f"{url}/dashboard/snapshot", timeout=10).json()["host"]
+        assert host["by_state"]["held"] == 0 and host["num_swapped_requests"] == 0
+        assert metrics["minivllm:kv_host_blocks_used"] == host["by_state"]["cached"]
+    finally:
+        server.stop()
