@@ -172,17 +172,19 @@ class KVCacheManager:
         Takes nothing; ``allocate_slots(prefix=...)`` takes it, and ``record_prefix_hit`` counts it.
 
         A load reads its host block before the same batch's saves write theirs (``take_transfers``), so a host
-        block a save not yet taken writes is no hit; a swapped-out request that would load one (it resumes before
-        its swap's copies are made) is recomputed instead: it lets go of its host blocks and is looked up as usual.
+        block a save not yet taken writes is no hit. A swapped-out request gets the ordinary lookup instead of its
+        own KV when that KV would load such a block (it resumes before its swap's copies are made), or when it
+        leaves no token to compute (a beam swapped out while it waited for its next token); ``allocate_slots``
+        then lets its swapped KV go.
         """
         swapped = self._swapped.get(request_id)
         saving = {host_block for _, host_block in self._saves}
         if swapped is not None:
             hit = self._swapped_prefix(swapped)
-            if saving.isdisjoint(hit.host_blocks):
+            # Its KV must leave a token to compute (the one whose logits come next): a request swapped out with all
+            # its tokens' KV (a beam waiting for its next token to be chosen) is looked up as usual instead.
+            if saving.isdisjoint(hit.host_blocks) and swapped.num_tokens < len(token_ids):
                 return hit
-            del self._swapped[request_id]
-            self._release_host_blocks(swapped.host_blocks, swapped.hashes)
         blocks, num_device = self.get_computed_blocks(request_id, token_ids, record=False, mm_spans=mm_spans)
         hit = PrefixHit(device_blocks=blocks, num_tokens=num_device, num_device_tokens=num_device)
         if self.host is not None:
@@ -330,6 +332,9 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         if prefix is not None and (prefix.host_blocks or prefix.swapped):
             self._plan_loads(request_id, prefix, new_blocks)
+        if prefix is not None and not prefix.swapped and request_id in self._swapped:
+            swapped = self._swapped.pop(request_id)  # it resumed by an ordinary lookup (find_prefix says when)
+            self._release_host_blocks(swapped.host_blocks, swapped.hashes)
         self._append_blocks(table, new_blocks)
         table.num_tokens = max(table.num_tokens, num_tokens)
         if mm_spans:

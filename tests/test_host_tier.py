@@ -270,13 +270,13 @@ def test_swap_out_and_resume_gives_exactly_the_swapped_tokens(evict_device_copie
         mgr.allocate_slots("x", [9] * 16, 0, 16)
         assert mgr.take_transfers() == ([], [])  # pinned in the host tier already: nothing to save
         mgr.free("x")
+    tokens.append(10)  # the token sampled before the swap: it resumes once that is known
     hit = mgr.find_prefix("a", tokens)
     assert hit.swapped and hit.num_tokens == 10
     num_on_device = 0 if evict_device_copies else 2
     assert len(hit.device_blocks) == num_on_device and hit.num_device_tokens == 4 * num_on_device
     assert hit.host_blocks == [hb for _, hb in saves][num_on_device:]
     assert hit.host_hashes == [*hashes, None][num_on_device:]
-    tokens.append(10)  # the token sampled before the swap
     new_ids = mgr.allocate_slots("a", tokens, hit.num_tokens, 1, prefix=hit)
     mgr.record_prefix_hit(len(tokens), hit)  # a swapped request's own KV: not a lookup, not counted
     assert len(new_ids) == 3 - num_on_device
@@ -430,22 +430,22 @@ def test_a_request_resumed_before_its_swap_copies_are_made_is_recomputed() -> No
     tokens = list(range(6))  # one full block and two tokens
     mgr.allocate_slots("a", tokens, 0, 6)
     mgr.take_transfers()
-    assert mgr.swap_out("a", tokens, 6)  # saves planned, not taken
+    assert mgr.swap_out("a", tokens, 5)  # saves planned, not taken
     hit = mgr.find_prefix("a", tokens)
-    assert not hit.swapped and not mgr.is_swapped("a")
+    assert not hit.swapped and mgr.is_swapped("a")  # a lookup takes nothing
     assert hit.num_tokens == 4 and len(hit.device_blocks) == 1 and hit.host_blocks == []
-    assert mgr.host.pin_counts() == {} and mgr.host.owned_blocks() == []
-    assert mgr.get_stats().host.num_swapped_requests == 0
     mgr.check_invariants()
-    assert len(mgr.allocate_slots("a", tokens, 4, 2, prefix=hit)) == 1
+    assert len(mgr.allocate_slots("a", tokens, 4, 2, prefix=hit)) == 1  # taking it lets the swapped KV go
+    assert not mgr.is_swapped("a") and mgr.get_stats().host.num_swapped_requests == 0
+    assert mgr.host.pin_counts() == {} and mgr.host.owned_blocks() == []
     loads, saves = mgr.take_transfers()
     assert loads == [] and len(saves) == 2  # the swap's copies, harmless: nothing reads the owned block now
     mgr.check_invariants()
     # A swap whose copies were made comes back as swapped KV, as ever.
-    assert mgr.swap_out("a", tokens, 6)
+    assert mgr.swap_out("a", tokens, 5)
     mgr.take_transfers()
     hit = mgr.find_prefix("a", tokens)
-    assert hit.swapped and hit.num_tokens == 6
+    assert hit.swapped and hit.num_tokens == 5
 
 
 def test_manager_check_invariants_detects_a_lost_pin() -> None:
@@ -520,20 +520,22 @@ class HostTierMachine(RuleBasedStateMachine):
 
     def _admit(self, data: st.DataObject, rid: str, scheduled: dict[str, tuple[int, int]]) -> None:
         req, mgr = self.reqs[rid], self.mgr
+        if req.state == "swapped" and req.num_swapped == len(req.tokens):
+            # The token sampled before the swap: the scheduler resumes a request once that is known.
+            req.tokens.append(data.draw(st.integers(0, SM_VOCAB - 1), label="sampled"))
+            self._learn_hashes(req.tokens)
         hit = mgr.find_prefix(rid, req.tokens)
         n_dev, n_host = len(hit.device_blocks), len(hit.host_blocks)
+        swapped = req.state == "swapped" and hit.swapped
         if req.state == "swapped" and not hit.swapped:
             # Resumed before its swap's copies were made (in the step that swapped it, or after a step that ran
-            # nothing): its host blocks are not written yet, so it is recomputed, found as any request is.
-            assert self.copies_pending and not mgr.is_swapped(rid)
-            req.state = "waiting"
-        if req.state == "swapped":
+            # nothing): its host blocks are not written yet, so it is found as any request is; taking that lookup
+            # lets its swapped KV go.
+            assert self.copies_pending and mgr.is_swapped(rid)
+        if swapped:
             assert hit.swapped and hit.num_tokens == req.num_swapped
             assert n_dev + n_host == -(-req.num_swapped // BS)
             assert hit.num_device_tokens == min(n_dev * BS, req.num_swapped)
-            if hit.num_tokens == len(req.tokens):  # the token sampled before the swap
-                req.tokens.append(data.draw(st.integers(0, SM_VOCAB - 1), label="sampled"))
-                self._learn_hashes(req.tokens)
         else:
             assert not hit.swapped and hit.num_tokens < len(req.tokens)  # never the last token
             assert hit.num_tokens == (n_dev + n_host) * BS and hit.num_device_tokens == n_dev * BS
@@ -548,9 +550,10 @@ class HostTierMachine(RuleBasedStateMachine):
             return
         mgr.record_prefix_hit(len(req.tokens), hit)
         self.copies_pending = True
+        assert not mgr.is_swapped(rid)
         after = mgr.get_stats().host
         assert after.num_blocks_loaded - before[0].host.num_blocks_loaded == n_host
-        if req.state == "swapped":
+        if swapped:
             assert after.num_swapped_in_blocks - before[0].host.num_swapped_in_blocks == n_dev + n_host
             assert after.external_prefix_cache_queries == before[0].host.external_prefix_cache_queries
         else:
@@ -707,3 +710,23 @@ HostTierMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_host_tier_state_machine = HostTierMachine.TestCase
+
+
+def test_a_request_swapped_out_with_every_tokens_kv_is_looked_up_as_usual() -> None:
+    """A beam parked until its next token is chosen holds the KV of all its tokens; resumed before that token is
+    known, it could compute nothing, so it lets go of its swap and is looked up like any request (the last token
+    recomputed)."""
+    mgr = KVCacheManager(num_blocks=6, block_size=BS, num_host_blocks=6)
+    tokens = list(range(10))
+    mgr.allocate_slots("a", tokens, 0, 10)
+    mgr.take_transfers()
+    assert mgr.swap_out("a", tokens, 10)
+    mgr.allocate_slots("x", [50], 0, 1)  # a step runs: the swap's copies are made
+    mgr.take_transfers()
+    hit = mgr.find_prefix("a", tokens)
+    assert not hit.swapped and hit.num_tokens == 8 and mgr.is_swapped("a")  # two full blocks, never the last
+    assert mgr.allocate_slots("a", tokens, 8, 2, prefix=hit) is not None
+    assert not mgr.is_swapped("a") and mgr.host.owned_blocks() == []
+    mgr.take_transfers()
+    assert mgr.host.pin_counts() == {}
+    mgr.check_invariants()
