@@ -169,6 +169,10 @@ class PagedKVCache:
         scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
         return self.kv.numel() * self.kv.element_size() + scales
 
+    def bytes_per_block_all_layers(self) -> int:
+        """Bytes of one of this cache's blocks across all layers, K and V (and scales)."""
+        return self.nbytes // self.num_blocks
+
     @property
     def num_slots(self) -> int:
         """Token slots across all blocks, the null block included."""

@@ -23,14 +23,19 @@ copies, in the same order.
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections import deque
 
 import torch
 
+from engine.config import ConfigError
+from engine.distributed import tp_rank, tp_size
 from kvcache.metrics import KVTransferStats
 from kvcache.paged_cache import PagedKVCache, is_fp8
+
+logger = logging.getLogger("minivllm")
 
 # Blocks moved per staging buffer fill: a bound on the device memory the copies take at once.
 _CHUNK_BLOCKS = 64
@@ -60,6 +65,23 @@ class KVOffloader:
             self._staging_free = torch.cuda.Event()  # the last scatter from the staging buffer has run
             self._staging_free.record(torch.cuda.current_stream(self.device))
         self._timed: deque[tuple[str, torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    @classmethod
+    def of_size(cls, cache: PagedKVCache, size_gib: float) -> KVOffloader:
+        """The host tier of ``size_gib`` shared by the tensor-parallel ranks: as many whole blocks of this rank's
+        share of the heads as the size holds over all ranks."""
+        ranks = tp_size()
+        num_host_blocks = int(size_gib * 2**30 // (cache.bytes_per_block_all_layers() * ranks))
+        if num_host_blocks < 1:
+            raise ConfigError(f"kv_offloading_size={size_gib} GiB holds no KV block of "
+                              f"{cache.bytes_per_block_all_layers() * ranks} bytes: give it more or 0 (off)")
+        start = time.perf_counter()
+        tier = cls(cache, num_host_blocks)
+        logger.info("KV host tier%s: %d blocks x %d tokens = %d tokens, %.2f GiB of %s host memory, ready in %.1f s",
+                    f" of rank {tp_rank()}" if ranks > 1 else "", num_host_blocks, cache.block_size,
+                    num_host_blocks * cache.block_size, tier.nbytes / 2**30,
+                    "pinned" if cache.device.type == "cuda" else "plain", time.perf_counter() - start)
+        return tier
 
     @property
     def nbytes(self) -> int:

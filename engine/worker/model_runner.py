@@ -208,7 +208,7 @@ class ModelRunner:
                                      mc.head_dim, self.kv_dtype, self.device)
         self._bind_kv_cache(self.kv_cache)
         if self.config.kv_offloading_size_gib > 0:
-            self._init_host_tier()
+            self.offloader = KVOffloader.of_size(self.kv_cache, self.config.kv_offloading_size_gib)
         logger.info("KV cache%s: %s", f" of rank {tp_rank()} (its share of the heads)" if tp_size() > 1 else "",
                     self.kv_cache.describe())
         if self.kv_dtype != self.dtype:
@@ -224,20 +224,6 @@ class ModelRunner:
                         "never read (older than its layer's window)", len(windows), mc.num_hidden_layers,
                         ", ".join(str(w) for w in sorted(set(windows))), self.max_model_len,
                         100 * kv_outside_windows(mc.layer_windows, self.max_model_len))
-
-    def _init_host_tier(self) -> None:
-        """The host tier: ``kv_offloading_size_gib`` over the ranks, in whole blocks of this rank's share."""
-        size = self.config.kv_offloading_size_gib * 2**30
-        num_host_blocks = int(size // (self.bytes_per_block() * tp_size()))
-        if num_host_blocks < 1:
-            raise ConfigError(f"kv_offloading_size={self.config.kv_offloading_size_gib} GiB holds no KV block of "
-                              f"{self.bytes_per_block() * tp_size()} bytes: give it more or 0 (off)")
-        start = time.perf_counter()
-        self.offloader = KVOffloader(self.kv_cache, num_host_blocks)
-        logger.info("KV host tier%s: %d blocks x %d tokens = %d tokens, %.2f GiB of %s host memory, ready in %.1f s",
-                    f" of rank {tp_rank()}" if tp_size() > 1 else "", num_host_blocks, self.block_size,
-                    num_host_blocks * self.block_size, self.offloader.nbytes / 2**30,
-                    "pinned" if self.device.type == "cuda" else "plain", time.perf_counter() - start)
 
     @property
     def num_host_blocks(self) -> int:
