@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcache.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
-from kvcache.host_pool import HostBlockPool
-from kvcache.metrics import HostTierStats, KVCacheStats
+from kvcache.host_tier import HostTier, PrefixHit
+from kvcache.metrics import KVCacheStats
 
 # (offset, length, key) of each image in a request's tokens, by offset: see the module docstring.
 MMSpans = Sequence[tuple[int, int, bytes]]
@@ -49,27 +49,6 @@ MAX_UNKNOWN_TOKENS = 1
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@dataclass
-class PrefixHit:
-    """What a request finds computed already: device blocks to share, then host blocks to copy back."""
-
-    device_blocks: list[KVCacheBlock] = field(default_factory=list)
-    host_blocks: list[int] = field(default_factory=list)  # copied into the request's first new blocks
-    host_hashes: list[BlockHash | None] = field(default_factory=list)  # None: a swapped-out block of its own
-    num_tokens: int = 0  # tokens the two cover
-    num_device_tokens: int = 0  # of num_tokens, in device blocks
-    swapped: bool = False  # the exact KV of a request preempted by swap
-
-
-@dataclass
-class _SwappedKV:
-    """A request preempted by swap: its KV, block by block, in the host tier, held there until it resumes."""
-
-    num_tokens: int
-    host_blocks: list[int]
-    hashes: list[BlockHash | None]  # a cached block's hash (pinned), or None (a block owned by the request)
 
 
 @dataclass
@@ -102,20 +81,13 @@ class KVCacheManager:
             raise ValueError("a host tier finds blocks by their prefix hashes: it needs prefix caching")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.host = HostBlockPool(num_host_blocks) if num_host_blocks else None
+        # The host tier (kvcache/host_tier.py), if any; ``host`` is its book of blocks.
+        self.tier = HostTier(num_host_blocks) if num_host_blocks else None
+        self.host = self.tier.pool if self.tier is not None else None
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching,
-                              on_evict=self._save_evicted if self.host is not None else None)
-        self._swapped: dict[str, _SwappedKV] = {}
-        # Copies for the next step, in this order: (host block, device block) loads, then (device block, host
-        # block) saves; a load's host block is held until the copies are taken.
-        self._loads: list[tuple[int, int, BlockHash | None]] = []
-        self._saves: list[tuple[int, int]] = []
-        self.external_prefix_cache_queries = 0  # tokens looked up in the host tier
-        self.external_prefix_cache_hits = 0  # tokens found there
-        self.num_blocks_saved = 0  # copies to the host tier (evictions and swaps)
-        self.num_blocks_loaded = 0  # copies back to the device (prefix hits and swaps)
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
+                              on_evict=self.tier.save_evicted if self.tier is not None else None)
+        if self.tier is not None:
+            self.tier.device_pool, self.tier.block_size = self.pool, block_size
         self._tables: dict[str, _BlockTable] = {}
         # Chained hashes of each request's full blocks, computed once; may exist before its table.
         self._block_hashes: dict[str, list[BlockHash]] = {}
@@ -177,25 +149,16 @@ class KVCacheManager:
         leaves no token to compute (a beam swapped out while it waited for its next token); ``allocate_slots``
         then lets its swapped KV go.
         """
-        swapped = self._swapped.get(request_id)
-        saving = {host_block for _, host_block in self._saves}
-        if swapped is not None:
-            hit = self._swapped_prefix(swapped)
-            # Its KV must leave a token to compute (the one whose logits come next): a request swapped out with all
-            # its tokens' KV (a beam waiting for its next token to be chosen) is looked up as usual instead.
-            if saving.isdisjoint(hit.host_blocks) and swapped.num_tokens < len(token_ids):
-                return hit
+        tier = self.tier
+        saving = tier.saving() if tier is not None else set()
+        if tier is not None and (hit := tier.swapped_prefix(request_id, len(token_ids), saving)) is not None:
+            return hit
         blocks, num_device = self.get_computed_blocks(request_id, token_ids, record=False, mm_spans=mm_spans)
         hit = PrefixHit(device_blocks=blocks, num_tokens=num_device, num_device_tokens=num_device)
-        if self.host is not None:
+        if tier is not None:
             max_blocks = max(0, (len(token_ids) - 1) // self.block_size)
-            for block_hash in self._hashes_upto(request_id, token_ids, max_blocks, mm_spans)[len(blocks):max_blocks]:
-                host_block = self.host.lookup(block_hash)
-                if host_block is None or host_block in saving:
-                    break
-                hit.host_blocks.append(host_block)
-                hit.host_hashes.append(block_hash)
-            hit.num_tokens += len(hit.host_blocks) * self.block_size
+            hashes = self._hashes_upto(request_id, token_ids, max_blocks, mm_spans)
+            tier.extend_prefix(hit, hashes[len(blocks):max_blocks], saving)
         return hit
 
     def record_prefix_hit(self, num_queried_tokens: int, hit: PrefixHit) -> None:
@@ -204,9 +167,8 @@ class KVCacheManager:
         if hit.swapped:
             return  # its own KV coming back, not a lookup
         self.record_prefix_lookup(num_queried_tokens, hit.num_device_tokens)
-        if self.host is not None:
-            self.external_prefix_cache_queries += num_queried_tokens - hit.num_device_tokens
-            self.external_prefix_cache_hits += hit.num_tokens - hit.num_device_tokens
+        if self.tier is not None:
+            self.tier.record_hit(num_queried_tokens, hit)
 
     def swap_out(self, request_id: str, token_ids: Sequence[int], num_tokens: int,
                  mm_spans: MMSpans | None = None) -> bool:
@@ -218,40 +180,18 @@ class KVCacheManager:
         cannot hold it all or there is nothing to keep: the caller recomputes instead.
         """
         table = self._tables.get(request_id)
-        host = self.host
         num_blocks = _cdiv(num_tokens, self.block_size)
-        if host is None or table is None or num_blocks == 0 or num_tokens > table.num_tokens:
+        if self.tier is None or table is None or num_blocks == 0 or num_tokens > table.num_tokens:
             return False
         num_hashed = min(num_tokens, len(token_ids)) // self.block_size
         hashes = self._hashes_upto(request_id, token_ids, num_hashed, mm_spans)[:num_hashed]
-        present = [host.lookup(h) is not None for h in hashes]
-        num_evictable_pinned = sum(1 for h, here in zip(hashes, present) if here and host.is_evictable(h))
-        if num_blocks - sum(present) > host.num_storable(num_evictable_pinned):
+        if not self.tier.swap_out(request_id, table.block_ids[:num_blocks], hashes, num_tokens):
             return False
-        for h, here in zip(hashes, present):  # pinned first, so that storing the others cannot evict them
-            if here:
-                host.pin(h)
-        host_blocks: list[int] = []
-        for i, (h, here) in enumerate(zip(hashes, present)):
-            if here:
-                host_blocks.append(host.lookup(h))
-                continue
-            host_block = host.store(h)
-            host.pin(h)
-            self._saves.append((table.block_ids[i], host_block))
-            host_blocks.append(host_block)
-        for i in range(num_hashed, num_blocks):
-            host_block = host.take_owned()
-            self._saves.append((table.block_ids[i], host_block))
-            host_blocks.append(host_block)
-        self.num_blocks_saved += num_blocks - sum(present)
-        self.num_swapped_out_blocks += num_blocks
-        self._swapped[request_id] = _SwappedKV(num_tokens, host_blocks, [*hashes, *[None] * (num_blocks - num_hashed)])
         self._release_device_blocks(request_id)
         return True
 
     def is_swapped(self, request_id: str) -> bool:
-        return request_id in self._swapped
+        return self.tier is not None and request_id in self.tier.swapped
 
     def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The copies the next step makes before its forward pass: ``loads`` (host block, device block) and
@@ -259,20 +199,7 @@ class KVCacheManager:
         and reused), and a host block loaded from and then saved into, so the runner reads the saves' device
         blocks before it writes the loads', and reads the loads' host blocks before it writes the saves'. The
         loads' host blocks are released here: later copies into them are made after these."""
-        loads, self._loads = self._loads, []
-        saves, self._saves = self._saves, []
-        # A host block stored into twice in one batch (its first hash evicted again for a later block): only the
-        # last save counts.
-        last = {host_block: i for i, (_, host_block) in enumerate(saves)}
-        if len(last) < len(saves):
-            self.num_blocks_saved -= len(saves) - len(last)
-            saves = [pair for i, pair in enumerate(saves) if last[pair[1]] == i]
-        for host_block, _, block_hash in loads:
-            if block_hash is None:
-                self.host.free_owned(host_block)
-            else:
-                self.host.unpin(block_hash)
-        return [(h, d) for h, d, _ in loads], saves
+        return self.tier.take_transfers() if self.tier is not None else ([], [])
 
     def allocate_slots(
         self,
@@ -325,16 +252,11 @@ class KVCacheManager:
             self.pool.touch(hit_blocks)
             self._append_blocks(table, hit_blocks)
             table.num_cached_blocks = len(hit_blocks)
-        if prefix is not None and not prefix.swapped:
-            # Pin before allocating too: the blocks it evicts are saved to the host tier, and could evict these.
-            for block_hash in prefix.host_hashes:
-                self.host.pin(block_hash)
+        if prefix is not None and self.tier is not None:
+            self.tier.pin_hits(prefix)  # before allocating, as the device hits are touched
         new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        if prefix is not None and (prefix.host_blocks or prefix.swapped):
-            self._plan_loads(request_id, prefix, new_blocks)
-        if prefix is not None and not prefix.swapped and request_id in self._swapped:
-            swapped = self._swapped.pop(request_id)  # it resumed by an ordinary lookup (find_prefix says when)
-            self._release_host_blocks(swapped.host_blocks, swapped.hashes)
+        if prefix is not None and self.tier is not None:
+            self.tier.plan_loads(request_id, prefix, new_blocks)
         self._append_blocks(table, new_blocks)
         table.num_tokens = max(table.num_tokens, num_tokens)
         if mm_spans:
@@ -383,9 +305,8 @@ class KVCacheManager:
         Blocks are freed tail first: the tail is the least likely to be shared, so it
         reaches the LRU head sooner and is evicted before the common prefix.
         """
-        swapped = self._swapped.pop(request_id, None)
-        if swapped is not None:
-            self._release_host_blocks(swapped.host_blocks, swapped.hashes)
+        if self.tier is not None:
+            self.tier.drop(request_id)
         self._release_device_blocks(request_id)
 
     def _release_device_blocks(self, request_id: str) -> None:
@@ -412,22 +333,7 @@ class KVCacheManager:
             fragmentation=self._fragmentation(),
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
-            host=self._host_stats(),
-        )
-
-    def _host_stats(self) -> HostTierStats | None:
-        if self.host is None:
-            return None
-        return HostTierStats(
-            num_total_blocks=self.host.num_blocks,
-            num_used_blocks=self.host.num_used_blocks,
-            external_prefix_cache_queries=self.external_prefix_cache_queries,
-            external_prefix_cache_hits=self.external_prefix_cache_hits,
-            num_blocks_saved=self.num_blocks_saved,
-            num_blocks_loaded=self.num_blocks_loaded,
-            num_swapped_out_blocks=self.num_swapped_out_blocks,
-            num_swapped_in_blocks=self.num_swapped_in_blocks,
-            num_swapped_requests=len(self._swapped),
+            host=self.tier.stats() if self.tier is not None else None,
         )
 
     def check_invariants(self) -> None:
@@ -455,30 +361,8 @@ class KVCacheManager:
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but {refs[block.block_id]} tables hold it"
             )
         assert sum(refs.values()) == sum(b.ref_cnt for b in self.pool.blocks), "table references != ref counts"
-        if self.host is not None:
-            self._check_host_invariants()
-
-    def _check_host_invariants(self) -> None:
-        host = self.host
-        host.check_invariants()
-        owned: list[int] = []
-        pins: Counter[BlockHash] = Counter()
-        for rid, swapped in self._swapped.items():
-            assert rid not in self._tables, f"request {rid}: swapped out but holds device blocks"
-            assert len(swapped.host_blocks) == _cdiv(swapped.num_tokens, self.block_size), f"request {rid}: blocks"
-            for host_block, block_hash in zip(swapped.host_blocks, swapped.hashes):
-                if block_hash is None:
-                    owned.append(host_block)
-                else:
-                    assert host.lookup(block_hash) == host_block, f"request {rid}: host block {host_block} lost"
-                    pins[block_hash] += 1
-        for host_block, _, block_hash in self._loads:
-            if block_hash is None:
-                owned.append(host_block)
-            else:
-                pins[block_hash] += 1
-        assert sorted(owned) == sorted(host.owned_blocks()), "owned host blocks out of sync with their holders"
-        assert pins == host.pin_counts(), "host pins out of sync with their holders"
+        if self.tier is not None:
+            self.tier.check_invariants(self._tables)
 
     # ------------------------------------------------------------------ internals
 
@@ -505,49 +389,6 @@ class KVCacheManager:
                 f"request {request_id}: {len(hit_blocks)} prefix-hit blocks exceed "
                 f"num_computed_tokens={num_computed_tokens}"
             )
-
-    def _save_evicted(self, block: KVCacheBlock) -> None:
-        """The device pool is about to reuse a cached block: copy its KV to the host tier first (the copy is made
-        before the step that reuses the block writes to it)."""
-        host_block = self.host.store(block.block_hash)
-        if host_block is not None:
-            self._saves.append((block.block_id, host_block))
-            self.num_blocks_saved += 1
-
-    def _swapped_prefix(self, swapped: _SwappedKV) -> PrefixHit:
-        """A swapped-out request's KV: its leading full blocks still cached on the device are shared, the rest
-        copied back."""
-        hit = PrefixHit(num_tokens=swapped.num_tokens, swapped=True)
-        for block_hash in swapped.hashes:
-            block = self.pool.get_cached_block(block_hash) if block_hash is not None else None
-            if block is None:
-                break
-            hit.device_blocks.append(block)
-        n = len(hit.device_blocks)
-        hit.num_device_tokens = min(n * self.block_size, swapped.num_tokens)
-        hit.host_blocks, hit.host_hashes = swapped.host_blocks[n:], swapped.hashes[n:]
-        return hit
-
-    def _plan_loads(self, request_id: str, prefix: PrefixHit, new_blocks: list[KVCacheBlock]) -> None:
-        """Copies of ``prefix``'s host blocks into the first of ``new_blocks``; the host blocks stay held (pinned by
-        ``allocate_slots``, or held by the swapped-out request) until the copies are taken. A swapped-out request's
-        KV is back: what it held and does not load is released."""
-        assert len(new_blocks) >= len(prefix.host_blocks), "fewer new blocks than host blocks to load"
-        for host_block, block_hash, block in zip(prefix.host_blocks, prefix.host_hashes, new_blocks):
-            self._loads.append((host_block, block.block_id, block_hash))
-        self.num_blocks_loaded += len(prefix.host_blocks)
-        if prefix.swapped:
-            swapped = self._swapped.pop(request_id)
-            n = len(prefix.device_blocks)
-            self._release_host_blocks(swapped.host_blocks[:n], swapped.hashes[:n])
-            self.num_swapped_in_blocks += len(swapped.host_blocks)
-
-    def _release_host_blocks(self, host_blocks: list[int], hashes: list[BlockHash | None]) -> None:
-        for host_block, block_hash in zip(host_blocks, hashes):
-            if block_hash is None:
-                self.host.free_owned(host_block)
-            else:
-                self.host.unpin(block_hash)
 
     @staticmethod
     def _append_blocks(table: _BlockTable, blocks: list[KVCacheBlock]) -> None:
