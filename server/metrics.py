@@ -91,7 +91,7 @@ class EngineStatsCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
-        yield from _host_tier_metrics(kv.host, stats.kv_transfers)
+        yield from _host_tier_metrics(PREFIX, kv.host, stats.kv_transfers)
         steps = CounterMetricFamily(PREFIX + "engine_steps", "Forward passes, by how they ran: a captured decode "
                                     "graph, a captured mixed-step graph (decodes with prefill chunks), or eagerly "
                                     "(larger steps, steps with images or prompt logprobs, the CPU, --enforce-eager).",
@@ -115,8 +115,9 @@ class EngineStatsCollector(Collector):
                                       value=encoder.num_reused)
 
 
-def _host_tier_metrics(host, transfers):
+def _host_tier_metrics(prefix: str, host, transfers):
     """The host KV tier (``--kv-offloading-size``): zeros while it is off, so dashboards need no special case."""
+    PREFIX = prefix  # noqa: N806 - the module default, overridden
     yield GaugeMetricFamily(PREFIX + "kv_host_blocks_total", "KV blocks of the host tier (0: no host tier).",
                             value=host.num_total_blocks if host else 0)
     yield GaugeMetricFamily(PREFIX + "kv_host_blocks_used", "Host tier blocks holding KV: cached, or held for "
