@@ -84,6 +84,7 @@ TIER_OF_FILE = {
     "test_forced_tool_calls.py": "unit",
     "test_generation_defaults.py": "unit",
     "test_host_tier.py": "unit",
+    "test_int4_linear.py": "unit",
     "test_kv_manager.py": "unit",
     "test_layout.py": "unit",
     "test_linear_methods.py": "unit",

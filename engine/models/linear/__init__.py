@@ -5,10 +5,15 @@
     output.py       LinearOutput: a product whose last step the kernel reading it does
     unquantized.py  UnquantizedLinearMethod: 16/32-bit weights, decode-sized products cut along K
     fp8.py          Fp8LinearMethod: FP8 weights quantized at load time or loaded as an FP8 checkpoint stores them
+    int4.py         Int4LinearMethod: 4-bit codes with a scale and a zero per group of input columns (GGUF Q4, AWQ,
+                    GPTQ); torch's CPU int4 op in bfloat16, else W dequantized once
+    int8.py         Int8LinearMethod: int8 codes with a scale per row or per group (GGUF Q8_0)
     ksplit.py       MINIVLLM_DECODE_KSPLIT: which products are cut along K, into how many slices
 """
 
 from engine.models.linear.fp8 import Fp8LinearMethod
+from engine.models.linear.int4 import Int4LinearMethod, dequantize_int4, pack_int4, unpack_int4
+from engine.models.linear.int8 import Int8LinearMethod, dequantize_int8
 from engine.models.linear.ksplit import decode_k_split_setting, decode_k_split_summary, use_decode_k_split
 from engine.models.linear.layer import (
     FusedLinear,
@@ -26,6 +31,8 @@ __all__ = [
     "DECODE_KSPLIT_MAX_ROWS",
     "Fp8LinearMethod",
     "FusedLinear",
+    "Int4LinearMethod",
+    "Int8LinearMethod",
     "LinearBase",
     "LinearMethod",
     "LinearOutput",
@@ -35,8 +42,12 @@ __all__ = [
     "WeightPart",
     "decode_k_split_setting",
     "decode_k_split_summary",
+    "dequantize_int4",
+    "dequantize_int8",
     "linear_layers",
+    "pack_int4",
     "process_weights_after_loading",
     "set_linear_methods",
+    "unpack_int4",
     "use_decode_k_split",
 ]

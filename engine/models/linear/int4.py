@@ -1,0 +1,146 @@
+"""``Int4LinearMethod``: 4-bit weights with a scale and a zero per group of input columns (W4A16).
+
+W [out, in] is held as codes q in [0, 15], one per element, and per row and group of ``group_size`` input columns a
+scale s and a zero z: W = (q - 8) * s + z. This is the convention of torch's tinygemm int4 ops (z is the value of
+code 8). The checkpoint formats map to it exactly: GGUF Q4_0 (d * (q - 8)) is s = d, z = 0; GGUF Q4_1 (d * q + m)
+is s = d, z = m + 8 d; AWQ and GPTQ with an integer zero point zp ((q - zp) * s) are z = (8 - zp) * s.
+
+    qweight  [out, in / 2] uint8     two codes a byte along the input dim: column 2j in the low nibble, 2j + 1 in
+                                     the high one (``pack_int4``)
+    scales   [out, in / group]       the compute dtype
+    zeros    [out, in / group]       the compute dtype
+
+The WeightLayouts cut q|k|v parts and column-parallel shards by rows, and a row-parallel rank's columns in whole
+bytes and whole groups (a rank's columns must start and end on a group boundary: checked when the method is set).
+
+``process_after_loading`` chooses the product once:
+
+* on the CPU in bfloat16, where torch has ``_convert_weight_to_int4pack_for_cpu`` and
+  ``_weight_int4pack_mm_for_cpu`` (torch 2.6 on), for a group size they take (32, 64, 128, 256) and a multiple of
+  16 output features: the codes are repacked into the op's layout once, and each product is one call of the op,
+  which dequantizes as it multiplies (the layer holds 4 bits a weight twice: the loaded codes and the op's). The op
+  takes float32 and float16 too, but on x86 only its bfloat16 kernel is vectorized: in float32 it is many times
+  slower than a dense product. It dequantizes the codes again for every 4 tokens, so it beats a dense product at
+  decode sizes and falls behind it on long prompts;
+* otherwise (an older torch, another group size or dtype, CUDA for now): W is dequantized once into a weight in
+  the compute dtype kept on the layer (``dequantized_weight``) and the product is ``F.linear``: the speed and the
+  memory of an unquantized layer. A Triton W4A16 kernel that reads the codes on CUDA is the next step.
+
+The parameters stay as loaded either way (the codes are a quarter of a bfloat16 weight).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.linear.method import LinearMethod, WeightLayout
+
+INT4_CPU_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's CPU int4 op takes
+INT4_CPU_DTYPES = (torch.bfloat16,)  # the dtypes it is used for: the one its x86 kernels vectorize
+INT4_CPU_OUT_MULTIPLE = 16  # its repacking takes a multiple of 16 output features
+DEQUANTIZE_ROWS = 1024  # rows dequantized at a time, in float32 (bounds the temporary memory)
+
+
+def int4_cpu_op_available() -> bool:
+    """Whether this torch has the CPU int4 ops in their torch 2.6 form (codes in as [out, in] int32, repacked to
+    [out, in / 2] uint8; x, scales and zeros in one dtype). Earlier releases had ops of other names and layouts,
+    which are not used."""
+    return (hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., n] (values 0-15, n even) -> [..., n / 2] uint8: column 2j in the low nibble, 2j + 1 in the high."""
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_int4`` undone: [..., n / 2] uint8 -> [..., n] uint8 codes."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """W = (q - 8) * s + z in the scales' dtype, computed in float32 a block of rows at a time."""
+    rows, groups = scales.shape
+    weight = torch.empty(rows, groups * group_size, dtype=scales.dtype, device=scales.device)
+    for start in range(0, rows, DEQUANTIZE_ROWS):
+        part = slice(start, start + DEQUANTIZE_ROWS)
+        codes = unpack_int4(qweight[part]).float().sub_(8).unflatten(1, (groups, group_size))
+        values = codes.mul_(scales[part].float().unsqueeze(-1)).add_(zeros[part].float().unsqueeze(-1))
+        weight[part] = values.flatten(1)
+    return weight
+
+
+class Int4LinearMethod(LinearMethod):
+    """``group_size``: the input columns that share a scale and a zero (32 for GGUF's Q4 blocks, 128 for most AWQ
+    and GPTQ checkpoints); even, so that a byte's two codes share their group."""
+
+    def __init__(self, group_size: int):
+        if group_size < 2 or group_size % 2:
+            raise ValueError(f"an int4 group size must be even and positive, not {group_size}")
+        self.group_size = group_size
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        check_group_alignment(layer, self.group_size, "int4")
+        out_features, groups = layer.out_features, layer.in_features // self.group_size
+        layer.int4_packed = None  # the CPU op's operands (process_after_loading)
+        layer.int4_scales_zeros = None
+        layer.dequantized_weight = None  # W in the compute dtype, where the op is not used
+        layer.add_param("qweight", (out_features, layer.in_features // 2), torch.uint8, WeightLayout(0, 1, 1, 2))
+        layer.add_param("scales", (out_features, groups), dtype, WeightLayout(0, 1, 1, self.group_size))
+        layer.add_param("zeros", (out_features, groups), dtype, WeightLayout(0, 1, 1, self.group_size))
+
+    @torch.no_grad()
+    def process_after_loading(self, layer: nn.Module) -> None:
+        group_size, out_features, in_features = self.group_size, layer.out_features, layer.in_features
+        if in_features % group_size:
+            raise ValueError(f"{in_features} input features do not divide into int4 groups of {group_size}")
+        groups = (out_features, in_features // group_size)
+        check_param(layer, "qweight", (out_features, in_features // 2), (torch.uint8,), "int4")
+        check_param(layer, "scales", groups, (torch.float32, torch.bfloat16, torch.float16), "int4")
+        check_param(layer, "zeros", groups, (layer.scales.dtype,), "int4")
+        layer.int4_packed = layer.int4_scales_zeros = layer.dequantized_weight = None
+        if self.uses_cpu_op(layer):
+            codes = unpack_int4(layer.qweight).to(torch.int32)
+            layer.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)  # innerKTiles: unused
+            layer.int4_scales_zeros = torch.stack((layer.scales.t(), layer.zeros.t()), dim=-1).contiguous()
+        else:
+            layer.dequantized_weight = dequantize_int4(layer.qweight, layer.scales, layer.zeros, group_size)
+
+    def uses_cpu_op(self, layer: nn.Module) -> bool:
+        """Whether the layer's products go through torch's CPU int4 op (after loading, by its parameters)."""
+        return (layer.qweight.device.type == "cpu" and int4_cpu_op_available()
+                and self.group_size in INT4_CPU_GROUP_SIZES and layer.scales.dtype in INT4_CPU_DTYPES
+                and layer.out_features % INT4_CPU_OUT_MULTIPLE == 0)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.int4_packed is None:
+            return F.linear(x, layer.dequantized_weight, bias)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).contiguous(), layer.int4_packed,
+                                                         self.group_size, layer.int4_scales_zeros)
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def check_group_alignment(layer: nn.Module, group_size: int, kind: str) -> None:
+    """Groups of input columns can be split over ranks only whole: the layer's input features, and the first of
+    this rank's columns, must be multiples of the group size."""
+    if layer.in_features % group_size:
+        raise ValueError(f"{layer.in_features} input features do not divide into {kind} groups of {group_size}")
+    for part in layer.parts.values():
+        if part.source_cols is not None and part.source_cols[0] % group_size:
+            raise ValueError(f"this rank's columns start at {part.source_cols[0]}, inside a {kind} group of "
+                             f"{group_size}; this split of a group-quantized checkpoint is not supported")
+
+
+def check_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
+                kind: str) -> None:
+    param = getattr(layer, name)
+    if tuple(param.shape) != shape or param.dtype not in dtypes:
+        allowed = " or ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+        raise ValueError(f"an {kind} linear layer needs a {shape} {allowed} {name}, has {tuple(param.shape)} "
+                         f"{str(param.dtype).removeprefix('torch.')}")

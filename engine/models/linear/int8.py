@@ -1,0 +1,93 @@
+"""``Int8LinearMethod``: 8-bit weights with a scale per row and group of input columns (GGUF Q8_0), W = q * s.
+
+    qweight  [out, in] int8
+    scales   [out, in / group]   the compute dtype; [out] with ``group_size`` None (one scale per output channel)
+
+``process_after_loading`` chooses the product once. torch's CPU op ``_weight_int8pack_mm`` (x [tokens, in] times
+int8 W^T, then one scale per output channel) takes per-channel scales only: it is used on the CPU where a row has
+one scale (``group_size`` None, or a group as wide as the layer), in bfloat16 (on x86 its float32 kernel is not
+vectorized, many times slower than a dense product) and for input features a multiple of 64 (torch 2.14's
+bfloat16 kernel crashes where they are not a multiple of 16). Group scales such as Q8_0's (one per 32 columns)
+cannot be folded into per-channel ones, so those layers, like any on CUDA for now, dequantize W once into the
+compute dtype (``dequantized_weight``) and multiply with ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.linear.int4 import DEQUANTIZE_ROWS, check_group_alignment, check_param
+from engine.models.linear.method import LinearMethod, WeightLayout
+
+INT8_CPU_DTYPES = (torch.bfloat16,)  # the dtypes it is used for: the one its x86 kernel vectorizes
+INT8_CPU_IN_MULTIPLE = 64
+
+
+def int8_cpu_op_available() -> bool:
+    """Whether this torch has the CPU int8 weight-only op (x times int8 W^T times per-channel scales)."""
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """W = q * s in the scales' dtype, computed in float32 a block of rows at a time; ``scales`` [out, groups] or
+    [out]."""
+    rows, in_features = qweight.shape
+    scales = scales.reshape(rows, -1)
+    weight = torch.empty(rows, in_features, dtype=scales.dtype, device=scales.device)
+    for start in range(0, rows, DEQUANTIZE_ROWS):
+        part = slice(start, start + DEQUANTIZE_ROWS)
+        codes = qweight[part].float().unflatten(1, (scales.shape[1], -1))
+        weight[part] = codes.mul_(scales[part].float().unsqueeze(-1)).flatten(1)
+    return weight
+
+
+class Int8LinearMethod(LinearMethod):
+    """``group_size``: the input columns that share a scale (32 for GGUF's Q8_0); None: one scale per row."""
+
+    def __init__(self, group_size: int | None = 32):
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"an int8 group size must be positive, not {group_size}")
+        self.group_size = group_size
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        layer.int8_channel_scales = None  # the CPU op's per-channel scales (process_after_loading)
+        layer.dequantized_weight = None  # W in the compute dtype, where the op is not used
+        shape = (layer.out_features, layer.in_features)
+        layer.add_param("qweight", shape, torch.int8, WeightLayout())
+        if self.group_size is None:
+            layer.add_param("scales", shape[:1], dtype, WeightLayout(0, None))
+            return
+        check_group_alignment(layer, self.group_size, "int8")
+        layer.add_param("scales", (shape[0], shape[1] // self.group_size), dtype, WeightLayout(0, 1, 1,
+                                                                                              self.group_size))
+
+    @torch.no_grad()
+    def process_after_loading(self, layer: nn.Module) -> None:
+        out_features, in_features, group_size = layer.out_features, layer.in_features, self.group_size
+        if group_size is not None and in_features % group_size:
+            raise ValueError(f"{in_features} input features do not divide into int8 groups of {group_size}")
+        scales_shape = (out_features,) if group_size is None else (out_features, in_features // group_size)
+        check_param(layer, "qweight", (out_features, in_features), (torch.int8,), "int8")
+        check_param(layer, "scales", scales_shape, (torch.float32, torch.bfloat16, torch.float16), "int8")
+        layer.int8_channel_scales = layer.dequantized_weight = None
+        if self.uses_cpu_op(layer):
+            layer.int8_channel_scales = layer.scales.reshape(-1).contiguous()
+        else:
+            layer.dequantized_weight = dequantize_int8(layer.qweight, layer.scales)
+
+    def uses_cpu_op(self, layer: nn.Module) -> bool:
+        """Whether the layer's products go through torch's CPU int8 op (after loading, by its parameters)."""
+        one_scale_a_row = self.group_size is None or self.group_size == layer.in_features
+        return (layer.qweight.device.type == "cpu" and int8_cpu_op_available() and one_scale_a_row
+                and layer.scales.dtype in INT8_CPU_DTYPES and layer.in_features % INT8_CPU_IN_MULTIPLE == 0)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.int8_channel_scales is None:
+            return F.linear(x, layer.dequantized_weight, bias)
+        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), layer.qweight,
+                                                 layer.int8_channel_scales)
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], out.shape[-1])

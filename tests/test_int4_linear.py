@@ -1,0 +1,248 @@
+"""The int4 and int8 weight methods (``engine.models.linear.int4``, ``int8``) and GGUF's blocks converted for them
+(``engine.loading.gguf_blocks``): every product is x times the dequantized weight, with torch's CPU ops and without
+them, and checkpoint parts and tensor-parallel shards land in whole bytes and groups."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine import distributed
+from engine.loading.gguf_blocks import INT4_BLOCK_TYPES, q8_0_to_int8
+from engine.models.linear import (
+    FusedLinear,
+    Int4LinearMethod,
+    Int8LinearMethod,
+    RowParallelLinear,
+    WeightLayout,
+    int4,
+    int8,
+    pack_int4,
+    process_weights_after_loading,
+    unpack_int4,
+)
+from engine.models.weight_loading import load_checkpoint_weights
+
+HAS_INT4_OP = int4.int4_cpu_op_available()
+HAS_INT8_OP = int8.int8_cpu_op_available()
+
+
+def random_int4(rows: int, cols: int, group_size: int, gen: torch.Generator):
+    """Codes [rows, cols] in 0-15, and float32 scales and zeros [rows, cols / group]."""
+    codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(rows, cols // group_size, generator=gen) * 0.04 + 0.01
+    zeros = torch.randn(rows, cols // group_size, generator=gen) * 0.02
+    return codes, scales, zeros
+
+
+def int4_weight(codes, scales, zeros, group_size: int) -> torch.Tensor:
+    """The reference: W = (q - 8) * s + z in float32, from the scales and zeros as the layer holds them."""
+    def expand(per_group: torch.Tensor) -> torch.Tensor:
+        return per_group.float().repeat_interleave(group_size, dim=1)
+
+    return (codes.float() - 8) * expand(scales) + expand(zeros)
+
+
+def load(layer, tensors: dict) -> None:
+    model = torch.nn.ModuleDict({"proj": layer})
+    assert load_checkpoint_weights(model, [(f"proj.{name}", t) for name, t in tensors.items()]) == {
+        f"proj.{name}" for name in tensors}
+    process_weights_after_loading(model)
+
+
+def assert_product(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    ref = x.float() @ weight.T + (0 if bias is None else bias.float())
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    tol = 1e-5 if x.dtype == torch.float32 else 1e-2  # bfloat16: W, x and the product rounded to 8 bits
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("cpu_op", [True, False], ids=["with-op", "without-op"])
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_int4_product_is_x_times_the_dequantized_weight(monkeypatch, dtype, group_size, cpu_op):
+    """With torch's CPU op a bfloat16 layer multiplies through it; a float32 one (which the op would multiply
+    unvectorized on x86) and any layer without the op dequantize."""
+    if cpu_op and not HAS_INT4_OP:
+        pytest.skip("this torch has no CPU int4 op")
+    monkeypatch.setattr(int4, "int4_cpu_op_available", lambda: cpu_op)
+    gen = torch.Generator().manual_seed(group_size)
+    layer = RowParallelLinear(256, 48, bias=True).to(dtype)
+    layer.set_method(Int4LinearMethod(group_size))
+    assert layer.scales.dtype == dtype and layer.qweight.shape == (48, 128)
+    codes, scales, zeros = random_int4(48, 256, group_size, gen)
+    bias = torch.randn(48, generator=gen)
+    load(layer, {"qweight": pack_int4(codes), "scales": scales, "zeros": zeros, "bias": bias})
+    uses_op = cpu_op and dtype == torch.bfloat16
+    assert (layer.int4_packed is not None, layer.dequantized_weight is None) == (uses_op, uses_op)
+    weight = int4_weight(codes, layer.scales, layer.zeros, group_size)
+    for tokens in (1, 7):
+        x = torch.randn(tokens, 256, generator=gen).to(dtype)
+        assert_product(layer(x), x, weight, layer.bias)
+        assert torch.equal(layer.forward_deferred(x).finished(), layer(x))
+
+
+@pytest.mark.skipif(not HAS_INT4_OP, reason="this torch has no CPU int4 op")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_cpu_int4_op_multiplies_by_q_minus_8_times_s_plus_z(dtype):
+    """torch's op, as the method calls it: codes [out, in] int32 repacked; scales and zeros [in / group, out, 2] in
+    x's dtype (scale first); group sizes 32 to 256 and a multiple of 16 output features."""
+    gen = torch.Generator().manual_seed(1)
+    for group_size in (32, 64, 128, 256):
+        codes, scales, zeros = random_int4(32, 512, group_size, gen)
+        codes[0] = 8  # code 8 is the zero: row 0 is z alone
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+        scales_zeros = torch.stack((scales.t(), zeros.t()), dim=-1).to(dtype).contiguous()
+        x = torch.randn(5, 512, generator=gen).to(dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_zeros)
+        weight = int4_weight(codes, scales_zeros[..., 0].t(), scales_zeros[..., 1].t(), group_size)
+        assert_product(y, x, weight, None)
+    with pytest.raises(RuntimeError, match="qGroupSize"):
+        torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 16, torch.zeros(32, 32, 2, dtype=dtype))
+
+
+@pytest.mark.parametrize(("group_size", "out_features", "dtype"), [(16, 32, torch.bfloat16), (32, 40, torch.bfloat16),
+                                                                    (32, 32, torch.float32), (32, 32, torch.float16)],
+                         ids=["group16", "40-rows", "f32", "f16"])
+def test_int4_layers_the_cpu_op_does_not_take_dequantize(group_size, out_features, dtype):
+    gen = torch.Generator().manual_seed(2)
+    layer = RowParallelLinear(128, out_features, bias=False).to(dtype)
+    layer.set_method(Int4LinearMethod(group_size))
+    codes, scales, zeros = random_int4(out_features, 128, group_size, gen)
+    load(layer, {"qweight": pack_int4(codes), "scales": scales, "zeros": zeros})
+    assert layer.int4_packed is None and layer.dequantized_weight.dtype == dtype
+    x = torch.randn(3, 128, generator=gen).to(dtype)
+    expected = x.float() @ int4_weight(codes, layer.scales, layer.zeros, group_size).T
+    torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("cpu_op", [True, False], ids=["with-op", "without-op"])
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_int4_parts_and_shards_land_in_whole_bytes_and_groups(monkeypatch, dtype, group_size, cpu_op):
+    """Rank 1 of 2: the fused q|k|v layer holds the second half of each projection's rows, o_proj the second half of
+    its columns (bytes 64-127 of the codes, groups from 128 / group on); each product is the rank's slice of W."""
+    if cpu_op and not HAS_INT4_OP:
+        pytest.skip("this torch has no CPU int4 op")
+    monkeypatch.setattr(int4, "int4_cpu_op_available", lambda: cpu_op)
+    monkeypatch.setattr(distributed, "_state", distributed.ParallelState(rank=1, world_size=2))
+    gen = torch.Generator().manual_seed(3)
+    qkv = FusedLinear(256, {"q_proj": 32, "k_proj": 16, "v_proj": 16}, bias=True,
+                      source_rows={"q_proj": (32, 32), "k_proj": (16, 16), "v_proj": (16, 16)}).to(dtype)
+    o_proj = RowParallelLinear(256, 32, bias=True).to(dtype)
+    for layer in (qkv, o_proj):
+        layer.set_method(Int4LinearMethod(group_size))
+    full = {name: random_int4(rows, 256, group_size, gen) for name, rows in
+            (("q_proj", 64), ("k_proj", 32), ("v_proj", 32), ("o_proj", 32))}
+    tensors = {f"{name}.{param}": t for name, (codes, scales, zeros) in full.items() for param, t in
+               (("qweight", pack_int4(codes)), ("scales", scales), ("zeros", zeros))}
+    tensors |= {f"{name}.bias": torch.randn(rows, generator=gen) for name, rows in
+                (("q_proj", 64), ("k_proj", 32), ("v_proj", 32), ("o_proj", 32))}
+    model = torch.nn.ModuleDict({"qkv_proj": qkv, "o_proj": o_proj})
+    assert load_checkpoint_weights(model, tensors.items()) == set(tensors)
+    process_weights_after_loading(model)
+    assert (qkv.int4_packed is not None, o_proj.int4_packed is not None) == (cpu_op and dtype == torch.bfloat16,) * 2
+    rows = {"q_proj": slice(32, 64), "k_proj": slice(16, 32), "v_proj": slice(16, 32)}
+    as_held = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+    for param in ("qweight", "scales", "zeros", "bias"):
+        assert torch.equal(getattr(qkv, param), torch.cat([as_held[f"{p}.{param}"][r] for p, r in rows.items()]))
+    assert torch.equal(o_proj.qweight, as_held["o_proj.qweight"][:, 64:])
+    assert torch.equal(o_proj.scales, as_held["o_proj.scales"][:, 128 // group_size:])
+    assert torch.equal(o_proj.bias, as_held["o_proj.bias"])
+    weights = {name: int4_weight(codes, as_held[f"{name}.scales"], as_held[f"{name}.zeros"], group_size)
+               for name, (codes, _, _) in full.items()}
+    x = torch.randn(4, 256, generator=gen).to(dtype)
+    assert_product(qkv(x), x, torch.cat([weights[p][r] for p, r in rows.items()]), qkv.bias)
+    assert_product(o_proj.method.apply(o_proj, x[:, 128:], None), x[:, 128:], weights["o_proj"][:, 128:], None)
+
+
+def test_int4_checks_its_groups_and_parameters(monkeypatch):
+    monkeypatch.setattr(distributed, "_state", distributed.ParallelState(rank=1, world_size=2))
+    with pytest.raises(ValueError, match="96 input features do not divide into int4 groups of 64"):
+        RowParallelLinear(192, 32, bias=False).set_method(Int4LinearMethod(64))
+    with pytest.raises(ValueError, match="must be even"):
+        Int4LinearMethod(33)
+    layer = RowParallelLinear(192, 32, bias=False)
+    layer.set_method(Int4LinearMethod(32))
+    layer.set_param("zeros", torch.zeros(32, 3, dtype=torch.float64), WeightLayout(0, 1, 1, 32))
+    with pytest.raises(ValueError, match=r"needs a \(32, 3\) float32 zeros, has \(32, 3\) float64"):
+        process_weights_after_loading(layer)
+
+
+@pytest.mark.parametrize("cpu_op", [True, False], ids=["with-op", "without-op"])
+@pytest.mark.parametrize("group_size", [None, 32], ids=["per-channel", "group32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_int8_product_is_x_times_the_dequantized_weight(monkeypatch, dtype, group_size, cpu_op):
+    """The CPU op takes one scale per output channel, and is used in bfloat16: Q8_0's group scales, and float32
+    layers, are dequantized whatever the torch."""
+    if cpu_op and not HAS_INT8_OP:
+        pytest.skip("this torch has no CPU int8 op")
+    monkeypatch.setattr(int8, "int8_cpu_op_available", lambda: cpu_op)
+    gen = torch.Generator().manual_seed(4)
+    layer = RowParallelLinear(256, 24, bias=True).to(dtype)
+    layer.set_method(Int8LinearMethod(group_size))
+    codes = torch.randint(-127, 128, (24, 256), generator=gen, dtype=torch.int8)
+    scales = torch.rand((24,) if group_size is None else (24, 256 // group_size), generator=gen) * 0.01
+    load(layer, {"qweight": codes, "scales": scales, "bias": torch.randn(24, generator=gen)})
+    uses_op = cpu_op and group_size is None and dtype == torch.bfloat16
+    assert (layer.int8_channel_scales is not None, layer.dequantized_weight is None) == (uses_op, uses_op)
+    per_row = layer.scales.float().reshape(24, -1)  # [24, 1] or [24, 8]
+    weight = codes.float() * per_row.repeat_interleave(256 // per_row.shape[1], dim=1)
+    for tokens in (1, 7):
+        x = torch.randn(tokens, 256, generator=gen).to(dtype)
+        assert_product(layer(x), x, weight, layer.bias)
+
+
+def gguf_weights(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random float32 weights with the blocks quantizers treat specially: all zeros, one value, one sign."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    w[0, :32], w[1, 32:64], w[2, :32] = 0, 0.5, np.abs(w[2, :32])
+    return w
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+def test_gguf_q4_blocks_convert_to_codes_scales_and_zeros(name):
+    qtype = gguf.GGMLQuantizationType[name]
+    blocks = gguf.quants.quantize(gguf_weights(16, 256, 5), qtype)
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+    qweight, scales, zeros = INT4_BLOCK_TYPES[name](blocks)
+    assert (qweight.dtype, tuple(qweight.shape), tuple(scales.shape), scales.dtype) == (
+        torch.uint8, (16, 128), (16, 8), torch.float32)
+    if name == "Q4_0":
+        assert not zeros.any()
+    torch.testing.assert_close(int4_weight(unpack_int4(qweight), scales, zeros, 32), expected, rtol=1e-6, atol=1e-6)
+    stacked = INT4_BLOCK_TYPES[name](np.stack([blocks, blocks]))  # leading dims (experts) are kept
+    assert [tuple(t.shape) for t in stacked] == [(2, 16, 128), (2, 16, 8), (2, 16, 8)]
+    with pytest.raises(ValueError, match="whole"):
+        INT4_BLOCK_TYPES[name](blocks[:, :-1])
+
+
+def test_gguf_q8_0_blocks_convert_to_codes_and_scales():
+    blocks = gguf.quants.quantize(gguf_weights(16, 256, 6), gguf.GGMLQuantizationType.Q8_0)
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0))
+    qweight, scales = q8_0_to_int8(blocks)
+    assert (qweight.dtype, tuple(qweight.shape), tuple(scales.shape)) == (torch.int8, (16, 256), (16, 8))
+    assert torch.equal(qweight.float() * scales.repeat_interleave(32, dim=1), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_gguf_weight_served_quantized_multiplies_as_gguf_dequantizes_it(name, dtype):
+    """A GGUF tensor's blocks, converted and loaded into a layer of the method for its type: the product is x
+    times the weight gguf dequantizes (through the CPU int4 op in bfloat16 where this torch has it)."""
+    qtype = gguf.GGMLQuantizationType[name]
+    blocks = gguf.quants.quantize(gguf_weights(32, 256, 7), qtype)
+    layer = RowParallelLinear(256, 32, bias=False).to(dtype)
+    if name == "Q8_0":
+        layer.set_method(Int8LinearMethod(32))
+        tensors = dict(zip(("qweight", "scales"), q8_0_to_int8(blocks)))
+    else:
+        layer.set_method(Int4LinearMethod(32))
+        tensors = dict(zip(("qweight", "scales", "zeros"), INT4_BLOCK_TYPES[name](blocks)))
+    load(layer, tensors)
+    assert (getattr(layer, "int4_packed", None) is not None) == (HAS_INT4_OP and name != "Q8_0"
+                                                                 and dtype == torch.bfloat16)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).to(dtype)
+    assert_product(layer(x), x, torch.from_numpy(gguf.quants.dequantize(blocks, qtype)), None)
