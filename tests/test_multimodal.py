@@ -157,6 +157,27 @@ def test_greedy_tokens_equal_generate(llava_dir, hf_model, processor):
     assert scheduler.encoder_cache.num_entries == 0 and not llm.engine.runner.encoder_cache
 
 
+def test_image_blocks_travel_through_the_host_tier(llava_dir, hf_model, processor):
+    """The same four prompts with a host tier under the 22-block pool, requests swapped out when preempted: a block
+    holding image tokens goes to the host and comes back under a hash that takes its image, so two prompts with the
+    same placeholder tokens and other images never share one, and the tokens stay transformers'."""
+    a = image(0, 40, 60)
+    text = "USER: <image>\nDescribe the picture in a lot of detail please. ASSISTANT:"
+    prompts = [(text, [a]), (text, [image(3, 50, 50)]), (text, [a]),
+               ("USER: <image>\nWhat is here? <image> Compare the two of them. ASSISTANT:",
+                [image(1, 70, 50), image(2, 32, 32)])]
+    llm = LLM(str(llava_dir), max_model_len=160, num_kvcache_blocks=22, kvcache_block_size=8,
+              max_num_batched_tokens=24, kv_offloading_size_gib=0.01, preemption_mode="swap")
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": images}} for t, images in prompts],
+                        GREEDY, use_tqdm=False)
+    host = llm.engine.kv_manager.get_stats().host
+    assert llm.engine.scheduler.num_preemptions_total > 0 and host.num_blocks_saved > 0
+    assert host.num_swapped_in_blocks > 0 and host.num_blocks_loaded > 0
+    for (t, images), out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, processor, t, images, GREEDY.max_tokens)
+    llm.shutdown()
+
+
 def test_prefix_cache_is_keyed_by_image_content(llm):
     """Same text, another image: only the blocks before the image are shared. The same image again: every full
     block is, and the image is not encoded again."""
