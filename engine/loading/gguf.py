@@ -4,7 +4,8 @@ transformers reads the GGUF (its ``gguf_file`` loader: metadata, tokenizer, chat
 quantized tensor dequantized), and the result is saved as an ordinary Hugging Face directory of float32
 safetensors plus the tokenizer, which the engine then loads like any other (cast to the compute dtype,
 sharded over tensor-parallel ranks). Weights are therefore not kept quantized: a Q4 file takes the memory
-of its model in the compute dtype.
+of its model in the compute dtype, unless ``--quantization gguf`` serves the file's Q4_0, Q4_1 and Q8_0 linear
+weights in their blocks (``engine.loading.gguf_weights``, which finds the file by ``source_gguf``).
 
 The cache entry is keyed by the file's path, size and modification time, written to a temporary
 directory and renamed into place with a marker inside, so an interrupted conversion is never mistaken
@@ -41,6 +42,25 @@ def gguf_file(model: str | Path) -> Path | None:
             raise ValueError(f"{path} holds {len(files)} GGUF files; name the one to serve: "
                              + ", ".join(f.name for f in files))
     return None
+
+
+def source_gguf(directory: str | Path) -> Path | None:
+    """The GGUF file a converted directory was made from, where it is still there: a ``.gguf`` kept inside the
+    directory (the default model's), else the file its marker names; None for any other directory."""
+    directory = Path(directory)
+    kept = sorted(directory.glob("*.gguf")) if directory.is_dir() else []
+    if len(kept) == 1:
+        return kept[0]
+    try:
+        source = Path(json.loads((directory / MARKER).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return source if source.suffix == ".gguf" and source.is_file() else None
+
+
+def is_gguf_model(model: str | Path) -> bool:
+    """Whether ``model`` is a GGUF file, a directory of one, or a GGUF file's converted directory."""
+    return gguf_file(model) is not None or source_gguf(model) is not None
 
 
 def ensure_converted(gguf_path: Path, cache_dir: Path) -> Path:

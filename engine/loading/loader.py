@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.loading import fp8_weights
+from engine.loading import fp8_weights, gguf_weights
+from engine.loading.gguf import source_gguf
 from engine.loading.model_config import ModelConfig
 from engine.models import fp8, get_model_class
 from engine.models.linear import process_weights_after_loading, use_decode_k_split
@@ -38,7 +39,8 @@ def load_model(
     ``load_format``: "safetensors" reads every shard in ``config.model_path``; "dummy" fills random
     weights of the real shapes, deterministic in ``seed`` (for benchmarks without a checkpoint);
     "auto" means safetensors. ``quantization="fp8"`` quantizes the linear layers to FP8 after loading;
-    a checkpoint stored in FP8 (its ``quantization_config``) is loaded in FP8 as it is. Each linear layer gets
+    a checkpoint stored in FP8 (its ``quantization_config``) is loaded in FP8 as it is. ``quantization="gguf"``
+    (a GGUF file's converted directory) loads the file's Q4_0, Q4_1 and Q8_0 linear weights in their blocks. Each linear layer gets
     its weight method before loading (``_set_linear_methods``) and processes its weights after. Returns the
     model in eval mode.
     """
@@ -55,12 +57,16 @@ def load_model(
     with torch.device(device), _default_dtype(dtype), _without_default_init():
         model = model_class(config)
         quantized = _set_linear_methods(model, config, quantization)
+        gguf = _use_gguf_methods(model, config) if quantization == "gguf" else None
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        model.load_weights(iter_safetensors(files))
+        weights = iter_safetensors(files)
+        model.load_weights(weights if gguf is None else gguf.stream(weights))
     before = fp8_weights.weight_bytes(model)
     process_weights_after_loading(model)
+    if gguf is not None:
+        gguf_weights.log_weight_bytes(model, gguf)
     if quantized:
         logger.info("quantized %d linear layers to FP8 (a scale per output channel): weights %.2f -> %.2f GiB",
                     quantized, before / 2**30, fp8_weights.weight_bytes(model) / 2**30)
@@ -85,6 +91,14 @@ def _set_linear_methods(model: nn.Module, config: ModelConfig, quantization: str
         quantized = fp8_weights.use_fp8_methods(model, None)
     use_decode_k_split(model)
     return quantized
+
+
+def _use_gguf_methods(model: nn.Module, config: ModelConfig) -> gguf_weights.GgufWeights:
+    source = source_gguf(config.model_path)
+    if source is None:
+        raise ValueError(f"quantization='gguf' needs a GGUF file's converted directory; {config.model_path} is not "
+                         "one, or its GGUF file is gone")
+    return gguf_weights.use_gguf_methods(model, source, config.num_attention_heads, config.num_key_value_heads)
 
 
 @contextlib.contextmanager
