@@ -32,6 +32,8 @@ from engine.models.linear import Int4LinearMethod, Int8LinearMethod, linear_laye
 logger = logging.getLogger("minivllm")
 
 PERMUTED_ARCHITECTURES = ("llama",)  # GGUF architectures whose Q and K rows llama.cpp permutes
+# A float32 model on the CPU runs the int4 layers' op in bfloat16 (``Int4LinearMethod``'s float32_in_bfloat16).
+FLOAT32_IN_BFLOAT16 = True
 
 
 @dataclass
@@ -117,7 +119,7 @@ def use_gguf_methods(model: nn.Module, gguf_path: Path, num_heads: int, num_kv_h
             return None
         layers[kind] += 1
         found.tensors.update({n: (t, kind) for n, t in sources.items()})
-        return Int4LinearMethod(GGUF_BLOCK) if kind == "int4" else Int8LinearMethod(GGUF_BLOCK)
+        return Int4LinearMethod(GGUF_BLOCK, FLOAT32_IN_BFLOAT16) if kind == "int4" else Int8LinearMethod(GGUF_BLOCK)
 
     set_linear_methods(model, choose)
     found.layers = layers

@@ -21,7 +21,8 @@ bytes and whole groups (a rank's columns must start and end on a group boundary:
   which dequantizes as it multiplies (the layer holds 4 bits a weight twice: the loaded codes and the op's). The op
   takes float32 and float16 too, but on x86 only its bfloat16 kernel is vectorized: in float32 it is many times
   slower than a dense product. It dequantizes the codes again for every 4 tokens, so it beats a dense product at
-  decode sizes and falls behind it on long prompts;
+  decode sizes and falls behind it on long prompts. A float32 model may run it in bfloat16
+  (``float32_in_bfloat16``: x cast in, the product cast back, scales and zeros rounded to bfloat16);
 * otherwise (an older torch, another group size or dtype, CUDA for now): W is dequantized once into a weight in
   the compute dtype kept on the layer (``dequantized_weight``) and the product is ``F.linear``: the speed and the
   memory of an unquantized layer. A Triton W4A16 kernel that reads the codes on CUDA is the next step.
@@ -76,12 +77,15 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 class Int4LinearMethod(LinearMethod):
     """``group_size``: the input columns that share a scale and a zero (32 for GGUF's Q4 blocks, 128 for most AWQ
-    and GPTQ checkpoints); even, so that a byte's two codes share their group."""
+    and GPTQ checkpoints); even, so that a byte's two codes share their group. ``float32_in_bfloat16``: in a
+    float32 model on the CPU, run the int4 op in bfloat16 (x cast in and the product cast back; the scales and
+    zeros rounded to bfloat16) rather than dequantize W to float32."""
 
-    def __init__(self, group_size: int):
+    def __init__(self, group_size: int, float32_in_bfloat16: bool = False):
         if group_size < 2 or group_size % 2:
             raise ValueError(f"an int4 group size must be even and positive, not {group_size}")
         self.group_size = group_size
+        self.float32_in_bfloat16 = float32_in_bfloat16
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         check_group_alignment(layer, self.group_size, "int4")
@@ -106,21 +110,29 @@ class Int4LinearMethod(LinearMethod):
         if self.uses_cpu_op(layer):
             codes = unpack_int4(layer.qweight).to(torch.int32)
             layer.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)  # innerKTiles: unused
-            layer.int4_scales_zeros = torch.stack((layer.scales.t(), layer.zeros.t()), dim=-1).contiguous()
+            scales_zeros = torch.stack((layer.scales.t(), layer.zeros.t()), dim=-1)
+            layer.int4_scales_zeros = scales_zeros.to(self._op_dtype(layer.scales.dtype)).contiguous()
         else:
             layer.dequantized_weight = dequantize_int4(layer.qweight, layer.scales, layer.zeros, group_size)
 
     def uses_cpu_op(self, layer: nn.Module) -> bool:
         """Whether the layer's products go through torch's CPU int4 op (after loading, by its parameters)."""
         return (layer.qweight.device.type == "cpu" and int4_cpu_op_available()
-                and self.group_size in INT4_CPU_GROUP_SIZES and layer.scales.dtype in INT4_CPU_DTYPES
+                and self.group_size in INT4_CPU_GROUP_SIZES
+                and self._op_dtype(layer.scales.dtype) in INT4_CPU_DTYPES
                 and layer.out_features % INT4_CPU_OUT_MULTIPLE == 0)
+
+    def _op_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the CPU op would run in for a model computing in ``dtype``."""
+        return torch.bfloat16 if dtype == torch.float32 and self.float32_in_bfloat16 else dtype
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.int4_packed is None:
             return F.linear(x, layer.dequantized_weight, bias)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).contiguous(), layer.int4_packed,
-                                                         self.group_size, layer.int4_scales_zeros)
+        op_dtype = layer.int4_scales_zeros.dtype
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).to(op_dtype).contiguous(),
+                                                         layer.int4_packed, self.group_size, layer.int4_scales_zeros)
+        out = out.to(x.dtype)
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], out.shape[-1])

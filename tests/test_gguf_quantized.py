@@ -1,0 +1,198 @@
+"""``quantization="gguf"``: a GGUF file's Q4_0, Q4_1 and Q8_0 linear weights served in their blocks.
+
+Tiny random Llama and Qwen2 files are written as tests/test_gguf_models.py writes them (llama.cpp's names, Llama's
+Q/K rows permuted), with types chosen so that each kind of layer is met: q|k|v and gate|up all Q4_0/Q4_1 (int4) or
+all Q8_0 (int8), fused parts of different kinds (dequantized), K-quants (dequantized), biases (Qwen2's q/k/v). The
+reference is the float32 transformers model holding exactly what the file holds.
+
+* the int4 product in float32 (the codes dequantized once): the same logprobs and greedy tokens as the reference
+  within float32's tolerance;
+* the int4 product in bfloat16 (``FLOAT32_IN_BFLOAT16``, the CPU default): logprobs within bfloat16's tolerance;
+* the real default model (a Q4_1 file): answers the capital-of-France chat as its dequantized self does, and its
+  perplexity on the Apache License stays within 0.1% of the dequantized model's.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+
+from engine import LLM, SamplingParams
+from engine.config import ConfigError, EngineConfig
+from engine.loading import gguf_weights
+from engine.models.linear import Int4LinearMethod, Int8LinearMethod, UnquantizedLinearMethod, linear_layers
+from tests.helpers import spread_weights
+from tests.test_gguf_models import (  # noqa: F401  (default_tokenizer, vocabulary: fixtures)
+    MODELS,
+    TinyModel,
+    _layer_types,
+    _prompts,
+    default_tokenizer,
+    vocabulary,
+    write_gguf,
+)
+
+TYPES = {
+    "llama": {"token_embd.weight": Q.Q8_0, **_layer_types(
+        dict(attn_q=Q.Q4_0, attn_k=Q.Q4_1, attn_v=Q.Q4_0, attn_output=Q.Q4_1,
+             ffn_gate=Q.Q4_1, ffn_up=Q.Q4_0, ffn_down=Q.Q8_0),
+        dict(attn_q=Q.Q8_0, attn_k=Q.Q8_0, attn_v=Q.Q8_0, attn_output=Q.Q8_0,
+             ffn_gate=Q.Q4_0, ffn_up=Q.Q8_0, ffn_down=Q.Q4_K))},
+    "qwen2": {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q6_K, **_layer_types(
+        dict(attn_q=Q.Q4_1, attn_k=Q.Q4_1, attn_v=Q.Q4_1, attn_output=Q.Q4_K,
+             ffn_gate=Q.Q8_0, ffn_up=Q.Q8_0, ffn_down=Q.Q4_0),
+        dict(attn_q=Q.Q5_K, attn_k=Q.Q6_K, attn_v=Q.Q4_K, attn_output=Q.Q4_0,
+             ffn_gate=Q.Q4_K, ffn_up=Q.Q4_0, ffn_down=Q.Q8_0))},
+}
+# The method each linear layer gets, by the model's layer name (under model.layers.N.).
+METHODS = {
+    "llama": {"0.self_attn.qkv_proj": Int4LinearMethod, "0.self_attn.o_proj": Int4LinearMethod,
+              "0.mlp.gate_up_proj": Int4LinearMethod, "0.mlp.down_proj": Int8LinearMethod,
+              "1.self_attn.qkv_proj": Int8LinearMethod, "1.self_attn.o_proj": Int8LinearMethod,
+              "1.mlp.gate_up_proj": UnquantizedLinearMethod, "1.mlp.down_proj": UnquantizedLinearMethod},
+    "qwen2": {"0.self_attn.qkv_proj": Int4LinearMethod, "0.self_attn.o_proj": UnquantizedLinearMethod,
+              "0.mlp.gate_up_proj": Int8LinearMethod, "0.mlp.down_proj": Int4LinearMethod,
+              "1.self_attn.qkv_proj": UnquantizedLinearMethod, "1.self_attn.o_proj": Int4LinearMethod,
+              "1.mlp.gate_up_proj": UnquantizedLinearMethod, "1.mlp.down_proj": Int8LinearMethod},
+}
+FLOAT32_TOLERANCE = 2e-5
+BFLOAT16_TOLERANCE = 0.05  # logprobs of a tiny random model with its int4 products in bfloat16
+
+TEXT = (Path(__file__).parent / "data" / "apache-2.0.txt").read_text()
+# Perplexity of the text, dequantized float32 vs --quantization gguf (int4 products in bfloat16 on the CPU):
+# 12.53805 vs 12.54353 (+0.044%; in float32, 12.53805 both), measured on one CPU host. The bar is the issue's.
+PERPLEXITY_BUDGET = 0.001
+
+
+def _llm(path: Path, cache: Path, bfloat16: bool, **kwargs) -> LLM:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MINIVLLM_CACHE", str(cache))
+        patch.setattr(gguf_weights, "FLOAT32_IN_BFLOAT16", bfloat16)
+        return LLM(str(path), max_model_len=128, num_kvcache_blocks=24, **kwargs)
+
+
+@pytest.fixture(scope="module", params=sorted(TYPES))
+def tiny(request, vocabulary, tmp_path_factory):
+    """A tiny model's GGUF of ``TYPES``, its float32 reference, and LLMs serving it quantized (int4 products in
+    float32 and in bfloat16)."""
+    base = MODELS[request.param]
+    model = TinyModel(arch=base.arch, config=base.config, types=TYPES[request.param],
+                      chat_template=base.chat_template)
+    config = transformers.AutoConfig.for_model(vocab_size=len(vocabulary["tokens"]), **model.config)
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    spread_weights(reference)
+    work = tmp_path_factory.mktemp(f"gguf-quantized-{request.param}")
+    path = work / f"tiny-{request.param}.gguf"
+    reference.load_state_dict(write_gguf(path, model, reference, vocabulary, np.random.default_rng(0)))
+    written = {tensor.name: tensor.tensor_type for tensor in gguf.GGUFReader(path).tensors}
+    assert {name: qtype for name, qtype in written.items() if qtype != Q.F32} == model.types
+    return SimpleNamespace(name=request.param, path=path, reference=reference, cache=work / "cache",
+                           float32=_llm(path, work / "cache", False, quantization="gguf"),
+                           bfloat16=_llm(path, work / "cache", True, quantization="gguf"))
+
+
+def test_layers_get_the_method_of_their_blocks(tiny):
+    """Q4_0/Q4_1 -> int4, Q8_0 -> int8 (groups of 32), K-quants and fused parts of different kinds dequantized;
+    the codes are held as the file holds them."""
+    model = tiny.float32.engine.runner.model
+    methods = {name.removeprefix("model.layers."): type(layer.method) for name, layer in linear_layers(model)}
+    assert methods == METHODS[tiny.name]
+    for name, layer in linear_layers(model):
+        if isinstance(layer.method, (Int4LinearMethod, Int8LinearMethod)):
+            assert layer.method.group_size == 32
+            assert layer.qweight.dtype == (torch.uint8 if isinstance(layer.method, Int4LinearMethod) else torch.int8)
+            assert not hasattr(layer, "weight"), name
+
+
+def _check_logprobs(llm: LLM, reference, tolerance: float, top: bool) -> None:
+    prompts = _prompts(llm.tokenizer)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            row = expected[pos - 1]
+            assert entry.token_id == prompt[pos]
+            assert entry.logprob == pytest.approx(row[prompt[pos]].item(), abs=tolerance)
+            values = row.topk(5)
+            if top:
+                assert entry.top_token_ids == values.indices.tolist()
+            assert entry.top_logprobs == pytest.approx(values.values.tolist(), abs=tolerance)
+
+
+def test_float32_products_match_the_reference(tiny):
+    """The int4 and int8 layers' products in float32 (W dequantized once from the codes): every prompt token's
+    logprob and top 5 as the float32 reference's."""
+    _check_logprobs(tiny.float32, tiny.reference, FLOAT32_TOLERANCE, top=True)
+
+
+def test_greedy_tokens_equal_generate(tiny):
+    """Three prompts decoded together from the blocks, greedily, give transformers' tokens of what the file holds."""
+    prompts = _prompts(tiny.float32.tokenizer)
+    outs = tiny.float32.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        expected = tiny.reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                           do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
+
+
+def test_bfloat16_products_stay_close(tiny):
+    """The int4 layers' products through torch's CPU int4 op in bfloat16 (x and the scales rounded to bfloat16):
+    logprobs within bfloat16's tolerance of the reference."""
+    model = tiny.bfloat16.engine.runner.model
+    int4 = [layer for _, layer in linear_layers(model) if isinstance(layer.method, Int4LinearMethod)]
+    assert int4
+    if all(layer.method.uses_cpu_op(layer) for layer in int4):
+        assert all(layer.int4_scales_zeros.dtype == torch.bfloat16 for layer in int4)
+    _check_logprobs(tiny.bfloat16, tiny.reference, BFLOAT16_TOLERANCE, top=False)
+
+
+def test_gguf_quantization_needs_a_gguf_model(tmp_path):
+    """A Hugging Face directory, or random weights, cannot be served from GGUF blocks: a ConfigError names why."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a GGUF model"):
+        EngineConfig(model=str(tmp_path), quantization="gguf")
+    with pytest.raises(ConfigError, match="dummy"):
+        EngineConfig(quantization="gguf", load_format="dummy")
+    EngineConfig(quantization="gguf")  # the default model is a GGUF
+
+
+@pytest.fixture(scope="module")
+def default_models(default_model_path):
+    from engine.loading.default_model import ensure_default_gguf
+
+    ensure_default_gguf(default_model_path)
+    kwargs = dict(max_model_len=4096, num_kvcache_blocks=300)
+    return SimpleNamespace(dequantized=LLM(**kwargs), quantized=LLM(quantization="gguf", **kwargs))
+
+
+def _perplexity(llm: LLM) -> float:
+    scored = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    logprobs = [entry.logprob for entry in scored.prompt_logprobs[1:]]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def test_the_default_model_answers_from_its_blocks(default_models):
+    """SmolLM2-135M-Instruct's Q4_1 linear weights served as int4 (every one of its 120 linear layers)."""
+    model = default_models.quantized.engine.runner.model
+    assert all(isinstance(layer.method, Int4LinearMethod) for _, layer in linear_layers(model))
+    reply = default_models.quantized.chat([{"role": "user", "content": "What is the capital of France?"}],
+                                          SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
+    assert reply.outputs[0].text == "The capital of France is Paris."
+
+
+def test_the_default_models_perplexity_stays_within_the_bar(default_models):
+    dequantized, quantized = _perplexity(default_models.dequantized), _perplexity(default_models.quantized)
+    assert abs(quantized / dequantized - 1) <= PERPLEXITY_BUDGET, (dequantized, quantized)
