@@ -196,3 +196,21 @@ def test_the_default_model_answers_from_its_blocks(default_models):
 def test_the_default_models_perplexity_stays_within_the_bar(default_models):
     dequantized, quantized = _perplexity(default_models.dequantized), _perplexity(default_models.quantized)
     assert abs(quantized / dequantized - 1) <= PERPLEXITY_BUDGET, (dequantized, quantized)
+
+
+def test_two_ranks_serve_the_blocks_as_one(tiny):
+    """At tensor_parallel_size=2 each rank loads its rows (q|k|v, gate|up) or its whole groups of columns (o, down)
+    of the codes, scales and zeros: greedy tokens and their logprobs are one rank's (the int4 products in bfloat16,
+    as the ranks' processes run them, summed in another order)."""
+    prompts = _prompts(tiny.bfloat16.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    one = tiny.bfloat16.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MINIVLLM_CACHE", str(tiny.cache))
+        with LLM(str(tiny.path), quantization="gguf", tensor_parallel_size=2, max_model_len=128,
+                 num_kvcache_blocks=24) as tp2:
+            two = tp2.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for a, b in zip(one, two):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert y.logprob == pytest.approx(x.logprob, abs=BFLOAT16_TOLERANCE)

@@ -128,14 +128,21 @@ def use_gguf_methods(model: nn.Module, gguf_path: Path, num_heads: int, num_kv_h
 
 def log_weight_bytes(model: nn.Module, found: GgufWeights) -> None:
     """At start-up: how many linear layers are kept in each format, and the bytes of their codes and scales
-    against what their dequantized weights take in the compute dtype."""
-    kept = dequantized = 0
+    against what their dequantized weights take in the compute dtype (and the copies dequantized for the product
+    where no int4 or int8 op serves the device and dtype)."""
+    kept = dequantized = copies = with_copy = 0
     for _, layer in linear_layers(model):
         if isinstance(layer.method, (Int4LinearMethod, Int8LinearMethod)):
             names = PARAM_NAMES["int4" if isinstance(layer.method, Int4LinearMethod) else "int8"]
             kept += sum(getattr(layer, n).numel() * getattr(layer, n).element_size() for n in names)
             dequantized += layer.out_features * layer.in_features * layer.scales.element_size()
+            copy = getattr(layer, "dequantized_weight", None)
+            if copy is not None:
+                copies += copy.numel() * copy.element_size()
+                with_copy += 1
     counts = found.layers
     logger.info("GGUF linear layers: %d kept in int4 (Q4_0/Q4_1), %d in int8 (Q8_0), %d dequantized; the kept "
-                "layers' codes and scales take %.1f MiB, dequantized they would take %.1f MiB",
-                counts["int4"], counts["int8"], counts["dequantized"], kept / 2**20, dequantized / 2**20)
+                "layers' codes and scales take %.1f MiB, dequantized they would take %.1f MiB%s",
+                counts["int4"], counts["int8"], counts["dequantized"], kept / 2**20, dequantized / 2**20,
+                f" ({with_copy} of them hold a dequantized copy for the product, {copies / 2**20:.1f} MiB)"
+                if with_copy else "")
