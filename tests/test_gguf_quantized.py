@@ -28,7 +28,12 @@ from gguf import GGMLQuantizationType as Q
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig
 from engine.loading import gguf_weights
-from engine.models.linear import Int4LinearMethod, Int8LinearMethod, UnquantizedLinearMethod, linear_layers
+from engine.models.linear import (
+    Int4LinearMethod,
+    Int8LinearMethod,
+    UnquantizedLinearMethod,
+    linear_layers,
+)
 from tests.helpers import spread_weights
 from tests.test_gguf_models import (  # noqa: F401  (default_tokenizer, vocabulary: fixtures)
     MODELS,
@@ -80,7 +85,7 @@ def _llm(path: Path, cache: Path, bfloat16: bool, **kwargs) -> LLM:
 
 
 @pytest.fixture(scope="module", params=sorted(TYPES))
-def tiny(request, vocabulary, tmp_path_factory):
+def tiny(request, vocabulary, tmp_path_factory):  # noqa: F811
     """A tiny model's GGUF of ``TYPES``, its float32 reference, and LLMs serving it quantized (int4 products in
     float32 and in bfloat16)."""
     base = MODELS[request.param]

@@ -27,12 +27,18 @@ import torch
 from torch import nn
 
 from engine.loading.gguf_blocks import GGUF_BLOCK, INT4_BLOCK_TYPES, INT8_BLOCK_TYPES
-from engine.models.linear import Int4LinearMethod, Int8LinearMethod, linear_layers, set_linear_methods
+from engine.models.linear import (
+    Int4LinearMethod,
+    Int8LinearMethod,
+    linear_layers,
+    set_linear_methods,
+)
 
 logger = logging.getLogger("minivllm")
 
 PERMUTED_ARCHITECTURES = ("llama",)  # GGUF architectures whose Q and K rows llama.cpp permutes
-# A float32 model on the CPU runs the int4 layers' op in bfloat16 (``Int4LinearMethod``'s float32_in_bfloat16).
+# A float32 model on the CPU runs the int4 layers' op in bfloat16 (``Int4LinearMethod``'s float32_in_bfloat16): the
+# default model's perplexity moves by +0.04% (tests/test_gguf_quantized.py), its decode-sized products run 2x faster.
 FLOAT32_IN_BFLOAT16 = True
 
 
