@@ -63,7 +63,7 @@ test-fast: install-dev model
 	$(PY) -m pytest -q -m unit $(PYTEST_ARGS)
 
 bench: install-dev model
-	$(PY) bench/offline_throughput.py
+	$(PY) bench/offline_throughput.py --quantization gguf
 
 # Rewrite constraints.txt from this virtualenv (after changing pyproject.toml's dependencies).
 constraints: install-dev

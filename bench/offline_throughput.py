@@ -32,7 +32,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 
 def run_minivllm(model: str | None, prompts, output_lens, **engine_kwargs) -> dict:
     llm = LLM(model=model, **engine_kwargs)
-    warm = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 2
+    warm = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * min(2, len(prompts))
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], warm, use_tqdm=False)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     start = time.perf_counter()
@@ -91,6 +91,9 @@ def main() -> None:
     parser.add_argument("--peer", default="cb", choices=["cb", "sequential", "both", "none"])
     parser.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--quantization", nargs="*", default=[], choices=["gguf"],
+                        help="also run with these --quantization settings, after the run without (gguf: the default "
+                             "model's, or a GGUF --model's, Q4/Q8 weights kept quantized)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -110,6 +113,10 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
 
     results = [run_minivllm(model_path, prompts, output_lens, max_num_batched_tokens=args.max_num_batched_tokens)]
+    for quantization in args.quantization:  # the model as given (None: the default model, its GGUF found again)
+        run = run_minivllm(args.model, prompts, output_lens, max_num_batched_tokens=args.max_num_batched_tokens,
+                           quantization=quantization)
+        results.append({**run, "name": f"minivllm --quantization {quantization}"})
     if args.peer in ("cb", "both"):
         results.append(run_hf_continuous_batching(model_path, prompts, output_lens, dtype, device))
     if args.peer in ("sequential", "both"):
@@ -127,7 +134,8 @@ def main() -> None:
           f"outputs {workload.output_len}, {sum(output_lens)} output tokens; {record['machine']}; commit {record['commit']}")
     base = results[0]["tok_s"]
     for r in results:
-        ratio = "" if r is results[0] else f"   minivllm is {base / r['tok_s']:.1f}x"
+        ratio = "" if r is results[0] else (f"   {r['tok_s'] / base:.2f}x minivllm" if r["name"].startswith("minivllm")
+                                             else f"   minivllm is {base / r['tok_s']:.1f}x")
         print(f"  {r['name']:<28} {r['tok_s']:9.1f} output tok/s  ({r['elapsed_s']:.1f} s){ratio}")
 
 
