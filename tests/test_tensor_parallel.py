@@ -123,6 +123,28 @@ def test_the_engine_at_tp2_generates_what_it_does_at_tp1(checkpoints, name):
     assert got == greedy(LLM(str(checkpoints[name]), **common), prompts)
 
 
+def test_prompt_logprobs_at_tp2_are_tp1s(checkpoints):
+    """Rank 1 gathers the prompt logprobs' chunks of logits and then the sampled rows', in rank 0's order."""
+    prompts = [{"prompt_token_ids": list(range(5, 45))}, {"prompt_token_ids": list(range(60, 131))}]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    common = dict(max_model_len=256, num_kvcache_blocks=24, max_num_batched_tokens=48)
+
+    def run(llm):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        ids = [(o.outputs[0].token_ids, [None if e is None else (e.token_id, e.rank, e.top_token_ids)
+                                         for e in o.prompt_logprobs]) for o in outs]
+        values = [[x for e in o.prompt_logprobs[1:] for x in (e.logprob, *e.top_logprobs)] for o in outs]
+        return ids, values
+
+    with LLM(str(checkpoints["llama-tied"]), tensor_parallel_size=2, **common) as tp2:
+        ids, values = run(tp2)
+    with LLM(str(checkpoints["llama-tied"]), **common) as tp1:
+        expected_ids, expected_values = run(tp1)
+    assert ids == expected_ids
+    for got, expected in zip(values, expected_values):
+        assert got == pytest.approx(expected, abs=1e-4)
+
+
 def test_a_tp_size_the_model_cannot_split_by_is_refused(checkpoints):
     with pytest.raises(ConfigError, match="does not divide the model's attention heads"):
         LLM(str(checkpoints["llama-untied"]), tensor_parallel_size=3, max_model_len=256, num_kvcache_blocks=24)

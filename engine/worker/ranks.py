@@ -60,10 +60,11 @@ def follow(runner) -> None:
                     runner.model.compute_logits(rows[: shape.num_sampled])
                 continue
             hidden = runner.model(input_ids, positions, meta)
-            if shape.num_logits:
-                runner.model.compute_logits(hidden[logits_indices])
+            # In rank 0's order (ModelRunner._forward): the prompt logprobs' gathered logits, then the sampled rows'.
             if len(prompt_lp_indices):
                 follow_prompt_logprobs(runner.model, hidden, torch.from_numpy(prompt_lp_indices).to(runner.device))
+            if shape.num_logits:
+                runner.model.compute_logits(hidden[logits_indices])
 
 
 # ------------------------------------------------------------------------------------------ processes
