@@ -78,15 +78,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from serve_client import (  # noqa: E402
-    ClientConfig,
-    RequestResult,
-    completion_payload,
-    finish,
-    headers,
-    read_usage,
-    warm_up,
-)
+from serve_client import ClientConfig, RequestResult, send_request, warm_up  # noqa: E402
 from serve_datasets import SampleRequest  # noqa: E402
 from serve_metrics import LatencyStats, compute_metrics  # noqa: E402
 from serve_vs_offline import Server, run_in_subprocess  # noqa: E402
@@ -166,42 +158,9 @@ def working_set_blocks(args, lengths: list[int]) -> tuple[int, int]:
 
 async def send_turn(client: httpx.AsyncClient, config: ClientConfig, request: SampleRequest
                     ) -> tuple[RequestResult, list[int]]:
-    """One streamed turn (as ``serve_client.send_request``), with the answer's token ids (``return_token_ids``)."""
-    result, token_ids = RequestResult(start_s=time.perf_counter()), []
-    url = config.base_url.rstrip("/") + "/v1/completions"
-    payload = {**completion_payload(config, request), "return_token_ids": True}
-    try:
-        async with client.stream("POST", url, json=payload, headers=headers(config.api_key)) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {body[:500]}"
-                return result, token_ids
-            got_usage = False
-            async for line in response.aiter_lines():
-                now = time.perf_counter()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    result.latency_s = now - result.start_s
-                    finish(result, got_usage)
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = f"error event: {chunk['error'].get('message', chunk['error'])}"
-                    break
-                if chunk.get("choices"):
-                    if not result.chunk_times_s:
-                        result.ttft_s = now - result.start_s
-                    result.chunk_times_s.append(now)
-                    token_ids += chunk["choices"][0].get("token_ids") or []
-                if chunk.get("usage"):
-                    got_usage = True
-                    read_usage(chunk["usage"], result)
-            else:
-                result.error = "the stream ended without [DONE]"
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
+    """One streamed turn (``serve_client.send_request``), with the answer's token ids (``return_token_ids``)."""
+    token_ids: list[int] = []
+    result = await send_request(client, config, request, token_ids)
     if result.success and len(token_ids) != result.completion_tokens:
         result.success = False
         result.error = f"{len(token_ids)} token ids streamed for {result.completion_tokens} completion tokens"

@@ -73,25 +73,29 @@ def completion_payload(config: ClientConfig, request: SampleRequest) -> dict:
     return payload
 
 
-async def send_request(client: httpx.AsyncClient, config: ClientConfig, request: SampleRequest) -> RequestResult:
-    """Stream one completion; never raises (a failure is a result with ``success=False``)."""
+async def send_request(client: httpx.AsyncClient, config: ClientConfig, request: SampleRequest,
+                       token_ids: list[int] | None = None) -> RequestResult:
+    """Stream one completion; never raises (a failure is a result with ``success=False``). ``token_ids``: a list
+    to collect the answer's token ids into (the request asks for ``return_token_ids``)."""
     result = RequestResult(start_s=time.perf_counter())
     url = config.base_url.rstrip("/") + "/v1/completions"
+    payload = completion_payload(config, request)
+    if token_ids is not None:
+        payload["return_token_ids"] = True
     try:
-        async with client.stream("POST", url, json=completion_payload(config, request),
-                                 headers=headers(config.api_key)) as response:
+        async with client.stream("POST", url, json=payload, headers=headers(config.api_key)) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {body[:500]}"
                 return result
-            await read_stream(response, result)
+            await read_stream(response, result, token_ids)
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:  # includes malformed JSON
         result.error = f"{type(exc).__name__}: {exc}"
     return result
 
 
-async def read_stream(response: httpx.Response, result: RequestResult) -> None:
-    """Fill ``result`` from the SSE lines of ``response``."""
+async def read_stream(response: httpx.Response, result: RequestResult, token_ids: list[int] | None = None) -> None:
+    """Fill ``result`` from the SSE lines of ``response`` (and ``token_ids`` with the chunks' token ids)."""
     got_usage = False
     async for line in response.aiter_lines():
         now = time.perf_counter()
@@ -110,6 +114,8 @@ async def read_stream(response: httpx.Response, result: RequestResult) -> None:
             if not result.chunk_times_s:
                 result.ttft_s = now - result.start_s
             result.chunk_times_s.append(now)
+            if token_ids is not None:
+                token_ids += chunk["choices"][0].get("token_ids") or []
         if chunk.get("usage"):
             got_usage = True
             read_usage(chunk["usage"], result)
