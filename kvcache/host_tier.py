@@ -46,10 +46,10 @@ class SwappedKV:
 class HostTier:
     """``num_blocks`` host blocks under ``device_pool``, the copies planned between the two, swapped-out KV."""
 
-    def __init__(self, num_blocks: int, device_pool: BlockPool | None = None) -> None:
+    def __init__(self, num_blocks: int, device_pool: BlockPool, block_size: int) -> None:
         self.pool = HostBlockPool(num_blocks)
-        self.device_pool = device_pool  # set by the manager once it has built its pool
-        self.block_size = 0  # likewise
+        self.device_pool = device_pool  # its evictions come here (the manager sets device_pool.on_evict)
+        self.block_size = block_size
         self.swapped: dict[str, SwappedKV] = {}
         # Copies for the next step: (host block, device block, hash or None) loads, (device block, host block) saves.
         # A load's host block is held (pinned, or owned by the request that swapped it out) until they are taken.

@@ -82,12 +82,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         # The host tier (kvcache/host_tier.py), if any; ``host`` is its book of blocks.
-        self.tier = HostTier(num_host_blocks) if num_host_blocks else None
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.tier = HostTier(num_host_blocks, self.pool, block_size) if num_host_blocks else None
         self.host = self.tier.pool if self.tier is not None else None
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching,
-                              on_evict=self.tier.save_evicted if self.tier is not None else None)
         if self.tier is not None:
-            self.tier.device_pool, self.tier.block_size = self.pool, block_size
+            self.pool.on_evict = self.tier.save_evicted
         self._tables: dict[str, _BlockTable] = {}
         # Chained hashes of each request's full blocks, computed once; may exist before its table.
         self._block_hashes: dict[str, list[BlockHash]] = {}
