@@ -5,12 +5,17 @@
     python bench/gpu_throughput.py --shape llama-3.1-8b --tensor-parallel-size 2 --peer-requests 0
     python bench/gpu_throughput.py --shape qwen3-0.6b --kv-cache-dtype fp8 --peer-requests 0
     python bench/gpu_throughput.py --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 --peer-requests 0
+    python bench/gpu_throughput.py --shape llama-3.1-8b --quantization w4a16 --peer-requests 0
+    python bench/gpu_throughput.py --shape llama-3.1-8b --quantization w4a16 --num-requests 1 --peer-requests 0
     python bench/gpu_throughput.py --shape qwen3-0.6b --peer-requests 0 --env MINIVLLM_DECODE_KSPLIT=0 \
         --env MINIVLLM_DECODE_KSPLIT=auto
 
 With ``--kv-cache-dtype fp8`` or ``--quantization fp8`` the bf16 engine runs first on the same requests
 in the same invocation, and each run is given the roofline of its own bytes (FP8 weights and K/V are
 half of bf16's; their scales count too) and, for FP8 weights, the FP8 matmul rate measured here.
+``--quantization w4a16`` runs the shape as a 4-bit GPTQ checkpoint (dummy codes, groups of 128) after bf16, its
+roofline counting the codes at half a byte and the group scales and zeros; ``--num-requests 1`` makes the run one
+stream, whose decode step is its TPOT.
 With ``--env`` each of those runs once per setting given, in that order, on the same requests: a setting is
 environment variables the engine reads (``MINIVLLM_DECODE_KSPLIT``, ``MINIVLLM_GREEDY_ARGMAX``,
 ``MINIVLLM_DECODE_TILES``: ``LAUNCH_SETTINGS`` below) or torch's ``TORCH_BLAS_PREFER_CUBLASLT``, comma-separated.
@@ -125,6 +130,11 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
             os.environ[name] = value
         torch.backends.cuda.preferred_blas_library(
             "cublaslt" if os.environ.get("TORCH_BLAS_PREFER_CUBLASLT") == "1" else "cublas")
+    if quantization == "w4a16":  # a checkpoint's quantization, read from its config: no engine flag
+        model_dir, quantization = w4a16_dir(model_dir), None
+        name_suffix = " w4a16 weights"
+    else:
+        name_suffix = f" {quantization} weights" if quantization else ""
     llm = LLM(str(model_dir), load_format="dummy", max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
@@ -143,7 +153,7 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
         elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == sum(output_lens)
-    name = "minivllm" + (f" {quantization} weights" if quantization else "") + \
+    name = "minivllm" + name_suffix + \
         (f" {kv_cache_dtype} KV" if kv_cache_dtype != "auto" else "") + (f" [{env}]" if env else "") + \
         (f" preemption {preemption_mode}" if preemption_mode else "")
     runner = llm.engine.runner
@@ -157,6 +167,19 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
             "steps_planned_ahead": llm.engine.num_steps_planned_ahead,
             "steps": step_summary(llm), "compiled_mid_run": compiled, "gc_full_collections_ms": collections,
             "preemption_mode": preemption_mode, "host_tier": host_tier_summary(llm)}, llm
+
+
+W4A16_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
+
+
+def w4a16_dir(model_dir: Path) -> Path:
+    """The shape of ``model_dir`` as a 4-bit GPTQ checkpoint's config (``W4A16_CONFIG``), beside it."""
+    target = model_dir.parent / f"{model_dir.name}-w4a16"
+    if not target.exists():
+        target.mkdir()
+        config = json.loads((model_dir / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps({**config, "quantization_config": W4A16_CONFIG}, indent=2))
+    return target
 
 
 def host_tier_summary(llm) -> dict | None:
@@ -269,8 +292,9 @@ def main() -> None:
                         help="plan each step before the last one's tokens (default: the engine's, on with CUDA)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: also run with an FP8 KV cache, after the bf16 run")
-    parser.add_argument("--quantization", default=None, choices=["fp8"],
-                        help="fp8: also run with FP8 weights, after the bf16 run")
+    parser.add_argument("--quantization", default=None, choices=["fp8", "w4a16"],
+                        help="fp8: also run with FP8 weights, after the bf16 run; w4a16: also run the shape as a "
+                             "GPTQ checkpoint (4-bit weights, groups of 128, symmetric; the LM head in bf16)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="GPUs the model is split over; the roofline is then per GPU, plus the all-reduces "
                              "measured in the same run")
@@ -307,7 +331,7 @@ def main() -> None:
     variants = [("auto", None)]
     if args.kv_cache_dtype != "auto" or args.quantization:
         variants.append((args.kv_cache_dtype, args.quantization))
-        if args.quantization:
+        if args.quantization == "fp8":
             ceil.fp8_matmul_flops_per_s = measure_fp8_matmul(torch.device("cuda"))
     if args.kv_pool_fraction:
         needed = sum(len(p) + n for p, n in zip(prompts, output_lens))
@@ -332,8 +356,8 @@ def main() -> None:
         else:
             costs = model_costs(llm.engine.runner.model, config, result["kv_bytes_per_token"])
             roof = roofline([len(p) for p in prompts], output_lens, costs, ceil, config.vocab_size,
-                            config.hidden_size, matmul_flops_per_s=ceil.fp8_matmul_flops_per_s if quantization
-                            else None)
+                            config.hidden_size, matmul_flops_per_s=ceil.fp8_matmul_flops_per_s
+                            if quantization == "fp8" else None)
         result["roofline"] = roof
         result["fraction_of_roofline"] = result["tok_s"] / roof["tok_s"]
         runs.append(result)

@@ -98,14 +98,16 @@ class ModelCosts:
 
 
 def model_costs(model: torch.nn.Module, config, kv_bytes_per_token: int | None = None) -> ModelCosts:
-    """Costs of the loaded model: its parameters as stored (FP8 weights at a byte each, plus their scales),
-    and ``kv_bytes_per_token`` (default: K and V in the embedding's dtype)."""
+    """Costs of the loaded model: its parameters as stored (FP8 weights at a byte each, int4 at half a byte, int8 at
+    one, plus their scales and zeros), and ``kv_bytes_per_token`` (default: K and V in the embedding's dtype)."""
     params = list(model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     embed = model.model.embed_tokens.weight.numel()
     tied = config.tie_word_embeddings
-    scales = sum(p.numel() for name, p in model.named_parameters() if name.endswith("weight_scale_inv"))
-    matmul_params = sum(p.numel() for p in params) - scales - (0 if tied else embed)
+    named = list(model.named_parameters())
+    scales = sum(p.numel() for name, p in named if name.endswith(("weight_scale_inv", ".scales", ".zeros")))
+    packed = sum(p.numel() for name, p in named if name.endswith(".qweight") and p.dtype == torch.uint8)  # 2 a byte
+    matmul_params = sum(p.numel() for p in params) - scales + packed - (0 if tied else embed)
     elem = model.model.embed_tokens.weight.element_size()
     kv = kv_bytes_per_token or 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * elem
     attn = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim

@@ -13,6 +13,7 @@ from engine import LLM, SamplingParams
 from engine.loading.loader import load_model
 from engine.loading.model_config import ModelConfig
 from tests.helpers import TINY_CONFIGS, VOCAB, PagedRunner, random_image, save_checkpoint, save_tiny_model
+from tests.test_gguf_models import default_tokenizer, vocabulary  # noqa: F401  (fixtures of the GGUF kernel test)
 
 pytestmark = pytest.mark.gpu
 
@@ -719,3 +720,55 @@ def test_host_tier_on_cuda_gives_the_tokens_of_the_device_pool_alone(tmp_path, m
     torch.cuda.synchronize()
     transfers = llm.engine.stats().kv_transfers
     assert transfers.seconds_to_host > 0 and transfers.seconds_to_device > 0
+
+
+@pytest.fixture(scope="module")
+def default_model_path(tokenizer_dir):
+    """The GGUF tests' vocabulary is cut from the default model's tokenizer: on a GPU host, its tokenizer folder."""
+    return tokenizer_dir
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int4_and_int8_kernels_under_cuda_graphs_match_the_dequantized_reference(tmp_path, arch, vocabulary):
+    """A tiny GGUF of Q4_0/Q4_1/Q8_0 layers served from its blocks on CUDA (``engine.ops.quant_matmul``: decode
+    steps in CUDA graphs, K cut into slices whose partial products the next kernels add): in float32 (IEEE products)
+    the prompt logprobs and greedy tokens of transformers holding what the file holds; in bfloat16 the logprobs
+    within bfloat16's tolerance."""
+    import numpy as np
+
+    from engine.models.linear import Int4LinearMethod, Int8LinearMethod, linear_layers
+    from tests.helpers import spread_weights
+    from tests.test_gguf_models import MODELS, TinyModel, write_gguf
+    from tests.test_gguf_quantized import BFLOAT16_TOLERANCE, TYPES, _check_logprobs, _prompts
+
+    base = MODELS[arch]
+    model = TinyModel(arch=base.arch, config=base.config, types=TYPES[arch], chat_template=base.chat_template)
+    config = transformers.AutoConfig.for_model(vocab_size=len(vocabulary["tokens"]), **model.config)
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    spread_weights(reference)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    reference.load_state_dict(write_gguf(path, model, reference, vocabulary, np.random.default_rng(0)))
+    for dtype, tolerance in (("float32", 1e-4), ("bfloat16", BFLOAT16_TOLERANCE)):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+            llm = LLM(str(path), device="cuda", dtype=dtype, quantization="gguf", max_model_len=128,
+                      num_kvcache_blocks=24)
+        try:
+            layers = [layer for _, layer in linear_layers(llm.engine.runner.model)
+                      if isinstance(layer.method, (Int4LinearMethod, Int8LinearMethod))]
+            assert layers and all(layer.quant_weight is not None and layer.dequantized_weight is None
+                                  for layer in layers), "every int4/int8 layer runs the Triton kernels"
+            assert llm.engine.runner.graphs is not None
+            _check_logprobs(llm, reference, tolerance, top=dtype == "float32")
+            if dtype == "float32":
+                prompts = _prompts(llm.tokenizer)
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                    SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+                for prompt, out in zip(prompts, outs):
+                    ids = torch.tensor([prompt])
+                    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                                  do_sample=False, eos_token_id=None, pad_token_id=0)
+                    assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
+        finally:
+            llm.engine.close()

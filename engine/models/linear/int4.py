@@ -23,9 +23,13 @@ bytes and whole groups (a rank's columns must start and end on a group boundary:
   slower than a dense product. It dequantizes the codes again for every 4 tokens, so it beats a dense product at
   decode sizes and falls behind it on long prompts. A float32 model may run it in bfloat16
   (``float32_in_bfloat16``: x cast in, the product cast back, scales and zeros rounded to bfloat16);
-* otherwise (an older torch, another group size or dtype, CUDA for now): W is dequantized once into a weight in
-  the compute dtype kept on the layer (``dequantized_weight``) and the product is ``F.linear``: the speed and the
-  memory of an unquantized layer. A Triton W4A16 kernel that reads the codes on CUDA is the next step.
+* on CUDA, the Triton W4A16 kernels of ``engine.ops.quant_matmul`` (``cuda_kernels_apply``): up to
+  ``DEQUANTIZE_FROM_ROWS`` tokens a product reads the codes and dequantizes them tile by tile on its way to the
+  tensor cores (K cut into slices at decode sizes, the slices' partial products handed to the next kernel by
+  ``apply_deferred``); longer prompts dequantize W into a temporary and multiply on cuBLAS;
+* otherwise (an older torch, another group size or dtype on the CPU, a shape the kernels do not take): W is
+  dequantized once into a weight in the compute dtype kept on the layer (``dequantized_weight``) and the product is
+  ``F.linear``: the speed and the memory of an unquantized layer.
 
 The parameters stay as loaded either way (the codes are a quarter of a bfloat16 weight).
 """
@@ -37,6 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.linear.method import LinearMethod, WeightLayout
+from engine.models.linear.output import LinearOutput
+from engine.models.linear.quant_kernels import cuda_kernels_apply, cuda_kernels_apply_deferred, cuda_quant_weight
 
 INT4_CPU_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's CPU int4 op takes
 INT4_CPU_DTYPES = (torch.bfloat16,)  # the dtypes it is used for: the one its x86 kernels vectorize
@@ -93,6 +99,7 @@ class Int4LinearMethod(LinearMethod):
         layer.int4_packed = None  # the CPU op's operands (process_after_loading)
         layer.int4_scales_zeros = None
         layer.dequantized_weight = None  # W in the compute dtype, where the op is not used
+        layer.quant_weight = None  # what the CUDA kernels read (process_after_loading)
         layer.add_param("qweight", (out_features, layer.in_features // 2), torch.uint8, WeightLayout(0, 1, 1, 2))
         layer.add_param("scales", (out_features, groups), dtype, WeightLayout(0, 1, 1, self.group_size))
         layer.add_param("zeros", (out_features, groups), dtype, WeightLayout(0, 1, 1, self.group_size))
@@ -107,12 +114,13 @@ class Int4LinearMethod(LinearMethod):
         check_param(layer, "scales", groups, (torch.float32, torch.bfloat16, torch.float16), "int4")
         check_param(layer, "zeros", groups, (layer.scales.dtype,), "int4")
         layer.int4_packed = layer.int4_scales_zeros = layer.dequantized_weight = None
-        if self.uses_cpu_op(layer):
+        layer.quant_weight = cuda_quant_weight(layer.qweight, layer.scales, layer.zeros, 4, group_size)
+        if layer.quant_weight is None and self.uses_cpu_op(layer):
             codes = unpack_int4(layer.qweight).to(torch.int32)
             layer.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)  # innerKTiles: unused
             scales_zeros = torch.stack((layer.scales.t(), layer.zeros.t()), dim=-1)
             layer.int4_scales_zeros = scales_zeros.to(self._op_dtype(layer.scales.dtype)).contiguous()
-        else:
+        elif layer.quant_weight is None:
             layer.dequantized_weight = dequantize_int4(layer.qweight, layer.scales, layer.zeros, group_size)
 
     def uses_cpu_op(self, layer: nn.Module) -> bool:
@@ -127,6 +135,8 @@ class Int4LinearMethod(LinearMethod):
         return torch.bfloat16 if dtype == torch.float32 and self.float32_in_bfloat16 else dtype
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.quant_weight is not None:
+            return cuda_kernels_apply(layer.quant_weight, x, bias)
         if layer.int4_packed is None:
             return F.linear(x, layer.dequantized_weight, bias)
         op_dtype = layer.int4_scales_zeros.dtype
@@ -136,6 +146,11 @@ class Int4LinearMethod(LinearMethod):
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def apply_deferred(self, layer: nn.Module, x: torch.Tensor, partials_ok: bool = True) -> LinearOutput:
+        if layer.quant_weight is not None:
+            return cuda_kernels_apply_deferred(layer.quant_weight, x, layer.bias, partials_ok)
+        return LinearOutput(self.apply(layer, x, layer.bias))
 
 
 def check_group_alignment(layer: nn.Module, group_size: int, kind: str) -> None:

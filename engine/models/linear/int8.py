@@ -8,8 +8,10 @@ int8 W^T, then one scale per output channel) takes per-channel scales only: it i
 one scale (``group_size`` None, or a group as wide as the layer), in bfloat16 (on x86 its float32 kernel is not
 vectorized, many times slower than a dense product) and for input features a multiple of 64 (torch 2.14's
 bfloat16 kernel crashes where they are not a multiple of 16). Group scales such as Q8_0's (one per 32 columns)
-cannot be folded into per-channel ones, so those layers, like any on CUDA for now, dequantize W once into the
-compute dtype (``dequantized_weight``) and multiply with ``F.linear``.
+cannot be folded into per-channel ones, so on the CPU those layers dequantize W once into the compute dtype
+(``dequantized_weight``) and multiply with ``F.linear``. On CUDA every layer runs the Triton kernels of
+``engine.ops.quant_matmul``, which read the int8 codes with their group or row scales
+(``engine.models.linear.quant_kernels``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from torch import nn
 
 from engine.models.linear.int4 import DEQUANTIZE_ROWS, check_group_alignment, check_param
 from engine.models.linear.method import LinearMethod, WeightLayout
+from engine.models.linear.output import LinearOutput
+from engine.models.linear.quant_kernels import cuda_kernels_apply, cuda_kernels_apply_deferred, cuda_quant_weight
 
 INT8_CPU_DTYPES = (torch.bfloat16,)  # the dtypes it is used for: the one its x86 kernel vectorizes
 INT8_CPU_IN_MULTIPLE = 64
@@ -54,6 +58,7 @@ class Int8LinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         layer.int8_channel_scales = None  # the CPU op's per-channel scales (process_after_loading)
         layer.dequantized_weight = None  # W in the compute dtype, where the op is not used
+        layer.quant_weight = None  # what the CUDA kernels read (process_after_loading)
         shape = (layer.out_features, layer.in_features)
         layer.add_param("qweight", shape, torch.int8, WeightLayout())
         if self.group_size is None:
@@ -72,6 +77,10 @@ class Int8LinearMethod(LinearMethod):
         check_param(layer, "qweight", (out_features, in_features), (torch.int8,), "int8")
         check_param(layer, "scales", scales_shape, (torch.float32, torch.bfloat16, torch.float16), "int8")
         layer.int8_channel_scales = layer.dequantized_weight = None
+        layer.quant_weight = cuda_quant_weight(layer.qweight, layer.scales, getattr(layer, "zeros", None), 8,
+                                               group_size)
+        if layer.quant_weight is not None:
+            return
         if self.uses_cpu_op(layer):
             layer.int8_channel_scales = layer.scales.reshape(-1).contiguous()
         else:
@@ -84,6 +93,8 @@ class Int8LinearMethod(LinearMethod):
                 and layer.scales.dtype in INT8_CPU_DTYPES and layer.in_features % INT8_CPU_IN_MULTIPLE == 0)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.quant_weight is not None:
+            return cuda_kernels_apply(layer.quant_weight, x, bias)
         if layer.int8_channel_scales is None:
             return F.linear(x, layer.dequantized_weight, bias)
         out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), layer.qweight,
@@ -91,3 +102,8 @@ class Int8LinearMethod(LinearMethod):
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def apply_deferred(self, layer: nn.Module, x: torch.Tensor, partials_ok: bool = True) -> LinearOutput:
+        if layer.quant_weight is not None:
+            return cuda_kernels_apply_deferred(layer.quant_weight, x, layer.bias, partials_ok)
+        return LinearOutput(self.apply(layer, x, layer.bias))
