@@ -83,6 +83,7 @@ TIER_OF_FILE = {
     "test_code_size.py": "unit",
     "test_forced_tool_calls.py": "unit",
     "test_generation_defaults.py": "unit",
+    "test_gguf_blocks.py": "unit",
     "test_host_tier.py": "unit",
     "test_int4_linear.py": "unit",
     "test_kv_manager.py": "unit",

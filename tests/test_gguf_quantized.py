@@ -1,12 +1,17 @@
-"""``quantization="gguf"``: a GGUF file's Q4_0, Q4_1 and Q8_0 linear weights served in their blocks.
+"""``quantization="gguf"``: a GGUF file's quantized linear weights served in their blocks.
 
 Tiny random Llama and Qwen2 files are written as tests/test_gguf_models.py writes them (llama.cpp's names, Llama's
-Q/K rows permuted), with types chosen so that each kind of layer is met: q|k|v and gate|up all Q4_0/Q4_1 (int4) or
-all Q8_0 (int8), fused parts of different kinds (dequantized), K-quants (dequantized), biases (Qwen2's q/k/v). The
-reference is the float32 transformers model holding exactly what the file holds.
+Q/K rows permuted), with types chosen so that each kind of layer is met: q|k|v and gate|up all Q4_0/Q4_1/Q4_K
+(int4); one type of Q5_0, Q5_1, Q5_K, Q6_K or Q8_0 (int8, groups of 16 for Q6_K, zeros for Q5_1 and Q5_K); fused
+parts of different types (int8 at the finest group, Q4_K with Q6_K as llama.cpp's Q4_K_M files hold q|k|v); an
+F16 part (dequantized); biases (Qwen2's q/k/v). A third file is a Q4_K_M-like Llama: Q4_K everywhere but v and
+down of its first layer, Q6_K, and its output matrix. The reference is transformers loading the same file (its
+GGUF loader dequantizes every tensor with ``gguf``), in float32.
 
-* the int4 product in float32 (the codes dequantized once): the same logprobs and greedy tokens as the reference
-  within float32's tolerance;
+* every kept layer, dequantized from its codes in float32, is exactly the reference's weight, and the start-up
+  log counts the layers of each form and the types behind them;
+* the int4 and int8 products in float32: the same logprobs and greedy tokens as the reference within float32's
+  tolerance;
 * the int4 product in bfloat16 (``FLOAT32_IN_BFLOAT16``, the CPU default): logprobs within bfloat16's tolerance;
 * the real default model (a Q4_1 file): answers the capital-of-France chat as its dequantized self does, and its
   perplexity on the Apache License stays within 0.1% of the dequantized model's.
@@ -14,6 +19,7 @@ reference is the float32 transformers model holding exactly what the file holds.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,28 +51,50 @@ from tests.test_gguf_models import (  # noqa: F401  (default_tokenizer, vocabula
     write_gguf,
 )
 
-TYPES = {
-    "llama": {"token_embd.weight": Q.Q8_0, **_layer_types(
-        dict(attn_q=Q.Q4_0, attn_k=Q.Q4_1, attn_v=Q.Q4_0, attn_output=Q.Q4_1,
-             ffn_gate=Q.Q4_1, ffn_up=Q.Q4_0, ffn_down=Q.Q8_0),
-        dict(attn_q=Q.Q8_0, attn_k=Q.Q8_0, attn_v=Q.Q8_0, attn_output=Q.Q8_0,
-             ffn_gate=Q.Q4_0, ffn_up=Q.Q8_0, ffn_down=Q.Q4_K))},
-    "qwen2": {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q6_K, **_layer_types(
-        dict(attn_q=Q.Q4_1, attn_k=Q.Q4_1, attn_v=Q.Q4_1, attn_output=Q.Q4_K,
-             ffn_gate=Q.Q8_0, ffn_up=Q.Q8_0, ffn_down=Q.Q4_0),
-        dict(attn_q=Q.Q5_K, attn_k=Q.Q6_K, attn_v=Q.Q4_K, attn_output=Q.Q4_0,
-             ffn_gate=Q.Q4_K, ffn_up=Q.Q4_0, ffn_down=Q.Q8_0))},
+Q4_K_M_LAYER = dict(attn_q=Q.Q4_K, attn_k=Q.Q4_K, attn_v=Q.Q4_K, attn_output=Q.Q4_K,
+                    ffn_gate=Q.Q4_K, ffn_up=Q.Q4_K, ffn_down=Q.Q4_K)
+TINY = {
+    # Hidden 64: only ffn_down (rows of 256) can be a K-quant.
+    "llama": TinyModel(arch="llama", config=MODELS["llama"].config, chat_template=None, types={
+        "token_embd.weight": Q.Q8_0, **_layer_types(
+            dict(attn_q=Q.Q4_0, attn_k=Q.Q4_1, attn_v=Q.Q4_0, attn_output=Q.Q4_1,
+                 ffn_gate=Q.Q4_1, ffn_up=Q.Q4_0, ffn_down=Q.Q4_K),
+            dict(attn_q=Q.Q8_0, attn_k=Q.Q8_0, attn_v=Q.Q5_0, attn_output=Q.F16,
+                 ffn_gate=Q.Q5_1, ffn_up=Q.Q4_0, ffn_down=Q.Q6_K))}),
+    "qwen2": TinyModel(arch="qwen2", config=MODELS["qwen2"].config, chat_template=MODELS["qwen2"].chat_template,
+                       types={"token_embd.weight": Q.Q8_0, "output.weight": Q.Q6_K, **_layer_types(
+                           dict(attn_q=Q.Q4_K, attn_k=Q.Q5_K, attn_v=Q.Q6_K, attn_output=Q.Q5_K,
+                                ffn_gate=Q.Q8_0, ffn_up=Q.Q8_0, ffn_down=Q.Q4_K),
+                           dict(attn_q=Q.Q5_1, attn_k=Q.Q5_1, attn_v=Q.Q5_1, attn_output=Q.Q6_K,
+                                ffn_gate=Q.Q4_1, ffn_up=Q.Q4_K, ffn_down=Q.Q5_0))}),
+    # As llama.cpp's Q4_K_M quantizes a Llama: Q6_K for v and down in some layers, and for the output matrix.
+    "llama-q4km": TinyModel(
+        arch="llama", chat_template=None,
+        config={**MODELS["llama"].config, "hidden_size": 256, "intermediate_size": 512, "tie_word_embeddings": False},
+        types={"token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K, **_layer_types(
+            {**Q4_K_M_LAYER, "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}, Q4_K_M_LAYER)}),
 }
-# The method each linear layer gets, by the model's layer name (under model.layers.N.).
-METHODS = {
-    "llama": {"0.self_attn.qkv_proj": Int4LinearMethod, "0.self_attn.o_proj": Int4LinearMethod,
-              "0.mlp.gate_up_proj": Int4LinearMethod, "0.mlp.down_proj": Int8LinearMethod,
-              "1.self_attn.qkv_proj": Int8LinearMethod, "1.self_attn.o_proj": Int8LinearMethod,
-              "1.mlp.gate_up_proj": UnquantizedLinearMethod, "1.mlp.down_proj": UnquantizedLinearMethod},
-    "qwen2": {"0.self_attn.qkv_proj": Int4LinearMethod, "0.self_attn.o_proj": UnquantizedLinearMethod,
-              "0.mlp.gate_up_proj": Int8LinearMethod, "0.mlp.down_proj": Int4LinearMethod,
-              "1.self_attn.qkv_proj": UnquantizedLinearMethod, "1.self_attn.o_proj": Int4LinearMethod,
-              "1.mlp.gate_up_proj": UnquantizedLinearMethod, "1.mlp.down_proj": Int8LinearMethod},
+# The form each linear layer is held in, by the model's layer name (under model.layers.N.): "int4", "int8/G"
+# (groups of G; "z": with zeros), None (dequantized).
+FORMS = {
+    "llama": {"0.self_attn.qkv_proj": "int4", "0.self_attn.o_proj": "int4", "0.mlp.gate_up_proj": "int4",
+              "0.mlp.down_proj": "int4", "1.self_attn.qkv_proj": "int8/32", "1.self_attn.o_proj": None,
+              "1.mlp.gate_up_proj": "int8/32z", "1.mlp.down_proj": "int8/16"},
+    "qwen2": {"0.self_attn.qkv_proj": "int8/16z", "0.self_attn.o_proj": "int8/32z", "0.mlp.gate_up_proj": "int8/32",
+              "0.mlp.down_proj": "int4", "1.self_attn.qkv_proj": "int8/32z", "1.self_attn.o_proj": "int8/16",
+              "1.mlp.gate_up_proj": "int4", "1.mlp.down_proj": "int8/32"},
+    "llama-q4km": {"0.self_attn.qkv_proj": "int8/16z", "0.self_attn.o_proj": "int4", "0.mlp.gate_up_proj": "int4",
+                   "0.mlp.down_proj": "int8/16", "1.self_attn.qkv_proj": "int4", "1.self_attn.o_proj": "int4",
+                   "1.mlp.gate_up_proj": "int4", "1.mlp.down_proj": "int4"},
+}
+# What the start-up log counts: layers of each form, by the types of their parts.
+LOGGED = {
+    "llama": "GGUF linear layers: 4 int4 (Q4_0+Q4_1: 2, Q4_1: 1, Q4_K: 1), 1 int8 (Q6_K: 1), 2 mixed->int8 "
+             "(Q4_0+Q5_1: 1, Q5_0+Q8_0: 1), 1 dequantized (F16: 1); ",
+    "qwen2": "GGUF linear layers: 2 int4 (Q4_1+Q4_K: 1, Q4_K: 1), 5 int8 (Q5_0: 1, Q5_1: 1, Q5_K: 1, Q6_K: 1, "
+             "Q8_0: 1), 1 mixed->int8 (Q4_K+Q5_K+Q6_K: 1), 0 dequantized; ",
+    "llama-q4km": "GGUF linear layers: 6 int4 (Q4_K: 6), 1 int8 (Q6_K: 1), 1 mixed->int8 (Q4_K+Q6_K: 1), "
+                  "0 dequantized; ",
 }
 FLOAT32_TOLERANCE = 2e-5
 BFLOAT16_TOLERANCE = 0.05  # logprobs of a tiny random model with its int4 products in bfloat16
@@ -84,38 +112,84 @@ def _llm(path: Path, cache: Path, bfloat16: bool, **kwargs) -> LLM:
         return LLM(str(path), max_model_len=128, num_kvcache_blocks=24, **kwargs)
 
 
-@pytest.fixture(scope="module", params=sorted(TYPES))
+class _Messages(logging.Handler):
+    """The engine's log messages while it is attached (``with _Messages() as log: ...``; ``log.messages``)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        self.logger = logging.getLogger("minivllm")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> _Messages:
+        self.level = self.logger.level
+        self.logger.addHandler(self)
+        self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
 def tiny(request, vocabulary, tmp_path_factory):  # noqa: F811
-    """A tiny model's GGUF of ``TYPES``, its float32 reference, and LLMs serving it quantized (int4 products in
-    float32 and in bfloat16)."""
-    base = MODELS[request.param]
-    model = TinyModel(arch=base.arch, config=base.config, types=TYPES[request.param],
-                      chat_template=base.chat_template)
+    """A tiny model's GGUF of ``TINY``'s types, the float32 reference (transformers loading the file), and LLMs
+    serving it quantized (int4 products in float32 and in bfloat16; the start-up log of the first)."""
+    model = TINY[request.param]
     config = transformers.AutoConfig.for_model(vocab_size=len(vocabulary["tokens"]), **model.config)
     torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    spread_weights(reference)
+    source = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    spread_weights(source)
     work = tmp_path_factory.mktemp(f"gguf-quantized-{request.param}")
     path = work / f"tiny-{request.param}.gguf"
-    reference.load_state_dict(write_gguf(path, model, reference, vocabulary, np.random.default_rng(0)))
+    held = write_gguf(path, model, source, vocabulary, np.random.default_rng(0))
     written = {tensor.name: tensor.tensor_type for tensor in gguf.GGUFReader(path).tensors}
     assert {name: qtype for name, qtype in written.items() if qtype != Q.F32} == model.types
-    return SimpleNamespace(name=request.param, path=path, reference=reference, cache=work / "cache",
-                           float32=_llm(path, work / "cache", False, quantization="gguf"),
-                           bfloat16=_llm(path, work / "cache", True, quantization="gguf"))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(work), gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+    state = reference.state_dict()
+    assert state.keys() == held.keys() and all(torch.equal(state[name], held[name]) for name in held)
+    with _Messages() as log:
+        float32 = _llm(path, work / "cache", False, quantization="gguf")
+    return SimpleNamespace(name=request.param, path=path, reference=reference, cache=work / "cache", log=log,
+                           float32=float32, bfloat16=_llm(path, work / "cache", True, quantization="gguf"))
 
 
-def test_layers_get_the_method_of_their_blocks(tiny):
-    """Q4_0/Q4_1 -> int4, Q8_0 -> int8 (groups of 32), K-quants and fused parts of different kinds dequantized;
-    the codes are held as the file holds them."""
+def _form(layer) -> str | None:
+    if isinstance(layer.method, Int4LinearMethod):
+        return "int4" if layer.method.group_size == 32 else f"int4/{layer.method.group_size}"
+    if isinstance(layer.method, Int8LinearMethod):
+        return f"int8/{layer.method.group_size}" + ("z" if layer.method.zeros else "")
+    assert isinstance(layer.method, UnquantizedLinearMethod)
+    return None
+
+
+def test_layers_are_held_in_the_form_of_their_blocks(tiny):
+    """Q4_0/Q4_1/Q4_K -> int4 (groups of 32); one other kept type -> int8 at its group; fused parts of different
+    types -> int8 at the finest group, with zeros where any part has them; an F16 part -> dequantized. The codes
+    are held as the file holds them, no dequantized weight beside them."""
     model = tiny.float32.engine.runner.model
-    methods = {name.removeprefix("model.layers."): type(layer.method) for name, layer in linear_layers(model)}
-    assert methods == METHODS[tiny.name]
+    forms = {name.removeprefix("model.layers."): _form(layer) for name, layer in linear_layers(model)}
+    assert forms == FORMS[tiny.name]
     for name, layer in linear_layers(model):
-        if isinstance(layer.method, (Int4LinearMethod, Int8LinearMethod)):
-            assert layer.method.group_size == 32
+        if forms[name.removeprefix("model.layers.")] is not None:
             assert layer.qweight.dtype == (torch.uint8 if isinstance(layer.method, Int4LinearMethod) else torch.int8)
             assert not hasattr(layer, "weight"), name
+    assert any(LOGGED[tiny.name] in message for message in tiny.log.messages), tiny.log.messages
+
+
+def test_kept_layers_dequantize_to_exactly_the_files_weights(tiny):
+    """In float32 each kept layer's codes, scales and zeros, dequantized, are the weights transformers reads from
+    the file, bit for bit (q|k|v and gate|up parts in order; Llama's Q/K rows back in Hugging Face's order)."""
+    weights = tiny.reference.state_dict()
+    for name, layer in linear_layers(tiny.float32.engine.runner.model):
+        if _form(layer) is not None:
+            parts = [target.removesuffix(".qweight") + ".weight" for target in layer.weight_targets(name)
+                     if target.endswith(".qweight")]
+            assert torch.equal(layer.dequantized_weight, torch.cat([weights[part] for part in parts])), name
 
 
 def _check_logprobs(llm: LLM, reference, tolerance: float, top: bool) -> None:
@@ -142,7 +216,7 @@ def test_float32_products_match_the_reference(tiny):
 
 
 def test_greedy_tokens_equal_generate(tiny):
-    """Three prompts decoded together from the blocks, greedily, give transformers' tokens of what the file holds."""
+    """Three prompts decoded together from the blocks, greedily, give the tokens of transformers serving the file."""
     prompts = _prompts(tiny.float32.tokenizer)
     outs = tiny.float32.generate([{"prompt_token_ids": p} for p in prompts],
                                  SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -206,9 +280,9 @@ def test_the_default_models_perplexity_stays_within_the_bar(default_models):
 def test_two_ranks_serve_the_blocks_as_one(tiny):
     """At tensor_parallel_size=2 each rank loads its rows (q|k|v, gate|up) or its whole groups of columns (o, down)
     of the codes, scales and zeros: greedy tokens and their logprobs are one rank's (the int4 products in bfloat16,
-    as the ranks' processes run them, summed in another order)."""
+    as the ranks' processes run them, summed in another order), up to a near-tie."""
     prompts = _prompts(tiny.bfloat16.tokenizer)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     one = tiny.bfloat16.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MINIVLLM_CACHE", str(tiny.cache))
@@ -216,6 +290,18 @@ def test_two_ranks_serve_the_blocks_as_one(tiny):
                  num_kvcache_blocks=24) as tp2:
             two = tp2.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for a, b in zip(one, two):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert y.logprob == pytest.approx(x.logprob, abs=BFLOAT16_TOLERANCE)
+        _assert_same_greedy(a.outputs[0], b.outputs[0], BFLOAT16_TOLERANCE)
+
+
+def _assert_same_greedy(a, b, tolerance: float) -> None:
+    """``b``'s greedy tokens are ``a``'s, their logprobs within ``tolerance``, until a near-tie: where bfloat16's
+    rounding picks the other of two tokens within ``tolerance`` of each other (as both runs score them), the two
+    continue from different text and are not compared further."""
+    assert len(a.token_ids) == len(b.token_ids)
+    for x, y in zip(a.logprobs, b.logprobs):
+        if x.token_id != y.token_id:
+            for run, other in ((x, y.token_id), (y, x.token_id)):
+                assert other in run.top_token_ids, (x, y)
+                assert run.top_logprobs[0] - run.top_logprobs[run.top_token_ids.index(other)] <= tolerance, (x, y)
+            return
+        assert y.logprob == pytest.approx(x.logprob, abs=tolerance)

@@ -1,16 +1,13 @@
-"""The int4 and int8 weight methods (``engine.models.linear.int4``, ``int8``) and GGUF's blocks converted for them
-(``engine.loading.gguf_blocks``): every product is x times the dequantized weight, with torch's CPU ops and without
-them, and checkpoint parts and tensor-parallel shards land in whole bytes and groups."""
+"""The int4 and int8 weight methods (``engine.models.linear.int4``, ``int8``): every product is x times the
+dequantized weight, with torch's CPU ops and without them, and checkpoint parts and tensor-parallel shards land in
+whole bytes and groups. GGUF's blocks converted for them, and int8 with zero points: tests/test_gguf_blocks.py."""
 
 from __future__ import annotations
 
-import gguf
-import numpy as np
 import pytest
 import torch
 
 from engine import distributed
-from engine.loading.gguf_blocks import INT4_BLOCK_TYPES, q8_0_to_int8
 from engine.models.linear import (
     FusedLinear,
     Int4LinearMethod,
@@ -21,7 +18,6 @@ from engine.models.linear import (
     int8,
     pack_int4,
     process_weights_after_loading,
-    unpack_int4,
 )
 from engine.models.weight_loading import load_checkpoint_weights
 
@@ -193,56 +189,3 @@ def test_int8_product_is_x_times_the_dequantized_weight(monkeypatch, dtype, grou
     for tokens in (1, 7):
         x = torch.randn(tokens, 256, generator=gen).to(dtype)
         assert_product(layer(x), x, weight, layer.bias)
-
-
-def gguf_weights(rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random float32 weights with the blocks quantizers treat specially: all zeros, one value, one sign."""
-    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    w[0, :32], w[1, 32:64], w[2, :32] = 0, 0.5, np.abs(w[2, :32])
-    return w
-
-
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
-def test_gguf_q4_blocks_convert_to_codes_scales_and_zeros(name):
-    qtype = gguf.GGMLQuantizationType[name]
-    blocks = gguf.quants.quantize(gguf_weights(16, 256, 5), qtype)
-    expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
-    qweight, scales, zeros = INT4_BLOCK_TYPES[name](blocks)
-    assert (qweight.dtype, tuple(qweight.shape), tuple(scales.shape), scales.dtype) == (
-        torch.uint8, (16, 128), (16, 8), torch.float32)
-    if name == "Q4_0":
-        assert not zeros.any()
-    torch.testing.assert_close(int4_weight(unpack_int4(qweight), scales, zeros, 32), expected, rtol=1e-6, atol=1e-6)
-    stacked = INT4_BLOCK_TYPES[name](np.stack([blocks, blocks]))  # leading dims (experts) are kept
-    assert [tuple(t.shape) for t in stacked] == [(2, 16, 128), (2, 16, 8), (2, 16, 8)]
-    with pytest.raises(ValueError, match="whole"):
-        INT4_BLOCK_TYPES[name](blocks[:, :-1])
-
-
-def test_gguf_q8_0_blocks_convert_to_codes_and_scales():
-    blocks = gguf.quants.quantize(gguf_weights(16, 256, 6), gguf.GGMLQuantizationType.Q8_0)
-    expected = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0))
-    qweight, scales = q8_0_to_int8(blocks)
-    assert (qweight.dtype, tuple(qweight.shape), tuple(scales.shape)) == (torch.int8, (16, 256), (16, 8))
-    assert torch.equal(qweight.float() * scales.repeat_interleave(32, dim=1), expected)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
-def test_a_gguf_weight_served_quantized_multiplies_as_gguf_dequantizes_it(name, dtype):
-    """A GGUF tensor's blocks, converted and loaded into a layer of the method for its type: the product is x
-    times the weight gguf dequantizes (through the CPU int4 op in bfloat16 where this torch has it)."""
-    qtype = gguf.GGMLQuantizationType[name]
-    blocks = gguf.quants.quantize(gguf_weights(32, 256, 7), qtype)
-    layer = RowParallelLinear(256, 32, bias=False).to(dtype)
-    if name == "Q8_0":
-        layer.set_method(Int8LinearMethod(32))
-        tensors = dict(zip(("qweight", "scales"), q8_0_to_int8(blocks)))
-    else:
-        layer.set_method(Int4LinearMethod(32))
-        tensors = dict(zip(("qweight", "scales", "zeros"), INT4_BLOCK_TYPES[name](blocks)))
-    load(layer, tensors)
-    assert (getattr(layer, "int4_packed", None) is not None) == (HAS_INT4_OP and name != "Q8_0"
-                                                                 and dtype == torch.bfloat16)
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).to(dtype)
-    assert_product(layer(x), x, torch.from_numpy(gguf.quants.dequantize(blocks, qtype)), None)

@@ -4,8 +4,9 @@ transformers reads the GGUF (its ``gguf_file`` loader: metadata, tokenizer, chat
 quantized tensor dequantized), and the result is saved as an ordinary Hugging Face directory of float32
 safetensors plus the tokenizer, which the engine then loads like any other (cast to the compute dtype,
 sharded over tensor-parallel ranks). Weights are therefore not kept quantized: a Q4 file takes the memory
-of its model in the compute dtype, unless ``--quantization gguf`` serves the file's Q4_0, Q4_1 and Q8_0 linear
-weights in their blocks (``engine.loading.gguf_weights``, which finds the file by ``source_gguf``).
+of its model in the compute dtype, unless ``--quantization gguf`` serves the file's quantized linear weights
+(Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) in their blocks (``engine.loading.gguf_weights``, which finds the
+file by ``source_gguf``).
 
 The cache entry is keyed by the file's path, size and modification time, written to a temporary
 directory and renamed into place with a marker inside, so an interrupted conversion is never mistaken

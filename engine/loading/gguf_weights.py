@@ -1,13 +1,24 @@
-"""``--quantization gguf``: a GGUF file's Q4_0, Q4_1 and Q8_0 linear weights served in their blocks.
+"""``--quantization gguf``: a GGUF file's quantized linear weights served in their blocks.
 
 The model is still built from the file's converted directory (``engine.loading.gguf``: config, tokenizer, and every
-other tensor dequantized to float32). Before loading, each linear layer whose GGUF tensors are all Q4_0 or Q4_1
-gets ``Int4LinearMethod(32)``, all Q8_0 ``Int8LinearMethod(32)``; the others (K-quants, F16, a fused layer whose
-parts differ in kind, e.g. q in Q4_0 and v in Q8_0) keep their method and load the dequantized weight. The
-converted directory's stream of tensors is then read with those layers' dequantized weights left out and their
-blocks (``engine.loading.gguf_blocks``) put in under the names the methods' parameters load from
-(``model.layers.0.self_attn.q_proj.qweight``, ``.scales``, ``.zeros``), so that q|k|v parts and tensor-parallel
-shards are cut by the parameters' WeightLayouts like any checkpoint's.
+other tensor dequantized to float32). Before loading, each linear layer gets a method by the GGML types of its
+GGUF tensors (``KEPT_TYPES``; the conversions are ``engine.loading.gguf_blocks`` and ``gguf_kquants``):
+
+    all Q4_0, Q4_1 or Q4_K                          int4 (``Int4LinearMethod(32)``): 4 bits a weight, as the file
+    all of one other kept type (Q5_0, Q5_1, Q5_K,   int8 (``Int8LinearMethod``): groups of 32, 16 for Q6_K, zeros
+      Q6_K, Q8_0)                                   where the type has a minimum (Q5_1, Q5_K)
+    parts of different kept types, not all int4     int8 at the finest group of its parts, with zeros where any
+      (q|k Q4_K with v Q6_K, as in Q4_K_M files)    part has them: coarser groups' scales and zeros repeated,
+                                                    4-bit codes held in 8 bits, a zero of 0 for a part without
+    any part of another type (F16, BF16, Q2_K,      keeps its method and loads the dequantized weight
+      Q3_K, IQ types, ...)
+
+Every kept layer's weights are exactly the ones ``gguf`` dequantizes, in float32 (but for the int4 zeros of Q4_1
+and Q4_K, exact for the scales quantizers make: ``gguf_blocks``). The start-up log counts the layers each way and
+names the types behind them (``log_weight_bytes``). The converted directory's stream of tensors is then read with
+the kept layers' dequantized weights left out and their blocks put in under the names the methods' parameters load
+from (``model.layers.0.self_attn.q_proj.qweight``, ``.scales``, ``.zeros``), so that q|k|v parts and
+tensor-parallel shards are cut by the parameters' WeightLayouts like any checkpoint's.
 
 llama.cpp stores a Llama's Q and K rows permuted for its rotary layout (row pairs 2i, 2i + 1 of a head rotate
 together, where Hugging Face rotates row i with row i + head_dim / 2); transformers puts them back when it
@@ -18,7 +29,8 @@ blocks stay intact.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,10 +38,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.loading.gguf_blocks import GGUF_BLOCK, INT4_BLOCK_TYPES, INT8_BLOCK_TYPES
+from engine.loading.gguf_blocks import (
+    GGUF_BLOCK,
+    q4_0_to_int4,
+    q4_0_to_int8,
+    q4_1_to_int4,
+    q4_1_to_int8,
+    q5_0_to_int8,
+    q5_1_to_int8,
+    q8_0_to_int8,
+)
+from engine.loading.gguf_kquants import q4_k_to_int4, q4_k_to_int8, q5_k_to_int8, q6_k_to_int8
 from engine.models.linear import (
     Int4LinearMethod,
     Int8LinearMethod,
+    LinearMethod,
     linear_layers,
     set_linear_methods,
 )
@@ -40,19 +63,84 @@ PERMUTED_ARCHITECTURES = ("llama",)  # GGUF architectures whose Q and K rows lla
 # A float32 model on the CPU runs the int4 layers' op in bfloat16 (``Int4LinearMethod``'s float32_in_bfloat16): the
 # default model's perplexity moves by +0.04% (tests/test_gguf_quantized.py), its decode-sized products run 2x faster.
 FLOAT32_IN_BFLOAT16 = True
+CATEGORIES = ("int4", "int8", "mixed->int8", "dequantized")  # how a layer holds its weight, as the log counts them
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """A kept GGML type: its int8 form (codes, scales, zeros or None) with its group and whether it has zeros,
+    and its int4 form (codes, scales, zeros; groups of 32) where its codes fit 4 bits."""
+
+    int8: Callable
+    group: int
+    zeros: bool
+    int4: Callable | None = None
+
+
+KEPT_TYPES = {  # by ``GGMLQuantizationType`` name
+    "Q4_0": BlockType(q4_0_to_int8, GGUF_BLOCK, False, q4_0_to_int4),
+    "Q4_1": BlockType(q4_1_to_int8, GGUF_BLOCK, True, q4_1_to_int4),
+    "Q4_K": BlockType(q4_k_to_int8, GGUF_BLOCK, True, q4_k_to_int4),
+    "Q5_0": BlockType(q5_0_to_int8, GGUF_BLOCK, False),
+    "Q5_1": BlockType(q5_1_to_int8, GGUF_BLOCK, True),
+    "Q5_K": BlockType(q5_k_to_int8, GGUF_BLOCK, True),
+    "Q6_K": BlockType(q6_k_to_int8, 16, False),
+    "Q8_0": BlockType(q8_0_to_int8, GGUF_BLOCK, False),
+}
+
+
+@dataclass(frozen=True)
+class Held:
+    """How a layer holds its GGUF tensors: "int4" (groups of 32, zeros) or "int8" (``group``, ``zeros``)."""
+
+    kind: str
+    group: int
+    zeros: bool
+
+    @staticmethod
+    def of(type_names: list[str]) -> Held | None:
+        """The form for a layer whose parts are of ``type_names``; None where one of them is not kept."""
+        if not type_names or any(name not in KEPT_TYPES for name in type_names):
+            return None
+        types = [KEPT_TYPES[name] for name in type_names]
+        if all(t.int4 is not None for t in types):
+            return Held("int4", GGUF_BLOCK, True)
+        return Held("int8", min(t.group for t in types), any(t.zeros for t in types))
+
+    def method(self) -> LinearMethod:
+        if self.kind == "int4":
+            return Int4LinearMethod(self.group, FLOAT32_IN_BFLOAT16)
+        return Int8LinearMethod(self.group, zeros=self.zeros)
+
+    def param_names(self) -> tuple[str, ...]:
+        return ("qweight", "scales", "zeros") if self.zeros else ("qweight", "scales")
+
+    def convert(self, data: np.ndarray, type_name: str) -> tuple[torch.Tensor, ...]:
+        """A tensor's blocks as this form's parameters (``param_names``)."""
+        block_type = KEPT_TYPES[type_name]
+        if self.kind == "int4":
+            return block_type.int4(data)
+        codes, scales, zeros = block_type.int8(data)
+        repeat = block_type.group // self.group  # a coarser part's scales and zeros, once per finer group
+        if zeros is None and self.zeros:
+            zeros = torch.zeros_like(scales)
+        groups = (scales, zeros) if self.zeros else (scales,)
+        return codes, *(t.repeat_interleave(repeat, dim=-1) if repeat > 1 else t for t in groups)
 
 
 @dataclass
 class GgufWeights:
     """The GGUF tensors that replace the converted directory's: by Hugging Face name of the dequantized weight
-    (``model.layers.0.self_attn.q_proj.weight``), its GGUF tensor and the method kind ("int4", "int8")."""
+    (``model.layers.0.self_attn.q_proj.weight``), its GGUF tensor and the form its layer holds it in."""
 
     reader: object  # gguf.GGUFReader
     architecture: str
     num_heads: int
     num_kv_heads: int
-    tensors: dict[str, tuple[object, str]] = field(default_factory=dict)
-    layers: dict[str, int] = field(default_factory=dict)  # kept-quantized layers by kind, and "dequantized"
+    tensors: dict[str, tuple[object, Held]] = field(default_factory=dict)
+    # layers by category (CATEGORIES), each a count by the GGML types behind it: "Q4_K", "Q4_K+Q6_K" (a fused
+    # layer's parts), and for "dequantized" the types that are not kept ("Q3_K", "F16")
+    layers: dict[str, Counter] = field(default_factory=lambda: {category: Counter() for category in CATEGORIES})
 
     def stream(self, weights: Iterator[tuple[str, object]]) -> Iterator[tuple[str, object]]:
         """``weights`` (the converted directory's tensors) with the replaced weights left out, then the blocks
@@ -60,15 +148,13 @@ class GgufWeights:
         for name, tensor in weights:
             if name not in self.tensors:
                 yield name, tensor
-        for name, (tensor, kind) in self.tensors.items():
+        for name, (tensor, held) in self.tensors.items():
             base = name.removesuffix(".weight")
-            for param, value in zip(PARAM_NAMES[kind], self._blocks(name, tensor, kind)):
+            for param, value in zip(held.param_names(), self._blocks(name, tensor, held)):
                 yield f"{base}.{param}", value
 
-    def _blocks(self, name: str, tensor, kind: str) -> tuple[torch.Tensor, ...]:
-        data = np.asarray(tensor.data)
-        convert = {**INT4_BLOCK_TYPES, **INT8_BLOCK_TYPES}[tensor.tensor_type.name]
-        parts = convert(data)
+    def _blocks(self, name: str, tensor, held: Held) -> tuple[torch.Tensor, ...]:
+        parts = held.convert(np.asarray(tensor.data), tensor.tensor_type.name)
         heads = self._permuted_heads(name)
         if heads is not None:
             parts = tuple(hf_rows(part, heads) for part in parts)
@@ -79,8 +165,15 @@ class GgufWeights:
             return None
         return {"q_proj": self.num_heads, "k_proj": self.num_kv_heads}.get(name.split(".")[-2])
 
-
-PARAM_NAMES = {"int4": ("qweight", "scales", "zeros"), "int8": ("qweight", "scales")}
+    def count(self, held: Held | None, type_names: list[str]) -> None:
+        """Count a layer (its parts' types, None for a part the file lacks) under its category."""
+        if held is None:
+            unkept = {name or "no GGUF tensor" for name in type_names if name not in KEPT_TYPES} or {"no GGUF tensor"}
+            self.layers["dequantized"]["+".join(sorted(unkept))] += 1
+            return
+        distinct = sorted(set(type_names))
+        category = "int4" if held.kind == "int4" else "int8" if len(distinct) == 1 else "mixed->int8"
+        self.layers[category]["+".join(distinct)] += 1
 
 
 def hf_rows(values: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -90,14 +183,9 @@ def hf_rows(values: torch.Tensor, num_heads: int) -> torch.Tensor:
     return values.reshape(num_heads, half, 2, *values.shape[1:]).transpose(1, 2).reshape(values.shape).contiguous()
 
 
-def method_kind(type_name: str) -> str | None:
-    """"int4", "int8" or None (dequantized) for a GGML type's name."""
-    return "int4" if type_name in INT4_BLOCK_TYPES else "int8" if type_name in INT8_BLOCK_TYPES else None
-
-
 def use_gguf_methods(model: nn.Module, gguf_path: Path, num_heads: int, num_kv_heads: int) -> GgufWeights:
-    """Before loading: give each linear layer whose GGUF tensors are all of one kept kind its int4 or int8
-    method. Returns what replaces the converted directory's tensors when loading (``GgufWeights.stream``)."""
+    """Before loading: give each linear layer whose GGUF tensors are all of kept types its int4 or int8 method.
+    Returns what replaces the converted directory's tensors when loading (``GgufWeights.stream``)."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
@@ -109,46 +197,51 @@ def use_gguf_methods(model: nn.Module, gguf_path: Path, num_heads: int, num_kv_h
     blocks = 1 + max((int(name.split(".")[1]) for name in by_name if name.startswith("blk.")), default=-1)
     name_map = gguf.get_tensor_name_map(arch, blocks)
     found = GgufWeights(reader, architecture, num_heads, num_kv_heads)
-    layers = {"int4": 0, "int8": 0, "dequantized": 0}
 
-    def choose(name: str, layer: nn.Module):
+    def choose(name: str, layer: nn.Module) -> LinearMethod | None:
         sources = {}
         for checkpoint_name in layer.weight_targets(name):
             if checkpoint_name.endswith(".weight"):
                 gguf_name = name_map.get_name(checkpoint_name, try_suffixes=(".weight",))  # blk.0.attn_q.weight
-                tensor = by_name.get(gguf_name) if gguf_name else None
-                sources[checkpoint_name] = tensor
-        kinds = {None if t is None else method_kind(t.tensor_type.name) for t in sources.values()}
-        kind = kinds.pop() if len(kinds) == 1 else None
-        if kind is None:
-            layers["dequantized"] += 1
+                sources[checkpoint_name] = by_name.get(gguf_name) if gguf_name else None
+        type_names = [None if t is None else t.tensor_type.name for t in sources.values()]
+        held = Held.of(type_names)
+        found.count(held, type_names)
+        if held is None:
             return None
-        layers[kind] += 1
-        found.tensors.update({n: (t, kind) for n, t in sources.items()})
-        return Int4LinearMethod(GGUF_BLOCK, FLOAT32_IN_BFLOAT16) if kind == "int4" else Int8LinearMethod(GGUF_BLOCK)
+        found.tensors.update({n: (t, held) for n, t in sources.items()})
+        return held.method()
 
     set_linear_methods(model, choose)
-    found.layers = layers
     return found
 
 
 def log_weight_bytes(model: nn.Module, found: GgufWeights) -> None:
-    """At start-up: how many linear layers are kept in each format, and the bytes of their codes and scales
-    against what their dequantized weights take in the compute dtype (and the copies dequantized for the product
-    where no int4 or int8 op serves the device and dtype)."""
+    """At start-up: how many linear layers are kept in each form and of which GGML types, which types were
+    dequantized, and the bytes of the kept layers' codes, scales and zeros against what their dequantized weights
+    take in the compute dtype (and the copies dequantized for the product where no int4 or int8 op serves the
+    device, dtype and group)."""
     kept = dequantized = copies = with_copy = 0
     for _, layer in linear_layers(model):
         if isinstance(layer.method, (Int4LinearMethod, Int8LinearMethod)):
-            names = PARAM_NAMES["int4" if isinstance(layer.method, Int4LinearMethod) else "int8"]
-            kept += sum(getattr(layer, n).numel() * getattr(layer, n).element_size() for n in names)
+            params = [getattr(layer, name) for name in layer.param_layouts if name != "bias"]
+            kept += sum(param.numel() * param.element_size() for param in params)
             dequantized += layer.out_features * layer.in_features * layer.scales.element_size()
             copy = getattr(layer, "dequantized_weight", None)
             if copy is not None:
                 copies += copy.numel() * copy.element_size()
                 with_copy += 1
-    counts = found.layers
-    logger.info("GGUF linear layers: %d kept in int4 (Q4_0/Q4_1), %d in int8 (Q8_0), %d dequantized; the kept "
-                "layers' codes and scales take %.1f MiB, dequantized they would take %.1f MiB%s",
-                counts["int4"], counts["int8"], counts["dequantized"], kept / 2**20, dequantized / 2**20,
+    logger.info("GGUF linear layers: %s; the kept layers' codes, scales and zeros take %.1f MiB, dequantized they "
+                "would take %.1f MiB%s", layer_counts(found), kept / 2**20, dequantized / 2**20,
                 f" ({with_copy} of them hold a dequantized copy for the product, {copies / 2**20:.1f} MiB)"
                 if with_copy else "")
+
+
+def layer_counts(found: GgufWeights) -> str:
+    """"84 int4 (Q4_K: 84), 14 int8 (Q6_K: 14), 14 mixed->int8 (Q4_K+Q6_K: 14), 12 dequantized (Q3_K: 12)"."""
+    counts = []
+    for category in CATEGORIES:
+        by_types = found.layers[category]
+        detail = ", ".join(f"{types}: {n}" for types, n in sorted(by_types.items()))
+        counts.append(f"{sum(by_types.values())} {category}" + (f" ({detail})" if detail else ""))
+    return ", ".join(counts)
