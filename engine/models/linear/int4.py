@@ -31,7 +31,8 @@ bytes and whole groups (a rank's columns must start and end on a group boundary:
   dequantized once into a weight in the compute dtype kept on the layer (``dequantized_weight``) and the product is
   ``F.linear``: the speed and the memory of an unquantized layer.
 
-The parameters stay as loaded either way (the codes are a quarter of a bfloat16 weight).
+On the CPU the parameters stay as loaded (the codes are a quarter of a bfloat16 weight); on CUDA ``qweight`` holds
+the codes in the kernels' chunked layout after loading (``engine.ops.quant_matmul.QuantWeight``).
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ class Int4LinearMethod(LinearMethod):
         check_param(layer, "zeros", groups, (layer.scales.dtype,), "int4")
         layer.int4_packed = layer.int4_scales_zeros = layer.dequantized_weight = None
         layer.quant_weight = cuda_quant_weight(layer.qweight, layer.scales, layer.zeros, 4, group_size)
+        if layer.quant_weight is not None:  # the codes now live in the kernels' layout only
+            layer.qweight.data = layer.quant_weight.codes
         if layer.quant_weight is None and self.uses_cpu_op(layer):
             codes = unpack_int4(layer.qweight).to(torch.int32)
             layer.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)  # innerKTiles: unused
