@@ -1,4 +1,5 @@
-"""``quantization="gguf"``: a GGUF file's Q4_0, Q4_1 and Q8_0 linear weights served in their blocks.
+"""A GGUF file's Q4_0, Q4_1 and Q8_0 linear weights served in their blocks: what ``quantization`` unset does for a
+GGUF model (the checkpoint's own format), and ``quantization="gguf"`` asks for; ``"none"`` dequantizes.
 
 Tiny random Llama and Qwen2 files are written as tests/test_gguf_models.py writes them (llama.cpp's names, Llama's
 Q/K rows permuted), with types chosen so that each kind of layer is met: q|k|v and gate|up all Q4_0/Q4_1 (int4) or
@@ -7,13 +8,17 @@ reference is the float32 transformers model holding exactly what the file holds.
 
 * the int4 product in float32 (the codes dequantized once): the same logprobs and greedy tokens as the reference
   within float32's tolerance;
-* the int4 product in bfloat16 (``FLOAT32_IN_BFLOAT16``, the CPU default): logprobs within bfloat16's tolerance;
-* the real default model (a Q4_1 file): answers the capital-of-France chat as its dequantized self does, and its
-  perplexity on the Apache License stays within 0.1% of the dequantized model's.
+* the int4 product in bfloat16 (``FLOAT32_IN_BFLOAT16``, the CPU default), with ``quantization`` unset: logprobs
+  within bfloat16's tolerance;
+* the real default model (a Q4_1 file), with ``quantization`` unset: answers the capital-of-France chat as its
+  dequantized self (``quantization="none"``) does, and its perplexity on the Apache License (one 2,224-token
+  prompt: the products past ``INT4_CPU_OP_MAX_TOKENS`` tokens, which dequantize W on the fly) stays within 0.1% of
+  the dequantized model's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +33,7 @@ from gguf import GGMLQuantizationType as Q
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig
 from engine.loading import gguf_weights
+from engine.loading.model_config import ModelConfig
 from engine.models.linear import (
     Int4LinearMethod,
     Int8LinearMethod,
@@ -86,8 +92,8 @@ def _llm(path: Path, cache: Path, bfloat16: bool, **kwargs) -> LLM:
 
 @pytest.fixture(scope="module", params=sorted(TYPES))
 def tiny(request, vocabulary, tmp_path_factory):  # noqa: F811
-    """A tiny model's GGUF of ``TYPES``, its float32 reference, and LLMs serving it quantized (int4 products in
-    float32 and in bfloat16)."""
+    """A tiny model's GGUF of ``TYPES``, its float32 reference, and LLMs serving it quantized: asked for, with the
+    int4 products in float32, and by default (``quantization`` unset), with them in bfloat16."""
     base = MODELS[request.param]
     model = TinyModel(arch=base.arch, config=base.config, types=TYPES[request.param],
                       chat_template=base.chat_template)
@@ -102,15 +108,17 @@ def tiny(request, vocabulary, tmp_path_factory):  # noqa: F811
     assert {name: qtype for name, qtype in written.items() if qtype != Q.F32} == model.types
     return SimpleNamespace(name=request.param, path=path, reference=reference, cache=work / "cache",
                            float32=_llm(path, work / "cache", False, quantization="gguf"),
-                           bfloat16=_llm(path, work / "cache", True, quantization="gguf"))
+                           bfloat16=_llm(path, work / "cache", True))
 
 
 def test_layers_get_the_method_of_their_blocks(tiny):
     """Q4_0/Q4_1 -> int4, Q8_0 -> int8 (groups of 32), K-quants and fused parts of different kinds dequantized;
     the codes are held as the file holds them."""
+    for llm in (tiny.float32, tiny.bfloat16):  # quantization="gguf", and unset
+        model = llm.engine.runner.model
+        methods = {name.removeprefix("model.layers."): type(layer.method) for name, layer in linear_layers(model)}
+        assert methods == METHODS[tiny.name]
     model = tiny.float32.engine.runner.model
-    methods = {name.removeprefix("model.layers."): type(layer.method) for name, layer in linear_layers(model)}
-    assert methods == METHODS[tiny.name]
     for name, layer in linear_layers(model):
         if isinstance(layer.method, (Int4LinearMethod, Int8LinearMethod)):
             assert layer.method.group_size == 32
@@ -172,6 +180,33 @@ def test_gguf_quantization_needs_a_gguf_model(tmp_path):
     with pytest.raises(ConfigError, match="dummy"):
         EngineConfig(quantization="gguf", load_format="dummy")
     EngineConfig(quantization="gguf")  # the default model is a GGUF
+    EngineConfig(load_format="dummy")  # unset: random weights have no blocks, the model is dequantized
+
+
+def test_the_default_is_what_the_checkpoint_says(tiny, tmp_path):
+    """``quantization`` unset: a GGUF file's conversion is served from its blocks; random weights, a Hugging Face
+    directory that ships a GGUF beside its safetensors, and a conversion whose file is gone are served as they are
+    (dequantized); an FP8 checkpoint as it is stored. "none" dequantizes and refuses a checkpoint stored quantized."""
+    converted = ModelConfig.from_pretrained(tiny.bfloat16.engine.model_path)
+    assert EngineConfig().resolve_quantization(converted) == "gguf"
+    assert EngineConfig(quantization="gguf").resolve_quantization(converted) == "gguf"
+    assert EngineConfig(quantization="none").resolve_quantization(converted) is None
+    assert EngineConfig(load_format="dummy").resolve_quantization(converted) is None
+    assert EngineConfig(quantization="fp8").resolve_quantization(converted) == "fp8"
+    shipped = tmp_path / "hf-with-a-gguf"
+    shipped.mkdir()
+    (shipped / "config.json").write_text(Path(converted.model_path, "config.json").read_text())
+    (shipped / "model-Q4_0.gguf").symlink_to(tiny.path)
+    assert EngineConfig().resolve_quantization(ModelConfig.from_pretrained(str(shipped))) is None
+    moved = tmp_path / "converted-without-its-file"
+    moved.mkdir()
+    for name in ("config.json", ".minivllm-complete"):
+        (moved / name).write_text(Path(converted.model_path, name).read_text().replace(str(tiny.path), "/gone.gguf"))
+    assert EngineConfig().resolve_quantization(ModelConfig.from_pretrained(str(moved))) is None
+    stored = dataclasses.replace(converted, quantization_config={"quant_method": "fp8"})
+    assert EngineConfig().resolve_quantization(stored) is None  # the loader reads it as stored
+    with pytest.raises(ConfigError, match="stored quantized .*'fp8'.* leave quantization unset"):
+        EngineConfig(quantization="none").resolve_quantization(stored)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +215,7 @@ def default_models(default_model_path):
 
     ensure_default_gguf(default_model_path)
     kwargs = dict(max_model_len=4096, num_kvcache_blocks=300)
-    return SimpleNamespace(dequantized=LLM(**kwargs), quantized=LLM(quantization="gguf", **kwargs))
+    return SimpleNamespace(dequantized=LLM(quantization="none", **kwargs), quantized=LLM(**kwargs))
 
 
 def _perplexity(llm: LLM) -> float:
@@ -190,12 +225,18 @@ def _perplexity(llm: LLM) -> float:
 
 
 def test_the_default_model_answers_from_its_blocks(default_models):
-    """SmolLM2-135M-Instruct's Q4_1 linear weights served as int4 (every one of its 120 linear layers)."""
+    """By default SmolLM2-135M-Instruct's Q4_1 linear weights are served as int4 (every one of its 120 linear
+    layers); with quantization="none" as float32 weights. Both answer the same."""
     model = default_models.quantized.engine.runner.model
     assert all(isinstance(layer.method, Int4LinearMethod) for _, layer in linear_layers(model))
-    reply = default_models.quantized.chat([{"role": "user", "content": "What is the capital of France?"}],
-                                          SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
-    assert reply.outputs[0].text == "The capital of France is Paris."
+    dequantized = default_models.dequantized.engine.runner.model
+    assert all(type(layer.method) is UnquantizedLinearMethod and layer.weight.dtype == torch.float32
+               for _, layer in linear_layers(dequantized))
+    assert len(list(linear_layers(model))) == len(list(linear_layers(dequantized))) == 120
+    for llm in (default_models.quantized, default_models.dequantized):
+        reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                         SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
+        assert reply.outputs[0].text == "The capital of France is Paris."
 
 
 def test_the_default_models_perplexity_stays_within_the_bar(default_models):

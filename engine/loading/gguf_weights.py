@@ -148,7 +148,8 @@ def log_weight_bytes(model: nn.Module, found: GgufWeights) -> None:
                 with_copy += 1
     counts = found.layers
     logger.info("GGUF linear layers: %d kept in int4 (Q4_0/Q4_1), %d in int8 (Q8_0), %d dequantized; the kept "
-                "layers' codes and scales take %.1f MiB, dequantized they would take %.1f MiB%s",
+                "layers' codes and scales take %.1f MiB, dequantized they would take %.1f MiB%s "
+                "(--quantization none dequantizes every layer)",
                 counts["int4"], counts["int8"], counts["dequantized"], kept / 2**20, dequantized / 2**20,
                 f" ({with_copy} of them hold a dequantized copy for the product, {copies / 2**20:.1f} MiB)"
                 if with_copy else "")
