@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from engine.loading.model_config import ModelConfig
-
 # torch is imported by the methods that return its types: the API server reads this module before it starts
 # the engine core and should not wait for torch to do so.
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -279,23 +277,22 @@ class EngineConfig:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
 
-    def resolve_quantization(self, model_config: ModelConfig) -> str | None:
-        """How the loader quantizes the model of ``model_config`` (its resolved directory): "gguf", "fp8" or None
-        (the weights in the compute dtype, or an FP8 checkpoint as it is stored). The default (None) is "gguf" for a
-        GGUF model whose file is there to read (not with load_format='dummy': random weights have no blocks);
-        "none" is None, refused for a checkpoint stored quantized (its ``quantization_config``), which has no
-        dequantized weights to serve."""
-        stored = model_config.quantization_config
+    def resolve_quantization(self, model_path: str, stored: dict[str, Any] | None) -> str | None:
+        """How the loader quantizes the model in ``model_path`` (the resolved directory), whose checkpoint's
+        ``quantization_config`` is ``stored``: "gguf", "fp8" or None (the weights in the compute dtype, or a
+        checkpoint stored quantized as it is stored). The default (None) is "gguf" for a GGUF file's conversion
+        whose file is there to read (not with load_format='dummy': random weights have no blocks); "none" is None,
+        refused for a checkpoint stored quantized, which has no dequantized weights to serve."""
         if self.quantization == "none":
             if stored is not None:
-                raise ConfigError(f"quantization='none': {model_config.model_path} is stored quantized (quant_method "
+                raise ConfigError(f"quantization='none': {model_path} is stored quantized (quant_method "
                                   f"{stored.get('quant_method')!r}) and is served as stored; leave quantization unset")
             return None
         if self.quantization is not None or self.load_format == "dummy" or stored is not None:
             return self.quantization
         from engine.loading.gguf import is_gguf_conversion
 
-        return "gguf" if is_gguf_conversion(model_config.model_path) else None
+        return "gguf" if is_gguf_conversion(model_path) else None
 
     def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The element type of the KV cache for a model computing in ``dtype``."""

@@ -18,7 +18,6 @@ reference is the float32 transformers model holding exactly what the file holds.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,7 +32,6 @@ from gguf import GGMLQuantizationType as Q
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig
 from engine.loading import gguf_weights
-from engine.loading.model_config import ModelConfig
 from engine.models.linear import (
     Int4LinearMethod,
     Int8LinearMethod,
@@ -187,26 +185,26 @@ def test_the_default_is_what_the_checkpoint_says(tiny, tmp_path):
     """``quantization`` unset: a GGUF file's conversion is served from its blocks; random weights, a Hugging Face
     directory that ships a GGUF beside its safetensors, and a conversion whose file is gone are served as they are
     (dequantized); an FP8 checkpoint as it is stored. "none" dequantizes and refuses a checkpoint stored quantized."""
-    converted = ModelConfig.from_pretrained(tiny.bfloat16.engine.model_path)
-    assert EngineConfig().resolve_quantization(converted) == "gguf"
-    assert EngineConfig(quantization="gguf").resolve_quantization(converted) == "gguf"
-    assert EngineConfig(quantization="none").resolve_quantization(converted) is None
-    assert EngineConfig(load_format="dummy").resolve_quantization(converted) is None
-    assert EngineConfig(quantization="fp8").resolve_quantization(converted) == "fp8"
+    converted = tiny.bfloat16.engine.model_path
+    assert EngineConfig().resolve_quantization(converted, None) == "gguf"
+    assert EngineConfig(quantization="gguf").resolve_quantization(converted, None) == "gguf"
+    assert EngineConfig(quantization="none").resolve_quantization(converted, None) is None
+    assert EngineConfig(load_format="dummy").resolve_quantization(converted, None) is None
+    assert EngineConfig(quantization="fp8").resolve_quantization(converted, None) == "fp8"
     shipped = tmp_path / "hf-with-a-gguf"
     shipped.mkdir()
-    (shipped / "config.json").write_text(Path(converted.model_path, "config.json").read_text())
+    (shipped / "config.json").write_text(Path(converted, "config.json").read_text())
     (shipped / "model-Q4_0.gguf").symlink_to(tiny.path)
-    assert EngineConfig().resolve_quantization(ModelConfig.from_pretrained(str(shipped))) is None
+    assert EngineConfig().resolve_quantization(str(shipped), None) is None
     moved = tmp_path / "converted-without-its-file"
     moved.mkdir()
     for name in ("config.json", ".minivllm-complete"):
-        (moved / name).write_text(Path(converted.model_path, name).read_text().replace(str(tiny.path), "/gone.gguf"))
-    assert EngineConfig().resolve_quantization(ModelConfig.from_pretrained(str(moved))) is None
-    stored = dataclasses.replace(converted, quantization_config={"quant_method": "fp8"})
-    assert EngineConfig().resolve_quantization(stored) is None  # the loader reads it as stored
+        (moved / name).write_text(Path(converted, name).read_text().replace(str(tiny.path), "/gone.gguf"))
+    assert EngineConfig().resolve_quantization(str(moved), None) is None
+    stored = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert EngineConfig().resolve_quantization(converted, stored) is None  # the loader reads it as stored
     with pytest.raises(ConfigError, match="stored quantized .*'fp8'.* leave quantization unset"):
-        EngineConfig(quantization="none").resolve_quantization(stored)
+        EngineConfig(quantization="none").resolve_quantization(converted, stored)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""``--quantization gguf``: a GGUF file's Q4_0, Q4_1 and Q8_0 linear weights served in their blocks.
+"""A GGUF file's Q4_0, Q4_1 and Q8_0 linear weights served in their blocks: what ``--quantization`` unset (or
+``gguf``) does for a GGUF model; ``none`` loads the converted directory's dequantized weights instead.
 
 The model is still built from the file's converted directory (``engine.loading.gguf``: config, tokenizer, and every
 other tensor dequantized to float32). Before loading, each linear layer whose GGUF tensors are all Q4_0 or Q4_1

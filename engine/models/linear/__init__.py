@@ -6,7 +6,8 @@
     unquantized.py  UnquantizedLinearMethod: 16/32-bit weights, decode-sized products cut along K
     fp8.py          Fp8LinearMethod: FP8 weights quantized at load time or loaded as an FP8 checkpoint stores them
     int4.py         Int4LinearMethod: 4-bit codes with a scale and a zero per group of input columns (GGUF Q4, AWQ,
-                    GPTQ); torch's CPU int4 op in bfloat16, else W dequantized once
+                    GPTQ); torch's CPU int4 op in bfloat16 (W dequantized per call past 80 tokens),
+                    else W dequantized once
     int8.py         Int8LinearMethod: int8 codes with a scale per row or per group (GGUF Q8_0)
     ksplit.py       MINIVLLM_DECODE_KSPLIT: which products are cut along K, into how many slices
 """
