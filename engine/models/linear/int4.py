@@ -47,9 +47,9 @@ INT4_CPU_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's CPU int4 op
 INT4_CPU_DTYPES = (torch.bfloat16,)  # the dtypes it is used for: the one its x86 kernels vectorize
 INT4_CPU_OUT_MULTIPLE = 16  # its repacking takes a multiple of 16 output features
 # Products of more tokens than this dequantize W and multiply densely. Measured on a 2-core Sapphire Rapids VM (AMX)
-# with the default model's shapes (a decoder layer's four products, 3.5M weights): the op takes ~36 us a token,
-# dequantizing ~2.9 ms once and the bfloat16 product after it ~12 us a token, so the two cross at ~80 tokens
-# (bench/int4_cpu_products.py; bench/RESULTS.md, 2026-12-07).
+# with the default model's shapes (a decoder layer's four products, 3.5M weights): the op takes ~45 us a token,
+# dequantizing ~3.3 ms once and the bfloat16 product after it ~11 us a token, so the two cross between 64 and 96
+# tokens (bench/int4_cpu_products.py; bench/RESULTS.md, 2026-12-07).
 INT4_CPU_OP_MAX_TOKENS = 80
 DEQUANTIZE_ROWS = 1024  # rows dequantized at a time, in float32 (bounds the temporary memory)
 
