@@ -1,10 +1,14 @@
 """Offline throughput: minivllm against transformers' continuous batching, same prompts, same run.
 
     python bench/offline_throughput.py                      # C1 on the default model (CPU, float32)
+    python bench/offline_throughput.py --quantization gguf  # then again from its Q4_1 blocks (`make bench`)
     python bench/offline_throughput.py --peer none          # minivllm only
     python bench/offline_throughput.py --peer sequential    # also plain generate, batch 1, one after another
 
-Prints output tokens/s of each, and their ratio, and writes a JSON record to bench/out/.
+The first run dequantizes the model (``--quantization none``: float32 on the CPU), as this benchmark has always
+measured it; ``--quantization gguf`` adds a run from a GGUF model's blocks, which is what the engine serves the
+default model from when ``--quantization`` is unset. Prints output tokens/s of each, and their ratio, and writes a
+JSON record to bench/out/.
 """
 
 from __future__ import annotations
@@ -92,8 +96,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--quantization", nargs="*", default=[], choices=["gguf"],
-                        help="also run with these --quantization settings, after the run without (gguf: the default "
-                             "model's, or a GGUF --model's, Q4/Q8 weights kept quantized)")
+                        help="also run with these --quantization settings, after the dequantized one (gguf: the "
+                             "default model's, or a GGUF --model's, Q4/Q8 weights kept quantized, as the engine "
+                             "serves them by default)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -112,7 +117,8 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
 
-    results = [run_minivllm(model_path, prompts, output_lens, max_num_batched_tokens=args.max_num_batched_tokens)]
+    results = [{**run_minivllm(model_path, prompts, output_lens, max_num_batched_tokens=args.max_num_batched_tokens,
+                               quantization="none"), "name": "minivllm --quantization none"}]
     for quantization in args.quantization:  # the model as given (None: the default model, its GGUF found again)
         run = run_minivllm(args.model, prompts, output_lens, max_num_batched_tokens=args.max_num_batched_tokens,
                            quantization=quantization)

@@ -28,10 +28,12 @@ _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # KV cache element types: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3") stores float8_e4m3 with a
 # float32 scale per token and KV head (kvcache/paged_cache.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-# Weight quantization: None keeps the checkpoint's weights in the compute dtype; "fp8" quantizes the linear
-# layers to float8_e4m3 at load time (engine/models/fp8.py). FP8 checkpoints are read as they are stored. "gguf"
-# keeps a GGUF model's Q4_0, Q4_1 and Q8_0 linear weights in their blocks (engine/loading/gguf_weights.py).
-QUANTIZATIONS = (None, "fp8", "gguf")
+# Weight quantization: None (the default) serves the weights as the checkpoint stores them: a GGUF model's Q4_0,
+# Q4_1 and Q8_0 linear weights in their blocks ("gguf", engine/loading/gguf_weights.py), an FP8 checkpoint in FP8,
+# anything else in the compute dtype (``resolve_quantization``). "none" dequantizes a GGUF model to the compute
+# dtype; "fp8" quantizes the linear layers to float8_e4m3 at load time (engine/models/fp8.py); "gguf" asks for a GGUF
+# model's blocks explicitly (an error for any other model).
+QUANTIZATIONS = (None, "none", "fp8", "gguf")
 
 KV_OFFLOADING_BACKENDS = ("native",)
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -80,11 +82,13 @@ class EngineConfig:
     load_format: str = option("auto", "dummy: random weights (for benchmarks and tests)", group=MODEL,
                               choices=_LOAD_FORMATS)
     quantization: str | None = option(
-        None, "fp8: quantize the linear layers' weights to float8_e4m3 at load time (a scale per output channel, "
-        "activations per token at run time); checkpoints stored in FP8 need no flag. gguf (a GGUF model only): keep "
-        "its Q4_0, Q4_1 and Q8_0 linear weights quantized (int4 and int8 with a scale per 32 values) and dequantize "
-        "the rest", group=MODEL, aliases=("-q",),
-        choices=QUANTIZATIONS[1:])
+        None, "default: what the checkpoint says: a GGUF model (the default model is one) keeps its Q4_0, Q4_1 and "
+        "Q8_0 linear weights quantized (int4 and int8 with a scale per 32 values; the rest dequantized), an FP8 "
+        "checkpoint stays in FP8, other checkpoints are unquantized. none: dequantize a GGUF model's weights to "
+        "--dtype. gguf: the GGUF blocks, asked for explicitly (a GGUF model only). fp8: quantize the linear layers' "
+        "weights to float8_e4m3 at load time (a scale per output channel, activations per token at run time). "
+        "--dtype is the compute dtype either way (activations and unquantized weights)", group=MODEL,
+        aliases=("-q",), choices=QUANTIZATIONS[1:])
     generation_config: str = option(
         "auto", "request defaults for temperature, top_p, top_k, min_p, repetition_penalty and max_tokens: 'auto' "
         "reads the model's generation_config.json, 'vllm' ignores it, or a folder holding one", group=MODEL)
@@ -187,7 +191,8 @@ class EngineConfig:
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         need(self.quantization in QUANTIZATIONS,
-             f"quantization must be None or one of {QUANTIZATIONS[1:]}, got {self.quantization!r}")
+             f"quantization must be None (what the checkpoint says) or one of {QUANTIZATIONS[1:]}, got "
+             f"{self.quantization!r}")
         if self.quantization == "gguf":
             from engine.loading.gguf import is_gguf_model
 
@@ -271,6 +276,23 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+    def resolve_quantization(self, model_path: str, stored: dict[str, Any] | None) -> str | None:
+        """How the loader quantizes the model in ``model_path`` (the resolved directory), whose checkpoint's
+        ``quantization_config`` is ``stored``: "gguf", "fp8" or None (the weights in the compute dtype, or a
+        checkpoint stored quantized as it is stored). The default (None) is "gguf" for a GGUF file's conversion
+        whose file is there to read (not with load_format='dummy': random weights have no blocks); "none" is None,
+        refused for a checkpoint stored quantized, which has no dequantized weights to serve."""
+        if self.quantization == "none":
+            if stored is not None:
+                raise ConfigError(f"quantization='none': {model_path} is stored quantized (quant_method "
+                                  f"{stored.get('quant_method')!r}) and is served as stored; leave quantization unset")
+            return None
+        if self.quantization is not None or self.load_format == "dummy" or stored is not None:
+            return self.quantization
+        from engine.loading.gguf import is_gguf_conversion
+
+        return "gguf" if is_gguf_conversion(model_path) else None
 
     def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The element type of the KV cache for a model computing in ``dtype``."""

@@ -86,6 +86,17 @@ def test_flags_land_in_their_fields():
     assert config.served_model_name == "/nowhere/Qwen3-0.6B"  # no such directory: the name as given
 
 
+def test_quantization_defaults_to_the_checkpoint_and_takes_none():
+    """``--quantization`` unset is None (what the checkpoint says: a GGUF model's blocks); ``none`` dequantizes, as
+    ``LLM(quantization="none")`` does; its help says both."""
+    parser = build_parser()
+    assert engine_config_from_args(parser.parse_args(["serve"])).quantization is None
+    assert engine_config_from_args(parser.parse_args(["serve", "-q", "none"])).quantization == "none"
+    assert EngineConfig(quantization="none").quantization == "none"
+    help_text = " ".join(command("serve").format_help().split())
+    assert "default: what the checkpoint says" in help_text and "none: dequantize" in help_text
+
+
 def test_values_outside_the_choices_are_refused(capsys):
     for bad in (["--dtype", "float8"], ["--kv-cache-dtype", "int8"], ["--attention-backend", "flash"],
                 ["--quantization", "awq"], ["--max-num-seqs", "many"]):

@@ -123,7 +123,10 @@ def test_model_without_tokenizer_serves_token_ids_and_rejects_text(llama_dir):
 
 @pytest.fixture(scope="module")
 def default_llm(default_model_path):
-    return LLM(str(default_model_path), max_model_len=2048, cpu_kvcache_space_gib=0.25)
+    """The default model dequantized to float32 (``quantization="none"``), so that transformers' float32 model of
+    the same directory is its exact reference; served from its GGUF blocks by default (tests/test_gguf_quantized.py,
+    and the servers of tests/server_helpers.py)."""
+    return LLM(str(default_model_path), max_model_len=2048, cpu_kvcache_space_gib=0.25, quantization="none")
 
 
 def test_default_model_tokenizer_is_the_published_one(default_model_path, tmp_path):

@@ -27,9 +27,10 @@ PROMPTS = [
     "What does a compiler do?",
     "Describe the water cycle in simple terms.",
 ]
+# Float32 is the default model dequantized (``quantization="none"``; unset, its Q4_1 blocks would be served).
 VARIANTS = {
-    "float32": {},
-    "fp8 KV cache": {"kv_cache_dtype": "fp8"},
+    "float32": {"quantization": "none"},
+    "fp8 KV cache": {"quantization": "none", "kv_cache_dtype": "fp8"},
     "fp8 weights": {"quantization": "fp8"},
     "fp8 weights + KV cache": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
 }

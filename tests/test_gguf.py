@@ -1,5 +1,6 @@
 """``--model file.gguf``: a GGUF is converted once (weights dequantized, tokenizer and chat template from the
-file) and served like a Hugging Face directory. The default model's own GGUF is the test file."""
+file) and served like a Hugging Face directory, by default with its Q4/Q8 linear weights read from the file in their
+blocks. The default model's own GGUF is the test file."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from engine import LLM, SamplingParams
 from engine.loading.default_model import _fetch_gguf
 from engine.loading.gguf import gguf_file
+from engine.models.linear import Int4LinearMethod, linear_layers
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +30,8 @@ def test_a_gguf_file_is_served_as_its_model(gguf_path, default_model_path, tmp_p
     ours = load_file(f"{converted}/model.safetensors")
     reference = load_file(f"{default_model_path}/model.safetensors")
     assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+    methods = {type(layer.method) for _, layer in linear_layers(llm.engine.runner.model)}
+    assert methods == {Int4LinearMethod}  # the file's Q4_1 blocks, as --quantization unset serves a GGUF
     reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                      SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
     assert reply.outputs[0].text == "The capital of France is Paris."

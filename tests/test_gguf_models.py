@@ -7,9 +7,10 @@ Norms and biases are F32; the 2-D weights are Q8_0, Q4_0 and Q4_1 (quantized by 
 Q4_K, Q5_K and Q6_K, which ``gguf`` only dequantizes, so their blocks are built byte by byte here.
 
 The reference is a float32 transformers model holding exactly what the file holds (every tensor dequantized by
-``gguf``, Llama's Q/K rows put back in Hugging Face's order). ``LLM("file.gguf")`` must hold the same weights,
-score prompts as it does, decode the same greedy tokens, and tokenize and render chats with the file's own
-tokenizer and chat template.
+``gguf``, Llama's Q/K rows put back in Hugging Face's order). ``LLM("file.gguf", quantization="none")`` (every
+weight dequantized; by default the Q4/Q8 layers stay in their blocks, tests/test_gguf_quantized.py) must hold the
+same weights, score prompts as it does within float32's rounding, decode the same greedy tokens, and tokenize and
+render chats with the file's own tokenizer and chat template.
 
 The vocabulary is the default model's first ``VOCAB`` tokens and the merges that build them. SmolLM2's merge k
 makes token 252 + k, so that prefix is a complete BPE vocabulary of its own: on any text it tokenizes as the full
@@ -266,7 +267,7 @@ def tiny(request, vocabulary, tmp_path_factory):
     reference.load_state_dict(weights)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MINIVLLM_CACHE", str(work / "cache"))
-        llm = LLM(str(path), max_model_len=128, num_kvcache_blocks=24)
+        llm = LLM(str(path), max_model_len=128, num_kvcache_blocks=24, quantization="none")
     return SimpleNamespace(model=model, path=path, reference=reference, weights=weights, llm=llm,
                            cache=work / "cache",
                            chat_template=model.chat_template or vocabulary["chat_template"])

@@ -1,4 +1,5 @@
-"""``quantization="gguf"``: a GGUF file's quantized linear weights served in their blocks.
+"""A GGUF file's quantized linear weights served in their blocks: what ``quantization`` unset does for a GGUF model
+(the checkpoint's own format), and ``quantization="gguf"`` asks for; ``"none"`` dequantizes.
 
 Tiny random Llama and Qwen2 files are written as tests/test_gguf_models.py writes them (llama.cpp's names, Llama's
 Q/K rows permuted), with types chosen so that each kind of layer is met: q|k|v and gate|up all Q4_0/Q4_1/Q4_K
@@ -12,9 +13,12 @@ GGUF loader dequantizes every tensor with ``gguf``), in float32.
   log counts the layers of each form and the types behind them;
 * the int4 and int8 products in float32: the same logprobs and greedy tokens as the reference within float32's
   tolerance;
-* the int4 product in bfloat16 (``FLOAT32_IN_BFLOAT16``, the CPU default): logprobs within bfloat16's tolerance;
-* the real default model (a Q4_1 file): answers the capital-of-France chat as its dequantized self does, and its
-  perplexity on the Apache License stays within 0.1% of the dequantized model's.
+* the int4 product in bfloat16 (``FLOAT32_IN_BFLOAT16``, the CPU default), with ``quantization`` unset: logprobs
+  within bfloat16's tolerance;
+* the real default model (a Q4_1 file), with ``quantization`` unset: answers the capital-of-France chat as its
+  dequantized self (``quantization="none"``) does, and its perplexity on the Apache License (one 2,224-token
+  prompt: the products past ``INT4_CPU_OP_MAX_TOKENS`` tokens, which dequantize W on the fly) stays within 0.1% of
+  the dequantized model's.
 """
 
 from __future__ import annotations
@@ -137,7 +141,8 @@ class _Messages(logging.Handler):
 @pytest.fixture(scope="module", params=sorted(TINY))
 def tiny(request, vocabulary, tmp_path_factory):  # noqa: F811
     """A tiny model's GGUF of ``TINY``'s types, the float32 reference (transformers loading the file), and LLMs
-    serving it quantized (int4 products in float32 and in bfloat16; the start-up log of the first)."""
+    serving it quantized: asked for, with the int4 products in float32 (and the start-up log), and by default
+    (``quantization`` unset), with them in bfloat16."""
     model = TINY[request.param]
     config = transformers.AutoConfig.for_model(vocab_size=len(vocabulary["tokens"]), **model.config)
     torch.manual_seed(0)
@@ -155,7 +160,7 @@ def tiny(request, vocabulary, tmp_path_factory):  # noqa: F811
     with _Messages() as log:
         float32 = _llm(path, work / "cache", False, quantization="gguf")
     return SimpleNamespace(name=request.param, path=path, reference=reference, cache=work / "cache", log=log,
-                           float32=float32, bfloat16=_llm(path, work / "cache", True, quantization="gguf"))
+                           float32=float32, bfloat16=_llm(path, work / "cache", True))
 
 
 def _form(layer) -> str | None:
@@ -169,11 +174,14 @@ def _form(layer) -> str | None:
 
 def test_layers_are_held_in_the_form_of_their_blocks(tiny):
     """Q4_0/Q4_1/Q4_K -> int4 (groups of 32); one other kept type -> int8 at its group; fused parts of different
-    types -> int8 at the finest group, with zeros where any part has them; an F16 part -> dequantized. The codes
-    are held as the file holds them, no dequantized weight beside them."""
+    types -> int8 at the finest group, with zeros where any part has them; an F16 part -> dequantized; the same
+    with quantization="gguf" and unset. The codes are held as the file holds them, no dequantized weight beside
+    them."""
+    for llm in (tiny.float32, tiny.bfloat16):
+        forms = {name.removeprefix("model.layers."): _form(layer)
+                 for name, layer in linear_layers(llm.engine.runner.model)}
+        assert forms == FORMS[tiny.name]
     model = tiny.float32.engine.runner.model
-    forms = {name.removeprefix("model.layers."): _form(layer) for name, layer in linear_layers(model)}
-    assert forms == FORMS[tiny.name]
     for name, layer in linear_layers(model):
         if forms[name.removeprefix("model.layers.")] is not None:
             assert layer.qweight.dtype == (torch.uint8 if isinstance(layer.method, Int4LinearMethod) else torch.int8)
@@ -246,6 +254,33 @@ def test_gguf_quantization_needs_a_gguf_model(tmp_path):
     with pytest.raises(ConfigError, match="dummy"):
         EngineConfig(quantization="gguf", load_format="dummy")
     EngineConfig(quantization="gguf")  # the default model is a GGUF
+    EngineConfig(load_format="dummy")  # unset: random weights have no blocks, the model is dequantized
+
+
+def test_the_default_is_what_the_checkpoint_says(tiny, tmp_path):
+    """``quantization`` unset: a GGUF file's conversion is served from its blocks; random weights, a Hugging Face
+    directory that ships a GGUF beside its safetensors, and a conversion whose file is gone are served as they are
+    (dequantized); an FP8 checkpoint as it is stored. "none" dequantizes and refuses a checkpoint stored quantized."""
+    converted = tiny.bfloat16.engine.model_path
+    assert EngineConfig().resolve_quantization(converted, None) == "gguf"
+    assert EngineConfig(quantization="gguf").resolve_quantization(converted, None) == "gguf"
+    assert EngineConfig(quantization="none").resolve_quantization(converted, None) is None
+    assert EngineConfig(load_format="dummy").resolve_quantization(converted, None) is None
+    assert EngineConfig(quantization="fp8").resolve_quantization(converted, None) == "fp8"
+    shipped = tmp_path / "hf-with-a-gguf"
+    shipped.mkdir()
+    (shipped / "config.json").write_text(Path(converted, "config.json").read_text())
+    (shipped / "model-Q4_0.gguf").symlink_to(tiny.path)
+    assert EngineConfig().resolve_quantization(str(shipped), None) is None
+    moved = tmp_path / "converted-without-its-file"
+    moved.mkdir()
+    for name in ("config.json", ".minivllm-complete"):
+        (moved / name).write_text(Path(converted, name).read_text().replace(str(tiny.path), "/gone.gguf"))
+    assert EngineConfig().resolve_quantization(str(moved), None) is None
+    stored = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert EngineConfig().resolve_quantization(converted, stored) is None  # the loader reads it as stored
+    with pytest.raises(ConfigError, match="stored quantized .*'fp8'.* leave quantization unset"):
+        EngineConfig(quantization="none").resolve_quantization(converted, stored)
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +289,7 @@ def default_models(default_model_path):
 
     ensure_default_gguf(default_model_path)
     kwargs = dict(max_model_len=4096, num_kvcache_blocks=300)
-    return SimpleNamespace(dequantized=LLM(**kwargs), quantized=LLM(quantization="gguf", **kwargs))
+    return SimpleNamespace(dequantized=LLM(quantization="none", **kwargs), quantized=LLM(**kwargs))
 
 
 def _perplexity(llm: LLM) -> float:
@@ -264,12 +299,18 @@ def _perplexity(llm: LLM) -> float:
 
 
 def test_the_default_model_answers_from_its_blocks(default_models):
-    """SmolLM2-135M-Instruct's Q4_1 linear weights served as int4 (every one of its 120 linear layers)."""
+    """By default SmolLM2-135M-Instruct's Q4_1 linear weights are served as int4 (every one of its 120 linear
+    layers); with quantization="none" as float32 weights. Both answer the same."""
     model = default_models.quantized.engine.runner.model
     assert all(isinstance(layer.method, Int4LinearMethod) for _, layer in linear_layers(model))
-    reply = default_models.quantized.chat([{"role": "user", "content": "What is the capital of France?"}],
-                                          SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
-    assert reply.outputs[0].text == "The capital of France is Paris."
+    dequantized = default_models.dequantized.engine.runner.model
+    assert all(type(layer.method) is UnquantizedLinearMethod and layer.weight.dtype == torch.float32
+               for _, layer in linear_layers(dequantized))
+    assert len(list(linear_layers(model))) == len(list(linear_layers(dequantized))) == 120
+    for llm in (default_models.quantized, default_models.dequantized):
+        reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                         SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
+        assert reply.outputs[0].text == "The capital of France is Paris."
 
 
 def test_the_default_models_perplexity_stays_within_the_bar(default_models):

@@ -4,6 +4,8 @@ whole bytes and groups. GGUF's blocks converted for them, and int8 with zero poi
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -152,6 +154,54 @@ def test_int4_parts_and_shards_land_in_whole_bytes_and_groups(monkeypatch, dtype
     x = torch.randn(4, 256, generator=gen).to(dtype)
     assert_product(qkv(x), x, torch.cat([weights[p][r] for p, r in rows.items()]), qkv.bias)
     assert_product(o_proj.method.apply(o_proj, x[:, 128:], None), x[:, 128:], weights["o_proj"][:, 128:], None)
+
+
+@pytest.mark.skipif(not HAS_INT4_OP, reason="this torch has no CPU int4 op")
+@pytest.mark.parametrize("dense_bfloat16", [True, False], ids=["dense-bf16", "dense-f32"])
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_int4_products_of_many_tokens_dequantize_w_into_scratch(monkeypatch, dtype, group_size, dense_bfloat16):
+    """Past ``INT4_CPU_OP_MAX_TOKENS`` tokens a layer that has the CPU op dequantizes W into this thread's scratch
+    buffers and multiplies densely, in bfloat16 where oneDNN has it, else in float32 (then a float32 model's product
+    is float32-exact): x times the dequantized weight either way, for a 3-D x and a strided one, and the same as the
+    op gives within bfloat16's rounding. No copy of W stays on the layer; two layers share the buffers."""
+    monkeypatch.setattr(int4, "dense_bfloat16", lambda: dense_bfloat16)
+    monkeypatch.setattr(int4, "_SCRATCH", threading.local())  # this test's buffers, whatever ran before
+    dequantized_product, calls = int4.cpu_dequantized_product, []
+
+    def counted(layer, x, group):
+        calls.append(x.shape[0])
+        return dequantized_product(layer, x, group)
+
+    monkeypatch.setattr(int4, "cpu_dequantized_product", counted)
+    gen = torch.Generator().manual_seed(8)
+    layers, weights = [], []
+    for out_features in (48, 96):
+        layer = RowParallelLinear(256, out_features, bias=True).to(dtype)
+        layer.set_method(Int4LinearMethod(group_size, float32_in_bfloat16=True))
+        codes, scales, zeros = random_int4(out_features, 256, group_size, gen)
+        load(layer, {"qweight": pack_int4(codes), "scales": scales, "zeros": zeros,
+                     "bias": torch.randn(out_features, generator=gen)})
+        assert layer.int4_packed is not None and layer.dequantized_weight is None
+        layers.append(layer)
+        weights.append(int4_weight(codes, layer.scales, layer.zeros, group_size))
+    many = int4.INT4_CPU_OP_MAX_TOKENS + 1
+    for layer, weight in zip(layers, weights):
+        x = torch.randn(2, many, 256, generator=gen).to(dtype)
+        strided = torch.randn(many, 300, generator=gen).to(dtype)[:, 20:276]
+        for batch in (x, strided):
+            y = layer(batch)
+            ref = batch.float() @ weight.T + layer.bias.float()
+            exact = dtype == torch.float32 and not dense_bfloat16
+            tol = 1e-5 if exact else 1e-2
+            assert y.dtype == dtype and y.shape == ref.shape
+            torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+        dense = layer(x[0])[:-1].float()
+        by_op = layer(x[0, :-1]).float()  # the op's product of the same tokens
+        torch.testing.assert_close(by_op, dense, rtol=1e-2, atol=1e-2 * dense.abs().max().item())
+    assert calls == [2 * many, many, many] * 2  # the 3-D x, the strided one, x[0]; the op for one token fewer
+    assert all(layer.dequantized_weight is None for layer in layers)
+    assert int4._SCRATCH.values.numel() == 96 * 256
 
 
 def test_int4_checks_its_groups_and_parameters(monkeypatch):

@@ -1,5 +1,7 @@
 """Scoring through the server, as evaluation harnesses do it: ``echo`` with ``logprobs`` on completions and
-vLLM's ``prompt_logprobs``, against a float32 transformers forward pass, on the default model and a tiny one."""
+vLLM's ``prompt_logprobs``, against a float32 transformers forward pass, on the default model and a tiny one. The
+default model is served dequantized to float32 here (``--quantization none``), as transformers reads its directory:
+unset, its Q4_1 blocks multiply in bfloat16, which moves logprobs by more than float32's 1e-4."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 import transformers
 
 pytest.register_assert_rewrite("tests.server_helpers")
-from tests.server_helpers import DEFAULT_MODEL_NAME, TINY_MODEL_NAME, assert_error_shape  # noqa: E402
+from tests.server_helpers import DEFAULT_MODEL_NAME, TINY_MODEL_NAME, assert_error_shape, start_server  # noqa: E402
 
 pytest_plugins = ["tests.server_helpers"]
 pytestmark = pytest.mark.usefixtures("server_logs_on_failure")
@@ -19,13 +21,22 @@ TEXT = "The capital of France is Paris. The capital of Italy is Rome. The capita
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+@pytest.fixture(scope="module")
+def float32_default_server(tmp_path_factory, default_model_path):
+    """The default model with ``--quantization none``, otherwise as the shared default server."""
+    server = start_server(tmp_path_factory.mktemp("servers"), "default-float32",
+                          ["--num-kvcache-blocks", "256", "--max-model-len", "1024", "--quantization", "none"])
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="module", params=["tiny", "default"])
 def served(request, tiny_model_path, default_model_path):
     """(server, its model name, its checkpoint, a float32 transformers model of it)."""
     if request.param == "tiny":
         server, name, path = request.getfixturevalue("tiny_server"), TINY_MODEL_NAME, tiny_model_path
     else:
-        server, name, path = request.getfixturevalue("default_server"), DEFAULT_MODEL_NAME, default_model_path
+        server, name, path = request.getfixturevalue("float32_default_server"), DEFAULT_MODEL_NAME, default_model_path
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return server, name, model
 
@@ -124,7 +135,7 @@ def test_logprob_requests_the_server_cannot_honour_are_400s(tiny_server, path, b
 
 def test_the_whole_vocabulary_with_max_logprobs_unlimited(tmp_path, tiny_model_path):
     """--max-logprobs -1 lets -1 ask for every token's logprob, as vLLM's."""
-    from tests.server_helpers import start_server, tiny_server_args
+    from tests.server_helpers import tiny_server_args
 
     server = start_server(tmp_path, "all-logprobs", tiny_server_args(tiny_model_path) + ["--max-logprobs", "-1"])
     try:

@@ -6,8 +6,9 @@ dequantised to float32 by transformers, and the result is saved as safetensors p
 tokenizer. The conversion is written to a temporary directory and renamed into place with
 a marker file inside, so an interrupted run never leaves a directory that looks complete.
 
-The GGUF itself is kept in the directory too, for ``--quantization gguf`` (a directory converted before it was
-kept gets it on the first such use, ``ensure_default_gguf``).
+The GGUF itself is kept in the directory too: by default its Q4_1 linear weights are served in their blocks
+(``--quantization none`` serves the float32 conversion). A directory converted before the file was kept gets it on
+first use (``ensure_default_gguf``); where it cannot be fetched then, the default serves the conversion and says so.
 
 Run ``python -m engine.loading.default_model`` to fetch it and print its path.
 """
@@ -141,7 +142,7 @@ def _publish(staging: Path, target: Path) -> None:
 
 def resolve_model_path(config: EngineConfig) -> str:
     """The Hugging Face directory to load: the model given, a GGUF file's conversion, or the default model (with
-its GGUF file for ``--quantization gguf``)."""
+its GGUF file, unless ``--quantization none`` or ``fp8`` or dummy weights leave it unread)."""
     if config.model is not None:
         from engine.loading.gguf import ensure_converted, gguf_file
 
@@ -152,6 +153,12 @@ its GGUF file for ``--quantization gguf``)."""
     target = ensure_default_model()
     if config.quantization == "gguf":
         ensure_default_gguf(target)
+    elif config.quantization is None and config.load_format != "dummy":
+        try:
+            ensure_default_gguf(target)
+        except (OSError, subprocess.SubprocessError) as error:  # no network, say: the float32 conversion will do
+            logger.warning("could not fetch %s's GGUF file (%s): serving its float32 conversion", DEFAULT_MODEL_NAME,
+                           error)
     return str(target)
 
 

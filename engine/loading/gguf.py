@@ -4,9 +4,10 @@ transformers reads the GGUF (its ``gguf_file`` loader: metadata, tokenizer, chat
 quantized tensor dequantized), and the result is saved as an ordinary Hugging Face directory of float32
 safetensors plus the tokenizer, which the engine then loads like any other (cast to the compute dtype,
 sharded over tensor-parallel ranks). Weights are therefore not kept quantized: a Q4 file takes the memory
-of its model in the compute dtype, unless ``--quantization gguf`` serves the file's quantized linear weights
-(Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) in their blocks (``engine.loading.gguf_weights``, which finds the
-file by ``source_gguf``).
+of its model in the compute dtype under ``--quantization none``. By default (and with ``--quantization gguf``) the
+file's quantized linear weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) are served in their blocks instead
+(``engine.loading.gguf_weights``, which finds the file by ``source_gguf``; ``EngineConfig.resolve_quantization``
+decides).
 
 The cache entry is keyed by the file's path, size and modification time, written to a temporary
 directory and renamed into place with a marker inside, so an interrupted conversion is never mistaken
@@ -57,6 +58,13 @@ def source_gguf(directory: str | Path) -> Path | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return source if source.suffix == ".gguf" and source.is_file() else None
+
+
+def is_gguf_conversion(directory: str | Path) -> bool:
+    """Whether ``directory`` is a GGUF file's conversion (``ensure_converted``'s, or the default model) whose GGUF
+    file is still there: what ``--quantization``'s default serves in its blocks. A Hugging Face directory that
+    ships a GGUF beside its safetensors is not one (no marker): its checkpoint is the safetensors."""
+    return (Path(directory) / MARKER).is_file() and source_gguf(directory) is not None
 
 
 def is_gguf_model(model: str | Path) -> bool:

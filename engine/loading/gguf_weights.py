@@ -1,4 +1,5 @@
-"""``--quantization gguf``: a GGUF file's quantized linear weights served in their blocks.
+"""A GGUF file's quantized linear weights served in their blocks: what ``--quantization`` unset (or ``gguf``) does
+for a GGUF model; ``none`` loads the converted directory's dequantized weights instead.
 
 The model is still built from the file's converted directory (``engine.loading.gguf``: config, tokenizer, and every
 other tensor dequantized to float32). Before loading, each linear layer gets a method by the GGML types of its
@@ -232,7 +233,8 @@ def log_weight_bytes(model: nn.Module, found: GgufWeights) -> None:
                 copies += copy.numel() * copy.element_size()
                 with_copy += 1
     logger.info("GGUF linear layers: %s; the kept layers' codes, scales and zeros take %.1f MiB, dequantized they "
-                "would take %.1f MiB%s", layer_counts(found), kept / 2**20, dequantized / 2**20,
+                "would take %.1f MiB%s (--quantization none dequantizes every layer)", layer_counts(found),
+                kept / 2**20, dequantized / 2**20,
                 f" ({with_copy} of them hold a dequantized copy for the product, {copies / 2**20:.1f} MiB)"
                 if with_copy else "")
 

@@ -136,7 +136,7 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.num_kv_heads = kv_head_range(model_config.num_key_value_heads)[1]  # this rank's share
         self.model = load_model(model_config, self.dtype, self.device, config.load_format, config.seed,
-                                config.quantization)
+                                config.resolve_quantization(model_config.model_path, model_config.quantization_config))
         self.backend = make_attention_backend(config.resolve_attention_backend(self.device))
         for layer in self.model.attention_layers():
             layer.set_backend(self.backend)

@@ -6,9 +6,10 @@
     unquantized.py  UnquantizedLinearMethod: 16/32-bit weights, decode-sized products cut along K
     fp8.py          Fp8LinearMethod: FP8 weights quantized at load time or loaded as an FP8 checkpoint stores them
     int4.py         Int4LinearMethod: 4-bit codes with a scale and a zero per group of input columns (GGUF Q4_0,
-                    Q4_1, Q4_K, AWQ, GPTQ); torch's CPU int4 op in bfloat16, else W dequantized once
+                    Q4_1, Q4_K, AWQ, GPTQ); on CUDA Triton kernels that read the codes; on the CPU torch's int4 op
+                    in bfloat16 (W dequantized per call past 80 tokens); else W dequantized once
     int8.py         Int8LinearMethod: int8 codes with a scale, and optionally a zero, per row or per group (GGUF
-                    Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, and fused layers of mixed types)
+                    Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, and fused layers of mixed types); Triton kernels on CUDA
     ksplit.py       MINIVLLM_DECODE_KSPLIT: which products are cut along K, into how many slices
 """
 

@@ -20,13 +20,16 @@ bytes and whole groups (a rank's columns must start and end on a group boundary:
   16 output features: the codes are repacked into the op's layout once, and each product is one call of the op,
   which dequantizes as it multiplies (the layer holds 4 bits a weight twice: the loaded codes and the op's). The op
   takes float32 and float16 too, but on x86 only its bfloat16 kernel is vectorized: in float32 it is many times
-  slower than a dense product. It dequantizes the codes again for every 4 tokens, so it beats a dense product at
-  decode sizes and falls behind it on long prompts. A float32 model may run it in bfloat16
-  (``float32_in_bfloat16``: x cast in, the product cast back, scales and zeros rounded to bfloat16);
+  slower than a dense product. A float32 model may run it in bfloat16 (``float32_in_bfloat16``: x cast in, the
+  product cast back, scales and zeros rounded to bfloat16). The op dequantizes the codes again for every few
+  tokens, so its time grows with the tokens as a dense product's does not: a product of more than
+  ``INT4_CPU_OP_MAX_TOKENS`` tokens (prefill chunks, large decode batches) dequantizes W instead, into a scratch
+  buffer of this thread that every layer reuses (``cpu_dequantized_product``: no copy of W is kept), and multiplies
+  densely, in bfloat16 where oneDNN has a bfloat16 product for this CPU (``dense_bfloat16``), else in float32;
 * on CUDA, the Triton W4A16 kernels of ``engine.ops.quant_matmul`` (``cuda_kernels_apply``): up to
-  ``DEQUANTIZE_FROM_ROWS`` tokens a product reads the codes and dequantizes them tile by tile on its way to the
-  tensor cores (K cut into slices at decode sizes, the slices' partial products handed to the next kernel by
-  ``apply_deferred``); longer prompts dequantize W into a temporary and multiply on cuBLAS;
+  ``DEQUANTIZE_FROM_ROWS`` tokens a product multiplies the codes on the tensor cores (K cut into slices at decode
+  sizes, the slices' partial products handed to the next kernel by ``apply_deferred``); longer prompts dequantize
+  W into a temporary and multiply on cuBLAS;
 * otherwise (an older torch, another group size or dtype on the CPU, a shape the kernels do not take): W is
   dequantized once into a weight in the compute dtype kept on the layer (``dequantized_weight``) and the product is
   ``F.linear``: the speed and the memory of an unquantized layer.
@@ -36,6 +39,8 @@ the codes in the kernels' chunked layout after loading (``engine.ops.quant_matmu
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +53,11 @@ from engine.models.linear.quant_kernels import cuda_kernels_apply, cuda_kernels_
 INT4_CPU_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's CPU int4 op takes
 INT4_CPU_DTYPES = (torch.bfloat16,)  # the dtypes it is used for: the one its x86 kernels vectorize
 INT4_CPU_OUT_MULTIPLE = 16  # its repacking takes a multiple of 16 output features
+# Products of more tokens than this dequantize W and multiply densely. Measured on a 2-core Sapphire Rapids VM (AMX)
+# with the default model's shapes (a decoder layer's four products, 3.5M weights): the op takes ~45 us a token,
+# dequantizing ~3.3 ms once and the bfloat16 product after it ~11 us a token, so the two cross between 64 and 96
+# tokens (bench/int4_cpu_products.py; bench/RESULTS.md, 2026-12-07).
+INT4_CPU_OP_MAX_TOKENS = 80
 DEQUANTIZE_ROWS = 1024  # rows dequantized at a time, in float32 (bounds the temporary memory)
 
 
@@ -99,6 +109,7 @@ class Int4LinearMethod(LinearMethod):
         out_features, groups = layer.out_features, layer.in_features // self.group_size
         layer.int4_packed = None  # the CPU op's operands (process_after_loading)
         layer.int4_scales_zeros = None
+        layer.int4_offsets = None  # z - 8 s per group in float32, for the CPU products that dequantize
         layer.dequantized_weight = None  # W in the compute dtype, where the op is not used
         layer.quant_weight = None  # what the CUDA kernels read (process_after_loading)
         layer.add_param("qweight", (out_features, layer.in_features // 2), torch.uint8, WeightLayout(0, 1, 1, 2))
@@ -114,16 +125,13 @@ class Int4LinearMethod(LinearMethod):
         check_param(layer, "qweight", (out_features, in_features // 2), (torch.uint8,), "int4")
         check_param(layer, "scales", groups, (torch.float32, torch.bfloat16, torch.float16), "int4")
         check_param(layer, "zeros", groups, (layer.scales.dtype,), "int4")
-        layer.int4_packed = layer.int4_scales_zeros = layer.dequantized_weight = None
+        layer.int4_packed = layer.int4_scales_zeros = layer.int4_offsets = layer.dequantized_weight = None
         layer.quant_weight = cuda_quant_weight(layer.qweight, layer.scales, layer.zeros, 4, group_size)
         if layer.quant_weight is not None:  # the codes now live in the kernels' layout only
             layer.qweight.data = layer.quant_weight.codes
-        if layer.quant_weight is None and self.uses_cpu_op(layer):
-            codes = unpack_int4(layer.qweight).to(torch.int32)
-            layer.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)  # innerKTiles: unused
-            scales_zeros = torch.stack((layer.scales.t(), layer.zeros.t()), dim=-1)
-            layer.int4_scales_zeros = scales_zeros.to(self._op_dtype(layer.scales.dtype)).contiguous()
-        elif layer.quant_weight is None:
+        elif self.uses_cpu_op(layer):
+            prepare_cpu_int4(layer, self._op_dtype(layer.scales.dtype))
+        else:
             layer.dequantized_weight = dequantize_int4(layer.qweight, layer.scales, layer.zeros, group_size)
 
     def uses_cpu_op(self, layer: nn.Module) -> bool:
@@ -142,18 +150,86 @@ class Int4LinearMethod(LinearMethod):
             return cuda_kernels_apply(layer.quant_weight, x, bias)
         if layer.int4_packed is None:
             return F.linear(x, layer.dequantized_weight, bias)
-        op_dtype = layer.int4_scales_zeros.dtype
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).to(op_dtype).contiguous(),
-                                                         layer.int4_packed, self.group_size, layer.int4_scales_zeros)
-        out = out.to(x.dtype)
-        if bias is not None:
-            out += bias
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return cpu_int4_product(layer, x, bias, self.group_size)
 
     def apply_deferred(self, layer: nn.Module, x: torch.Tensor, partials_ok: bool = True) -> LinearOutput:
         if layer.quant_weight is not None:
             return cuda_kernels_apply_deferred(layer.quant_weight, x, layer.bias, partials_ok)
         return LinearOutput(self.apply(layer, x, layer.bias))
+
+
+# ----------------------------------------------------------------------------- the CPU products
+
+
+def prepare_cpu_int4(layer: nn.Module, op_dtype: torch.dtype) -> None:
+    """The operands of the CPU products: the op's repacked codes and its [groups, out, 2] scales and zeros in
+    ``op_dtype``, and for the dense path each group's offset z - 8 s in float32 (W = q s + offset)."""
+    codes = unpack_int4(layer.qweight).to(torch.int32)
+    layer.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)  # innerKTiles: unused
+    scales_zeros = torch.stack((layer.scales.t(), layer.zeros.t()), dim=-1)
+    layer.int4_scales_zeros = scales_zeros.to(op_dtype).contiguous()
+    layer.int4_offsets = layer.zeros.float() - 8 * layer.scales.float()
+
+
+def cpu_int4_product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    """x W^T + bias on the CPU: torch's int4 op up to ``INT4_CPU_OP_MAX_TOKENS`` tokens, W dequantized past it."""
+    x2d = x.reshape(-1, x.shape[-1])
+    if x2d.shape[0] > INT4_CPU_OP_MAX_TOKENS:
+        out = cpu_dequantized_product(layer, x2d, group_size)
+    else:
+        op_dtype = layer.int4_scales_zeros.dtype
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.to(op_dtype).contiguous(), layer.int4_packed,
+                                                         group_size, layer.int4_scales_zeros)
+    out = out.to(x.dtype)
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def cpu_dequantized_product(layer: nn.Module, x2d: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x W^T with W dequantized into this thread's scratch buffers, in bfloat16 where ``dense_bfloat16`` says so.
+
+    The codes are unpacked without interleaving them again (a strided write of bytes is the slow part): every
+    byte's low nibbles (W's even columns) first, then its high ones (the odd columns), and x's columns are put in
+    the same order, so the product is unchanged. A group of ``group_size`` columns is then ``group_size / 2``
+    columns in each half, and W = q s + (z - 8 s) is computed in float32 and rounded once."""
+    rows, cols = layer.out_features, layer.in_features
+    half, groups = cols // 2, cols // group_size
+    codes = _scratch("codes", (rows, 2, half), torch.uint8)
+    torch.bitwise_and(layer.qweight, 15, out=codes[:, 0])
+    torch.bitwise_right_shift(layer.qweight, 4, out=codes[:, 1])
+    values = _scratch("values", (rows, cols), torch.float32)
+    values.copy_(codes.view(rows, cols))
+    by_group = values.view(rows, 2, groups, group_size // 2)
+    by_group.mul_(layer.scales.view(rows, 1, groups, 1)).add_(layer.int4_offsets.view(rows, 1, groups, 1))
+    dtype = torch.bfloat16 if dense_bfloat16() else torch.float32
+    weight = values if dtype == torch.float32 else _scratch("weight", (rows, cols), dtype).copy_(values)
+    tokens = x2d.shape[0]
+    xs = torch.empty(tokens, 2, half, dtype=dtype)
+    xs.copy_(x2d.reshape(tokens, half, 2).transpose(1, 2))  # even columns, then odd ones
+    return F.linear(xs.view(tokens, cols), weight)
+
+
+def dense_bfloat16() -> bool:
+    """Whether oneDNN multiplies bfloat16 on this CPU in its own kernels (AVX-512 or AMX); elsewhere a dequantized
+    W is multiplied in float32."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check is not None and torch.backends.mkldnn.is_available() and check())
+
+
+_SCRATCH = threading.local()  # the dense path's buffers, by name: as large as the largest layer yet
+
+
+def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    numel = 1
+    for size in shape:
+        numel *= size
+    buffer = getattr(_SCRATCH, name, None)
+    if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: writable in and outside inference mode alike
+            buffer = torch.empty(numel, dtype=dtype)
+        setattr(_SCRATCH, name, buffer)
+    return buffer[:numel].view(shape)
 
 
 def check_group_alignment(layer: nn.Module, group_size: int, kind: str) -> None:
