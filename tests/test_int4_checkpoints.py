@@ -25,10 +25,19 @@ from compressed_tensors.compressors.pack_quantized.base import PackedQuantizatio
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 from safetensors.torch import save_file
 
-from engine import LLM, SamplingParams
-from engine.models.linear import Int4LinearMethod, Int8LinearMethod, linear_layers
+from engine import LLM, SamplingParams, distributed
+from engine.loading.loader import load_model
+from engine.loading.model_config import ModelConfig
+from engine.models.linear import (
+    Int4LinearMethod,
+    Int8LinearMethod,
+    UnquantizedLinearMethod,
+    dequantize_int4,
+    dequantize_int8,
+    linear_layers,
+)
 from engine.models.linear.w8a8 import W8A8LinearMethod
-from tests.helpers import spread_weights
+from tests.helpers import PagedRunner, spread_weights
 
 VOCAB = 320
 DIMS = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -251,13 +260,19 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 21, 30)]
 
 
+def checkpoint(case: str, path: Path) -> tuple[torch.nn.Module, Path]:
+    """(the reference holding the dequantized weights, the checkpoint's directory) of one of ``CASES``."""
+    family, (quant_config, encode) = CASES[case]
+    reference = reference_model(family)
+    path = write_checkpoint(reference, path, quant_config, encode)
+    if case.startswith("ct-w8a8"):
+        round_inputs_to_int8(reference)
+    return reference, path
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def served(request, tmp_path_factory):
-    family, (quant_config, encode) = CASES[request.param]
-    reference = reference_model(family)
-    path = write_checkpoint(reference, tmp_path_factory.mktemp(request.param), quant_config, encode)
-    if request.param.startswith("ct-w8a8"):
-        round_inputs_to_int8(reference)
+    reference, path = checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     llm = LLM(str(path), max_model_len=128, num_kvcache_blocks=24)
     return SimpleNamespace(name=request.param, path=path, reference=reference, llm=llm)
 
@@ -281,24 +296,170 @@ def test_layers_load_quantized_and_drop_the_checkpoints_tensors(served):
     assert all((getattr(layer, "input_perm", None) is not None) == act_order for layer in layers.values())
 
 
-def test_logprobs_match_the_dequantized_weights(served):
-    """Every prompt token's logprob and top 5 as transformers' in float32 holding the dequantized weights."""
-    outs = served.llm.generate([{"prompt_token_ids": p} for p in prompts()],
-                               SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False)
+def check_logprobs(llm: LLM, reference: torch.nn.Module) -> None:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], SamplingParams(max_tokens=1, prompt_logprobs=5),
+                        use_tqdm=False)
     for prompt, out in zip(prompts(), outs):
         with torch.no_grad():
-            expected = torch.log_softmax(served.reference(torch.tensor([prompt])).logits[0].float(), dim=-1)
+            expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0].float(), dim=-1)
         for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
             row = expected[pos - 1]
             assert entry.logprob == pytest.approx(row[prompt[pos]].item(), abs=FLOAT32_TOLERANCE)
             assert entry.top_token_ids == row.topk(5).indices.tolist()
 
 
-def test_greedy_tokens_equal_transformers(served):
-    outs = served.llm.generate([{"prompt_token_ids": p} for p in prompts()],
-                               SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+def check_greedy(llm: LLM, reference: torch.nn.Module) -> None:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
+                        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts(), outs):
         ids = torch.tensor([prompt])
-        expected = served.reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)
         assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
+
+
+def test_logprobs_match_the_dequantized_weights(served):
+    """Every prompt token's logprob and top 5 as transformers' in float32 holding the dequantized weights."""
+    check_logprobs(served.llm, served.reference)
+
+
+def test_greedy_tokens_equal_transformers(served):
+    check_greedy(served.llm, served.reference)
+
+
+@pytest.mark.parametrize("case", ["awq-g64-qwen2", "gptq-g32-sym-qwen3", "ct-w4a16-asym-channel-qwen2"])
+def test_two_ranks_serve_the_checkpoint_as_one(case, tmp_path):
+    """At tensor_parallel_size=2 each rank loads its rows (q|k|v, gate|up: whole words of AWQ's packed channels and
+    of the zero points) or its whole groups of columns (o, down; a scale per channel is every rank's): the same
+    logprobs and greedy tokens as transformers."""
+    reference, path = checkpoint(case, tmp_path / case)
+    with LLM(str(path), tensor_parallel_size=2, max_model_len=128, num_kvcache_blocks=24) as tp2:
+        check_logprobs(tp2, reference)
+        check_greedy(tp2, reference)
+
+
+# ------------------------------------------------------------------------------------------ dummy weights
+
+
+def write_config(path: Path, family: str, quant_config: dict, config_class=None, **overrides) -> Path:
+    """A model directory of a config alone (for dummy weights)."""
+    config_class = config_class or FAMILIES[family]
+    config = config_class(**{**DIMS, **overrides})
+    config.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
+    config.save_pretrained(path)
+    data = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**data, "quantization_config": quant_config}))
+    return path
+
+
+def dequantized(layer) -> torch.Tensor:
+    if isinstance(layer.method, Int4LinearMethod):
+        return dequantize_int4(layer.qweight, layer.scales, layer.zeros, layer.method.group_size)
+    if isinstance(layer.method, Int8LinearMethod):
+        return dequantize_int8(layer.qweight, layer.scales)
+    return layer.weight.float() * layer.weight_scale
+
+
+@pytest.mark.parametrize("case", ["awq-g128-llama", "gptq-g32-asym-act-order-qwen2", "gptq-int8-g64-act-order-qwen2",
+                                  "ct-w4a16-asym-g128-llama", "ct-w8a8-qwen2"])
+def test_dummy_weights_of_a_quantized_config(case, tmp_path):
+    """``load_format="dummy"`` with a checkpoint's quantization_config (as benchmarks build large models): random
+    codes, with scales and zero points that make W about N(0, 0.02), so that activations stay O(1)."""
+    family, (quant_config, _) = CASES[case]
+    model = load_model(ModelConfig.from_pretrained(write_config(tmp_path, family, quant_config)), torch.float32, "cpu",
+                       load_format="dummy")
+    for name, layer in linear_layers(model):
+        assert isinstance(layer.method, expected_method(case)), name
+        assert getattr(layer, "input_perm", None) is None  # dummy groups are in order
+        weight = dequantized(layer)
+        assert 0.017 < weight.std().item() < 0.023 and abs(weight.mean().item()) < 0.15 * weight.std().item(), name
+    logits = PagedRunner(model).step([(0, prompts()[2])])[0]
+    assert torch.isfinite(logits).all() and 0.05 < logits.std().item() < 20
+
+
+def test_modules_a_checkpoint_keeps_unquantized_stay_so(tmp_path):
+    """AWQ's and GPTQ's modules_to_not_convert, GPTQ's modules_in_block_to_quantize, compressed-tensors' ignore (a
+    regular expression here): those layers keep 16/32-bit weights."""
+    configs = {
+        "awq": {**CASES["awq-g128-llama"][1][0], "modules_to_not_convert": ["mlp"]},
+        "gptq": {**CASES["gptq-g32-sym-qwen3"][1][0], "modules_in_block_to_quantize": [
+            ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.down_proj"]]},
+        "compressed-tensors": {**CASES["ct-w4a16-g32-qwen3"][1][0], "ignore": ["lm_head", "re:.*self_attn.o_proj$"]},
+    }
+    expected = {"awq": {"qkv_proj", "o_proj"}, "gptq": {"qkv_proj", "down_proj"},
+                "compressed-tensors": {"qkv_proj", "gate_up_proj", "down_proj"}}
+    for name, quant_config in configs.items():
+        path = write_config(tmp_path / name, "llama", quant_config)
+        model = load_model(ModelConfig.from_pretrained(path), torch.float32, "cpu", load_format="dummy")
+        quantized = {layer_name.rsplit(".", 1)[-1] for layer_name, layer in linear_layers(model)
+                     if not isinstance(layer.method, UnquantizedLinearMethod)}
+        assert quantized == expected[name], name
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+def gptq_config(**changes) -> dict:
+    return {**CASES["gptq-g32-sym-qwen3"][1][0], **changes}
+
+
+def compressed_changed(case: str, change: Callable[[dict], None]) -> dict:
+    config = json.loads(json.dumps(CASES[case][1][0]))
+    change(config)
+    return config
+
+
+REFUSED = {
+    "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True},
+                     r"quant_method 'bitsandbytes' is not supported; supported: fp8 .*awq .*gptq .*compressed-tensors"),
+    "awq-gemv": ({**CASES["awq-g128-llama"][1][0], "version": "gemv"}, "AWQ version 'gemv' is not supported"),
+    "awq-marlin": ({**CASES["awq-g128-llama"][1][0], "version": "marlin"}, "AWQ version 'marlin'"),
+    "awq-8-bits": ({**CASES["awq-g128-llama"][1][0], "bits": 8}, "AWQ checkpoints of 8 bits"),
+    "gptq-marlin": (gptq_config(checkpoint_format="marlin"), "GPTQ checkpoint_format 'marlin' is not supported"),
+    "gptq-3-bits": (gptq_config(bits=3), "GPTQ checkpoints of 3 bits"),
+    "gptq-int8-asym": (gptq_config(bits=8, sym=False), "8-bit GPTQ checkpoints with zero points"),
+    "gptq-lm-head": (gptq_config(lm_head=True), "quantized LM head"),
+    "gptq-dynamic": (gptq_config(dynamic={"-:.*down": {}}), "dynamic"),
+    "gptq-group-12": (gptq_config(group_size=12), "group_size 12 is not supported"),
+    "ct-float-weights": (compressed_changed("ct-w4a16-g32-qwen3", lambda c: c["config_groups"]["group_0"]["weights"]
+                                            .update(type="float", num_bits=8)), "float weights are not supported"),
+    "ct-act-order-group": (compressed_changed("ct-w4a16-g32-qwen3", lambda c: c["config_groups"]["group_0"]["weights"]
+                                              .update(actorder="group")), "actorder 'group'"),
+    "ct-lm-head": (compressed_changed("ct-w4a16-g32-qwen3", lambda c: c.update(ignore=[])), "quantizes the LM head"),
+    "ct-w4a8": (compressed_changed("ct-w4a16-g32-qwen3", lambda c: c["config_groups"]["group_0"].update(
+        input_activations=CASES["ct-w8a8-qwen2"][1][0]["config_groups"]["group_0"]["input_activations"])),
+        "format 'pack-quantized' with 4-bit weights and quantized inputs is not supported"),
+    "ct-static-activations": (compressed_changed("ct-w8a8-qwen2", lambda c: c["config_groups"]["group_0"][
+        "input_activations"].update(dynamic=False)), "only dynamic, symmetric, per-token"),
+    "ct-frozen": (compressed_changed("ct-w4a16-g32-qwen3", lambda c: c.update(quantization_status="frozen")),
+                  "quantization_status 'frozen'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unsupported_quantization_configs_are_refused_by_name(name, tmp_path):
+    quant_config, match = REFUSED[name]
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_pretrained(write_config(tmp_path, "llama", quant_config))
+
+
+def test_what_the_layers_cannot_take_is_refused_when_loading(tmp_path, monkeypatch):
+    """A quantized MoE model (its experts), a fused layer whose parts differ, --quantization on a quantized checkpoint,
+    and act order split over tensor-parallel ranks: each a ValueError naming it."""
+    def load(path, **kwargs):
+        return load_model(ModelConfig.from_pretrained(path), torch.float32, "cpu", load_format="dummy", **kwargs)
+
+    gptq = gptq_config()
+    moe = write_config(tmp_path / "moe", "qwen3", gptq, transformers.Qwen3MoeConfig, moe_intermediate_size=64,
+                       num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="mixture-of-experts models in GPTQ checkpoints are not supported"):
+        load(moe)
+    mixed = write_config(tmp_path / "mixed", "llama", {**gptq, "modules_to_not_convert": ["k_proj"]})
+    with pytest.raises(ValueError, match=r"qkv_proj: its parts .* are stored in different formats"):
+        load(mixed)
+    with pytest.raises(ValueError, match=r"quantized already \(GPTQ\): quantization='fp8'"):
+        load(write_config(tmp_path / "fp8", "llama", gptq), quantization="fp8")
+    monkeypatch.setattr(distributed, "_state", distributed.ParallelState(rank=1, world_size=2))
+    act_order = write_config(tmp_path / "act-order", "llama", gptq_config(desc_act=True))
+    with pytest.raises(ValueError, match="o_proj: a GPTQ checkpoint with desc_act"):
+        load(act_order)

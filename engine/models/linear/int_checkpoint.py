@@ -90,12 +90,6 @@ def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
     return as_bytes if bits == 8 else unpack_int4(as_bytes)
 
 
-def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``unpack_words`` undone: codes [..., n] (n a multiple of 32 / bits) -> int32 words [..., n * bits / 32]."""
-    as_bytes = codes.to(torch.uint8) if bits == 8 else pack_int4(codes)
-    return as_bytes.contiguous().view(torch.int32)
-
-
 def random_words(shape: tuple[int, ...], generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """int32 words of uniformly random bits (so uniformly random codes of any width)."""
     count = 4 * torch.Size(shape).numel()

@@ -17,7 +17,9 @@ quantized at load time or loaded as an FP8 checkpoint stores it) are the methods
 layer (``set_linear_methods``); model files never name a method. ``Int4LinearMethod`` and ``Int8LinearMethod``
 (grouped 4- and 8-bit codes; GGUF's Q4_0, Q4_1 and Q8_0 blocks convert to them in ``engine.loading.gguf_blocks``)
 follow the plan below; ``--quantization gguf`` selects them for a GGUF file's blocks
-(``engine.loading.gguf_weights``).
+(``engine.loading.gguf_weights``), and an AWQ, GPTQ or compressed-tensors checkpoint's ``quantization_config`` for
+its layers (``engine.loading.int_weights``: ``Int4CheckpointMethod`` and ``Int8CheckpointMethod`` load the
+checkpoint's tensors as stored and convert them once, ``engine.models.linear.int_checkpoint``).
 
 **An int4 method** (AWQ, GPTQ, GGUF blocks) plugs in as another subclass. ``create_weights`` registers the packed
 weight, its group scales and zero points, each with the WeightLayout that says how its dims map onto W: AWQ's
