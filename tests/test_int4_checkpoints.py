@@ -31,12 +31,16 @@ from engine.loading.model_config import ModelConfig
 from engine.models.linear import (
     Int4LinearMethod,
     Int8LinearMethod,
+    RowParallelLinear,
     UnquantizedLinearMethod,
     dequantize_int4,
     dequantize_int8,
     linear_layers,
+    process_weights_after_loading,
+    w8a8,
 )
 from engine.models.linear.w8a8 import W8A8LinearMethod
+from engine.models.weight_loading import load_checkpoint_weights
 from tests.helpers import PagedRunner, spread_weights
 
 VOCAB = 320
@@ -336,6 +340,27 @@ def test_two_ranks_serve_the_checkpoint_as_one(case, tmp_path):
     with LLM(str(path), tensor_parallel_size=2, max_model_len=128, num_kvcache_blocks=24) as tp2:
         check_logprobs(tp2, reference)
         check_greedy(tp2, reference)
+
+
+@pytest.mark.parametrize("int_mm", [True, False], ids=["int-mm", "emulated"])
+def test_w8a8_products_quantize_each_token_to_int8(monkeypatch, int_mm):
+    """x W^T with x rounded per token to int8 (a = amax|x| / 127) and W = q * s: through torch._int_mm, and by the
+    float32 emulation where it does not run; an empty batch too."""
+    monkeypatch.setattr(w8a8, "int_mm_available", lambda device: int_mm)
+    gen = torch.Generator().manual_seed(5)
+    layer = RowParallelLinear(96, 40, bias=True)
+    layer.set_method(W8A8LinearMethod())
+    weight = torch.randint(-127, 128, (40, 96), dtype=torch.int8, generator=gen)
+    scale, bias = torch.rand(40, 1, generator=gen) * 0.01, torch.randn(40, generator=gen)
+    model = torch.nn.ModuleDict({"proj": layer})
+    load_checkpoint_weights(model, [("proj.weight", weight), ("proj.weight_scale", scale), ("proj.bias", bias)])
+    process_weights_after_loading(model)
+    assert layer.int8_mm == int_mm and (layer.widened_weight is None) == int_mm
+    x = torch.randn(5, 96, generator=gen) * torch.tensor([0.1, 1, 10, 100, 1000])[:, None]
+    a = x.abs().amax(1, keepdim=True) / 127
+    expected = ((x / a).round() * a) @ (weight.float() * scale).T + bias
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert layer(x[:0]).shape == (0, 40)
 
 
 # ------------------------------------------------------------------------------------------ dummy weights

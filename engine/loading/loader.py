@@ -39,7 +39,8 @@ def load_model(
     ``load_format``: "safetensors" reads every shard in ``config.model_path``; "dummy" fills random
     weights of the real shapes, deterministic in ``seed`` (for benchmarks without a checkpoint);
     "auto" means safetensors. ``quantization="fp8"`` quantizes the linear layers to FP8 after loading;
-    a checkpoint stored in FP8 (its ``quantization_config``) is loaded in FP8 as it is. ``quantization="gguf"``
+    a checkpoint stored in FP8 (its ``quantization_config``) is loaded in FP8 as it is, and an AWQ, GPTQ or
+    compressed-tensors one in its integer layout (``engine.loading.int_weights``). ``quantization="gguf"``
     (a GGUF file's converted directory) loads the file's Q4_0, Q4_1 and Q8_0 linear weights in their blocks. Each linear layer gets
     its weight method before loading (``_set_linear_methods``) and processes its weights after. Returns the
     model in eval mode.
