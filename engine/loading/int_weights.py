@@ -238,8 +238,8 @@ def use_int_methods(model: nn.Module, quant: dict, moe: bool, quantization: str 
         return _method(recipe, layer)
 
     set_linear_methods(model, choose)
-    logger.info("%s checkpoint (%s): %d linear layers load quantized, %d unquantized", scheme.name,
-                "; ".join(sorted(descriptions)) or "no layer quantized", kept["quantized"], kept["unquantized"])
+    logger.info("%s: %d linear layers load quantized, %d unquantized",
+                "; ".join(sorted(descriptions)) or f"{scheme.name} checkpoint", kept["quantized"], kept["unquantized"])
     return kept["quantized"]
 
 
