@@ -61,6 +61,7 @@ class IntScheme:
 
 def int_scheme(quant: dict) -> IntScheme:
     """The scheme of a ``quantization_config`` whose ``quant_method`` is one of ``INT_QUANT_METHODS``."""
+    quant = {key: getattr(value, "value", value) for key, value in quant.items()}  # transformers' enums: their str
     method = quant.get("quant_method")
     readers = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors}
     if method not in readers:
