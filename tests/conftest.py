@@ -105,6 +105,7 @@ TIER_OF_FILE = {
     "test_gguf.py": "engine",
     "test_gguf_models.py": "engine",
     "test_gguf_quantized.py": "engine",
+    "test_int4_checkpoints.py": "engine",
     "test_kv_offload.py": "engine",
     "test_llm_lifecycle.py": "engine",
     "test_models.py": "engine",

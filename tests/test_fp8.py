@@ -320,7 +320,7 @@ def test_fp8_block_checkpoint_loads_as_stored_and_matches_its_dequantized_weight
 
 def test_unsupported_quantization_configs_are_refused_by_name(block_dirs, tmp_path):
     dense_dir = block_dirs[0]
-    for quant, match in (({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    for quant, match in (({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
                          ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme"),
                          ({"quant_method": "fp8", "fmt": "e5m2"}, "format"),
                          ({"quant_method": "fp8", "weight_block_size": [128, 64]}, "weight_block_size")):

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.loading import fp8_weights, gguf_weights
+from engine.loading import fp8_weights, gguf_weights, int_weights
 from engine.loading.gguf import source_gguf
 from engine.loading.model_config import ModelConfig
 from engine.models import fp8, get_model_class
@@ -39,7 +39,8 @@ def load_model(
     ``load_format``: "safetensors" reads every shard in ``config.model_path``; "dummy" fills random
     weights of the real shapes, deterministic in ``seed`` (for benchmarks without a checkpoint);
     "auto" means safetensors. ``quantization="fp8"`` quantizes the linear layers to FP8 after loading;
-    a checkpoint stored in FP8 (its ``quantization_config``) is loaded in FP8 as it is. ``quantization="gguf"``
+    a checkpoint stored in FP8 (its ``quantization_config``) is loaded in FP8 as it is, and an AWQ, GPTQ or
+    compressed-tensors one in its integer layout (``engine.loading.int_weights``). ``quantization="gguf"``
     (a GGUF file's converted directory) loads the file's Q4_0, Q4_1 and Q8_0 linear weights in their blocks. Each linear layer gets
     its weight method before loading (``_set_linear_methods``) and processes its weights after. Returns the
     model in eval mode.
@@ -67,6 +68,8 @@ def load_model(
     process_weights_after_loading(model)
     if gguf is not None:
         gguf_weights.log_weight_bytes(model, gguf)
+    if _int_checkpoint(config):
+        int_weights.log_weight_bytes(model)
     if quantized:
         logger.info("quantized %d linear layers to FP8 (a scale per output channel): weights %.2f -> %.2f GiB",
                     quantized, before / 2**30, fp8_weights.weight_bytes(model) / 2**30)
@@ -79,11 +82,13 @@ def load_model(
 
 
 def _set_linear_methods(model: nn.Module, config: ModelConfig, quantization: str | None) -> int:
-    """Each linear layer's weight method, before loading: an FP8 checkpoint's layout, ``--quantization fp8``'s,
-    or 16-bit weights cut along K at decode sizes (``MINIVLLM_DECODE_KSPLIT``). Returns how many layers are
-    quantized after loading."""
+    """Each linear layer's weight method, before loading: an integer (AWQ, GPTQ, compressed-tensors) or FP8
+    checkpoint's layout, ``--quantization fp8``'s, or 16-bit weights cut along K at decode sizes
+    (``MINIVLLM_DECODE_KSPLIT``). Returns how many layers are quantized after loading."""
     quantized = 0
-    if config.quantization_config is not None:
+    if _int_checkpoint(config):
+        int_weights.use_int_methods(model, config.quantization_config, config.moe is not None, quantization)
+    elif config.quantization_config is not None:
         layers = fp8_weights.use_fp8_methods(model, fp8.Fp8Scheme.from_hf(config.quantization_config))
         logger.info("FP8 checkpoint (weight blocks %s): %d linear layers load in FP8",
                     config.quantization_config.get("weight_block_size"), layers)
@@ -91,6 +96,11 @@ def _set_linear_methods(model: nn.Module, config: ModelConfig, quantization: str
         quantized = fp8_weights.use_fp8_methods(model, None)
     use_decode_k_split(model)
     return quantized
+
+
+def _int_checkpoint(config: ModelConfig) -> bool:
+    quant = config.quantization_config
+    return quant is not None and quant.get("quant_method") in int_weights.INT_QUANT_METHODS
 
 
 def _use_gguf_methods(model: nn.Module, config: ModelConfig) -> gguf_weights.GgufWeights:
@@ -193,7 +203,8 @@ class LazyTensor:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of the real shapes: norms at 1.0, everything else N(0, 0.02).
+    """Random weights of the real shapes: norms at 1.0, everything else N(0, 0.02) (an integer checkpoint's
+    layers: random codes, with scales and zero points that make them about as large).
 
     One generator on the model's device, seeded once and visited in parameter order,
     so the same seed gives the same weights on the same device.
@@ -202,6 +213,10 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     generator = torch.Generator(device=device).manual_seed(seed)
     seen: set[int] = set()  # tied parameters are filled once
     for module in model.modules():
+        fill = getattr(getattr(module, "method", None), "fill_dummy", None)
+        if fill is not None:  # a checkpoint layout's codes, scales and zero points: its method fills them
+            fill(module, generator)
+            seen.update(id(p) for name, p in module.named_parameters(recurse=False) if name != "bias")
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue

@@ -258,9 +258,13 @@ def _read_quantization(hf_config: Any) -> dict[str, Any] | None:
     if quant is None:
         return None
     quant = quant.to_dict() if hasattr(quant, "to_dict") else dict(quant)
+    from engine.loading.int_weights import int_scheme
     from engine.models.fp8 import Fp8Scheme
 
-    Fp8Scheme.from_hf(quant)  # ValueError naming what is not supported
+    if quant.get("quant_method") == "fp8":  # either raises ValueError naming what is not supported
+        Fp8Scheme.from_hf(quant)
+    else:
+        int_scheme(quant)
     return quant
 
 

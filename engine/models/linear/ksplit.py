@@ -84,12 +84,11 @@ def use_decode_k_split(model: nn.Module) -> None:
     for module in model.modules():
         for layer_name in getattr(module, "deferred_products", ()):
             layer = getattr(module, layer_name)
-            if not isinstance(layer, LinearBase):
-                continue
+            if not isinstance(layer, LinearBase) or type(layer.method) is not UnquantizedLinearMethod:
+                continue  # a quantized layer (an integer checkpoint's) keeps its method
             product = layer_name.removesuffix("_proj")
             slices = decode_k_slices(product, layer.in_features, layer.out_features, layer.weight.device)
-            if (slices > 1 and type(layer.method) is UnquantizedLinearMethod and layer.bias is None
-                    and layer.input_shard is None):
+            if slices > 1 and layer.bias is None and layer.input_shard is None:
                 layer.set_method(UnquantizedLinearMethod(slices, product))
 
 

@@ -17,7 +17,10 @@ quantized at load time or loaded as an FP8 checkpoint stores it) are the methods
 layer (``set_linear_methods``); model files never name a method. ``Int4LinearMethod`` and ``Int8LinearMethod``
 (grouped 4- and 8-bit codes with group scales, and zeros; GGUF's blocks convert to them in
 ``engine.loading.gguf_blocks`` and ``gguf_kquants``) follow the plan below; a GGUF model gets them for its file's
-blocks (``engine.loading.gguf_weights``, with ``--quantization`` unset or ``gguf``).
+blocks (``engine.loading.gguf_weights``, with ``--quantization`` unset or ``gguf``), and an AWQ, GPTQ or
+compressed-tensors checkpoint's ``quantization_config`` for its layers (``engine.loading.int_weights``:
+``Int4CheckpointMethod`` and ``Int8CheckpointMethod`` load the checkpoint's tensors as stored and convert them once,
+``engine.models.linear.int_checkpoint``).
 
 **An int4 method** (AWQ, GPTQ, GGUF blocks) plugs in as another subclass. ``create_weights`` registers the packed
 weight, its group scales and zero points, each with the WeightLayout that says how its dims map onto W: AWQ's
