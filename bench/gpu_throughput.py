@@ -142,7 +142,7 @@ def run_minivllm(model_dir: Path, prompts, output_lens, args, kv_cache_dtype: st
               quantization=quantization, num_kvcache_blocks=getattr(args, "num_kvcache_blocks", -1),
               preemption_mode=preemption_mode,
               kv_offloading_size_gib=args.kv_offloading_size if preemption_mode in ("swap", "auto") else 0.0)
-    warm = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 4
+    warm = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * len(prompts[:4])
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], warm, use_tqdm=False)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.engine.measure_steps(True)

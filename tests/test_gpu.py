@@ -728,9 +728,9 @@ def default_model_path(tokenizer_dir):
     return tokenizer_dir
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-q4km"])
 def test_int4_and_int8_kernels_under_cuda_graphs_match_the_dequantized_reference(tmp_path, arch, vocabulary):
-    """A tiny GGUF of Q4_0/Q4_1/Q8_0 layers served from its blocks on CUDA (``engine.ops.quant_matmul``: decode
+    """A tiny GGUF of every kept block type served from its blocks on CUDA (``engine.ops.quant_matmul``: decode
     steps in CUDA graphs, K cut into slices whose partial products the next kernels add): in float32 (IEEE products)
     the prompt logprobs and greedy tokens of transformers holding what the file holds; in bfloat16 the logprobs
     within bfloat16's tolerance."""
@@ -738,11 +738,12 @@ def test_int4_and_int8_kernels_under_cuda_graphs_match_the_dequantized_reference
 
     from engine.models.linear import Int4LinearMethod, Int8LinearMethod, linear_layers
     from tests.helpers import spread_weights
-    from tests.test_gguf_models import MODELS, TinyModel, write_gguf
-    from tests.test_gguf_quantized import BFLOAT16_TOLERANCE, TYPES, _check_logprobs, _prompts
+    from tests.test_gguf_models import TinyModel, write_gguf
+    from tests.test_gguf_quantized import BFLOAT16_TOLERANCE, TINY, _check_logprobs, _prompts
 
-    base = MODELS[arch]
-    model = TinyModel(arch=base.arch, config=base.config, types=TYPES[arch], chat_template=base.chat_template)
+    tiny = TINY[arch]  # hidden 256: heads of 64, which the Triton attention (and so the CUDA graphs) takes
+    model = TinyModel(arch=tiny.arch, config={**tiny.config, "hidden_size": 256}, types=tiny.types,
+                      chat_template=tiny.chat_template)
     config = transformers.AutoConfig.for_model(vocab_size=len(vocabulary["tokens"]), **model.config)
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
