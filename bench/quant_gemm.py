@@ -27,15 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_gemm import L2_BYTES, SHAPES, graph_time, print_sweep  # noqa: E402  (puts the repo root on the path)
 
 from engine.models.linear.int4 import pack_int4  # noqa: E402
-from engine.ops.quant_matmul import (  # noqa: E402
-    QuantWeight,
-    Tiles,
-    choose_tiles,
-    dequantize,
-    int4_weight,
-    int8_weight,
-    quant_matmul,
-)
+from engine.ops.quant_matmul import QuantWeight, Tiles, choose_tiles, dequantize, quant_matmul  # noqa: E402
 
 BATCHES = (1, 8, 32, 64, 128, 256, 512, 1024, 4096)
 
@@ -51,7 +43,7 @@ def quant_weights(n: int, k: int, bits: int, group: int) -> list[QuantWeight]:
             codes = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8)
         scales = torch.rand(n, k // group, device="cuda").mul_(0.004).add_(0.001).to(torch.bfloat16)
         zeros = torch.randn(n, k // group, device="cuda").mul_(0.01).to(torch.bfloat16) if bits == 4 else None
-        out.append((int4_weight if bits == 4 else int8_weight)(codes, scales, zeros, group))
+        out.append(QuantWeight(codes, scales, zeros, bits, group))
     return out
 
 
@@ -78,7 +70,7 @@ def compare(shape: str, batches) -> None:
             cells = [(graph_time([lambda w=w: F.linear(x, w) for w in dense]), 2 * n * k)]
             for label, ws in variants.items():
                 check(x, ws[0], label, name, m)
-                tiles = choose_tiles(m, n, k, ws[0].step, num_sms)
+                tiles = choose_tiles(m, n, k, ws[0].group, num_sms)
                 cells.append((graph_time([lambda w=w: quant_matmul(x, w, tiles) for w in ws]), weight_bytes(ws[0])))
             ws = variants["int4 g128"]
             cells.append((graph_time([lambda w=w: F.linear(x, dequantize(w, x.dtype)) for w in ws]),
@@ -96,13 +88,15 @@ def check(x: torch.Tensor, w: QuantWeight, label: str, name: str, m: int) -> Non
         print(f"  {name} m={m} {label}: relative error {error:.4f} against the dequantized product")
 
 
-def candidates(m: int, k: int, step: int):
-    block_ms = sorted({min(64, max(16, 1 << (m - 1).bit_length())), min(128, max(16, 1 << (m - 1).bit_length()))})
-    for block_m, block_n, split, stages, warps in itertools.product(block_ms, (32, 64, 128, 256), (1, 2, 4, 8, 16),
+def candidates(m: int, k: int, group: int):
+    block_m = min(64, max(16, 1 << (m - 1).bit_length()))
+    for block_n, block_k, split, stages, warps in itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16),
                                                                      (3, 4), (4, 8)):
-        if k % (step * split) or (k // (step * split)) < 2 or (warps == 8 and block_n * block_m < 128 * 64):
+        if k % (block_k * split) or (k // (block_k * split)) < 2 or (block_k % group and group % block_k):
             continue
-        yield Tiles(block_m, block_n, split, warps, stages)
+        if warps == 8 and block_n < 128:
+            continue
+        yield Tiles(block_m, block_n, block_k, split, warps, stages)
 
 
 def sweep(shape: str, batches, group: int) -> None:
@@ -112,12 +106,12 @@ def sweep(shape: str, batches, group: int) -> None:
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             results = []
-            for tiles in candidates(m, k, ws[0].step):
+            for tiles in candidates(m, k, group):
                 try:
                     results.append((graph_time([lambda w=w: quant_matmul(x, w, tiles) for w in ws], reps=3), tiles))
                 except Exception as exc:  # out of shared memory or registers for this tile
                     print(f"  skip {tiles}: {type(exc).__name__}")
-            print_sweep(f"{name} m={m} int4 g{group}: choose_tiles", results, choose_tiles(m, n, k, ws[0].step, num_sms),
+            print_sweep(f"{name} m={m} int4 g{group}: choose_tiles", results, choose_tiles(m, n, k, group, num_sms),
                         weight_bytes(ws[0]))
         del ws
         torch.cuda.empty_cache()

@@ -18,11 +18,11 @@ pytest.importorskip("triton")
 from engine.models.linear.int4 import dequantize_int4, pack_int4  # noqa: E402
 from engine.models.linear.int8 import dequantize_int8  # noqa: E402
 from engine.ops.quant_matmul import (  # noqa: E402
+    QuantWeight,
     Tiles,
+    block_k_for,
     choose_tiles,
     dequantize,
-    int4_weight,
-    int8_weight,
     quant_matmul,
     quant_matmul_partials,
 )
@@ -49,9 +49,8 @@ def _weight(bits: int, n: int, k: int, group: int | None, dtype: torch.dtype, ze
             ref += zero.float().repeat_interleave(k // groups, dim=1)
     if group is None and bits == 8:
         scales = scales[:, 0].contiguous()
-    make = int4_weight if bits == 4 else int8_weight
-    weight = make(codes.to(DEVICE), scales.to(DEVICE), None if zero is None else zero.to(DEVICE),
-                  k if group is None else group)
+    weight = QuantWeight(codes.to(DEVICE), scales.to(DEVICE), None if zero is None else zero.to(DEVICE), bits,
+                         k if group is None else group)
     return weight, ref.to(dtype).float()
 
 
@@ -66,7 +65,7 @@ CASES = [  # bits, N, K, group, zeros
     (4, 64, 256, 128, True),  # AWQ/GPTQ's usual group: one group per K step
     (4, 80, 192, 64, False),  # K steps of 64 columns; N not a multiple of the weight tile
     (8, 64, 256, 32, False),  # GGUF Q8_0
-    (8, 48, 256, 16, True),  # int8 with zeros and groups of 16 (5- and 6-bit GGUF blocks held as int8)
+    (8, 48, 128, 16, True),  # int8 with zeros and groups of 16 (5- and 6-bit GGUF blocks held as int8)
     (8, 64, 256, None, False),  # one scale per row
 ]
 
@@ -80,9 +79,9 @@ def test_quant_matmul_matches_dequantized_product(bits, n, k, group, zeros, m):
     want = x.float() @ ref_w.t()
     _close(quant_matmul(x.to(DEVICE), weight), want, dtype)
     # K cut into slices, summed by the second launch and handed over as partial products
-    steps = k // weight.step
-    split = 2 if steps % 2 == 0 else 3
-    tiles = Tiles(16, 32, split, 4, 2)
+    block_k = block_k_for(k, weight.group, 64)
+    split = 2 if (k // block_k) % 2 == 0 else 3
+    tiles = Tiles(16, 32, block_k, split, 4, 2)
     _close(quant_matmul(x.to(DEVICE), weight, tiles), want, dtype)
     parts = quant_matmul_partials(x.to(DEVICE), weight, tiles)
     assert parts.shape == (split, m, n)
@@ -102,17 +101,9 @@ def test_empty_batch_and_shape_checks():
         quant_matmul(torch.zeros(2, 64, device=DEVICE), weight)
 
 
-def test_int4_steps_keep_each_half_in_one_group():
-    """int4 K steps: chunks of up to 128 columns whose halves lie within one group (groups of 32: 64-column steps);
-    a K with no such step is left to the other products."""
-    weight, _ = _weight(4, 64, 256, 32, torch.float32, True, seed=2)
-    assert weight.step == 64 and weight.codes.shape == (64, 128)
-    assert _weight(4, 64, 256, 128, torch.float32, True, seed=2)[0].step == 128
-    assert int4_weight(torch.zeros(8, 40, dtype=torch.uint8), torch.ones(8, 1), None, 80) is None  # K = 80
-
-
 def test_choose_tiles_cuts_k_only_while_the_gpu_is_not_full():
     one = choose_tiles(1, 4096, 4096, 128, num_sms=132)
-    assert one.block_m == 16 and one.split > 1 and 4096 % (128 * one.split) == 0
+    assert one.block_m == 16 and one.split > 1 and 4096 % (one.block_k * one.split) == 0
     wide = choose_tiles(256, 28672, 4096, 128, num_sms=132)
     assert wide.split == 1
+    assert choose_tiles(1, 64, 100, 32, num_sms=132) is None  # K of 100 is not cut into steps of 32

@@ -27,15 +27,14 @@ bytes and whole groups (a rank's columns must start and end on a group boundary:
   buffer of this thread that every layer reuses (``cpu_dequantized_product``: no copy of W is kept), and multiplies
   densely, in bfloat16 where oneDNN has a bfloat16 product for this CPU (``dense_bfloat16``), else in float32;
 * on CUDA, the Triton W4A16 kernels of ``engine.ops.quant_matmul`` (``cuda_kernels_apply``): up to
-  ``DEQUANTIZE_FROM_ROWS`` tokens a product multiplies the codes on the tensor cores (K cut into slices at decode
-  sizes, the slices' partial products handed to the next kernel by ``apply_deferred``); longer prompts dequantize
-  W into a temporary and multiply on cuBLAS;
+  ``DEQUANTIZE_FROM_ROWS`` tokens a product dequantizes the codes tile by tile on their way to the tensor cores
+  (K cut into slices at decode sizes, the slices' partial products handed to the next kernel by
+  ``apply_deferred``); longer products dequantize W into a temporary and multiply on cuBLAS;
 * otherwise (an older torch, another group size or dtype on the CPU, a shape the kernels do not take): W is
   dequantized once into a weight in the compute dtype kept on the layer (``dequantized_weight``) and the product is
   ``F.linear``: the speed and the memory of an unquantized layer.
 
-On the CPU the parameters stay as loaded (the codes are a quarter of a bfloat16 weight); on CUDA ``qweight`` holds
-the codes in the kernels' chunked layout after loading (``engine.ops.quant_matmul.QuantWeight``).
+The parameters stay as loaded either way (the codes are a quarter of a bfloat16 weight).
 """
 
 from __future__ import annotations
@@ -127,11 +126,9 @@ class Int4LinearMethod(LinearMethod):
         check_param(layer, "zeros", groups, (layer.scales.dtype,), "int4")
         layer.int4_packed = layer.int4_scales_zeros = layer.int4_offsets = layer.dequantized_weight = None
         layer.quant_weight = cuda_quant_weight(layer.qweight, layer.scales, layer.zeros, 4, group_size)
-        if layer.quant_weight is not None:  # the codes now live in the kernels' layout only
-            layer.qweight.data = layer.quant_weight.codes
-        elif self.uses_cpu_op(layer):
+        if layer.quant_weight is None and self.uses_cpu_op(layer):
             prepare_cpu_int4(layer, self._op_dtype(layer.scales.dtype))
-        else:
+        elif layer.quant_weight is None:
             layer.dequantized_weight = dequantize_int4(layer.qweight, layer.scales, layer.zeros, group_size)
 
     def uses_cpu_op(self, layer: nn.Module) -> bool:

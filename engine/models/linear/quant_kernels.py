@@ -18,31 +18,34 @@ import torch.nn.functional as F
 
 from engine.models.linear.output import LinearOutput
 
-DEQUANTIZE_FROM_ROWS = 128  # products of this many tokens or more dequantize W and multiply on cuBLAS
+DEQUANTIZE_FROM_ROWS = 128  # products of this many tokens or more dequantize W and multiply on cuBLAS (H100: the
+# fused kernel beat it up to 64 tokens, lost from 128; bench/RESULTS.md, 2026-12-07)
 
 
 def cuda_quant_weight(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
                       group: int | None):
     """The ``QuantWeight`` the kernels read for a layer's parameters, or None where they do not serve it: not on
-    CUDA, Triton missing, or K not cut into steps that fit the groups (``group`` None: one scale a row). int4 codes
-    are repacked into the kernels' chunked layout (a new tensor: the caller keeps it in place of the loaded one)."""
+    CUDA, Triton missing, or K not cut into steps of 32 columns that fit the groups (``group`` None: one scale a
+    row)."""
     if codes.device.type != "cuda":
         return None
     try:
-        from engine.ops.quant_matmul import int4_weight, int8_weight
+        from engine.ops.quant_matmul import QuantWeight, block_k_for
     except ImportError:
         return None
     k = codes.shape[1] * (2 if bits == 4 else 1)
     group = k if group is None else group
-    return int4_weight(codes, scales, zeros, group) if bits == 4 else int8_weight(codes, scales, zeros, group)
+    if block_k_for(k, group) is None:
+        return None
+    return QuantWeight(codes, scales, zeros, bits, group)
 
 
 @functools.lru_cache(maxsize=4096)
-def _tiles(m: int, n: int, k: int, step: int, device_index: int):
+def _tiles(m: int, n: int, k: int, group: int, device_index: int):
     from engine.ops.quant_matmul import choose_tiles
 
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return choose_tiles(m, n, k, step, sms)
+    return choose_tiles(m, n, k, group, sms)
 
 
 def cuda_kernels_apply(weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -53,7 +56,7 @@ def cuda_kernels_apply(weight, x: torch.Tensor, bias: torch.Tensor | None) -> to
     if rows.shape[0] >= DEQUANTIZE_FROM_ROWS:
         return F.linear(x, dequantize(weight, x.dtype), bias)
     n, k = weight.shape
-    out = quant_matmul(rows.contiguous(), weight, _tiles(rows.shape[0], n, k, weight.step, x.device.index or 0))
+    out = quant_matmul(rows.contiguous(), weight, _tiles(rows.shape[0], n, k, weight.group, x.device.index or 0))
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)
@@ -66,7 +69,7 @@ def cuda_kernels_apply_deferred(weight, x: torch.Tensor, bias: torch.Tensor | No
 
     if partials_ok and bias is None and x.dim() == 2 and x.shape[0] < DEQUANTIZE_FROM_ROWS:
         n, k = weight.shape
-        tiles = _tiles(x.shape[0], n, k, weight.step, x.device.index or 0)
+        tiles = _tiles(x.shape[0], n, k, weight.group, x.device.index or 0)
         if tiles.split > 1:
             partials = quant_matmul_partials(x.contiguous(), weight, tiles)
             return LinearOutput(partials[0], partials=partials)
