@@ -145,19 +145,26 @@ def block_k_for(k: int, group: int, widest: int = 128) -> int | None:
 
 def choose_tiles(m: int, n: int, k: int, group: int, num_sms: int) -> Tiles | None:
     """Tiles for an [m, k] x [k, n] product; None where the kernel does not take the shape (K not cut into steps
-    of 32 columns that fit the groups). Decode sizes read the weight: a narrow token tile, weight tiles of 64 rows
-    and K cut until about two programs per SM stream their share."""
+    of 32 columns that fit the groups). From a sweep on an H100 over Llama-3.1-8B's projections (bench/RESULTS.md,
+    2026-12-07; ``bench/quant_gemm.py --sweep``): up to 16 tokens, weight tiles of 64 rows, 4 warps, and K cut in
+    two at least and until ~1.8 programs per SM stream their share (gate|up's 448 tiles too: 30% faster cut in two);
+    more tokens, tiles of 128 rows on 8 warps, K cut until the programs about fill the SMs."""
     block_k = block_k_for(k, group)
     if block_k is None:
         return None
     block_m = min(64, max(16, next_power_of_2(m)))
-    block_n = 64 if m <= 64 else 128
+    few = m <= 16
+    block_n = 64 if few else 128
     tiles = cdiv(m, block_m) * cdiv(n, block_n)
     steps = k // block_k
-    split = 1
-    while tiles * split < 2 * num_sms and steps % (split * 2) == 0 and steps // (split * 2) >= 4:
+    split, fill = 1, (1.8 if few else 0.9) * num_sms
+
+    def can_cut() -> bool:
+        return steps % (split * 2) == 0 and steps // (split * 2) >= 4
+
+    while (tiles * split < fill or (few and split == 1)) and can_cut():
         split *= 2
-    return Tiles(block_m, block_n, block_k, split, 4, 4 if block_m <= 32 else 3)
+    return Tiles(block_m, block_n, block_k, split, 4 if few else 8, 3)
 
 
 def _num_sms(device: torch.device) -> int:
