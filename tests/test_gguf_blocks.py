@@ -224,13 +224,13 @@ def test_int8_zeros_parts_and_shards_land_in_whole_groups(monkeypatch, dtype):
                for param, t in zip(("qweight", "scales", "zeros"), parts)}
     model = torch.nn.ModuleDict({"qkv_proj": qkv, "o_proj": o_proj})
     assert load_checkpoint_weights(model, tensors.items()) == set(tensors)
-    process_weights_after_loading(model)
     rows = {"q_proj": slice(32, 64), "k_proj": slice(16, 32), "v_proj": slice(16, 32)}
     as_held = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
-    for param in ("qweight", "scales", "zeros"):
+    for param in ("qweight", "scales", "zeros"):  # as loaded (on the CPU the codes go once W is dequantized)
         assert torch.equal(getattr(qkv, param), torch.cat([as_held[f"{p}.{param}"][r] for p, r in rows.items()]))
     assert torch.equal(o_proj.qweight, as_held["o_proj.qweight"][:, 128:])
     assert torch.equal(o_proj.zeros, as_held["o_proj.zeros"][:, 8:])
+    process_weights_after_loading(model)
     weights = {name: int8_weight(codes, as_held[f"{name}.scales"], as_held[f"{name}.zeros"], 16)
                for name, (codes, _, _) in full.items()}
     x = torch.randn(4, 256, generator=gen).to(dtype)

@@ -24,7 +24,8 @@ codes): it is used on the CPU where a row has one scale and no zero (``group_siz
 the layer), in bfloat16 (on x86 its float32 kernel is not vectorized, many times slower than a dense product) and
 for input features a multiple of 64 (torch 2.14's bfloat16 kernel crashes where they are not a multiple of 16).
 Group scales such as GGUF's cannot be folded into per-channel ones, so on the CPU those layers dequantize W once
-into the compute dtype (``dequantized_weight``) and multiply with ``F.linear``. On CUDA every layer runs the
+into the compute dtype (``dequantized_weight``), multiply with ``F.linear`` and let their codes go (``qweight``
+emptied: the layer takes the memory of an unquantized one, not that plus a byte a weight). On CUDA every layer runs the
 Triton kernels of ``engine.ops.quant_matmul``, which read the codes with their group or row scales and zeros
 (``engine.models.linear.quant_kernels``).
 """
@@ -110,9 +111,10 @@ class Int8LinearMethod(LinearMethod):
             return
         if self.uses_cpu_op(layer):
             layer.int8_channel_scales = layer.scales.reshape(-1).contiguous()
-        else:
+        else:  # the copy is what multiplies: codes kept beside it would only add to its memory
             layer.dequantized_weight = dequantize_int8(layer.qweight, layer.scales,
                                                        layer.zeros if self.zeros else None)
+            layer.qweight.data = layer.qweight.data.new_empty((0, 0))
 
     def uses_cpu_op(self, layer: nn.Module) -> bool:
         """Whether the layer's products go through torch's CPU int8 op (after loading, by its parameters)."""
