@@ -250,21 +250,28 @@ def vocabulary(default_model_path, default_tokenizer) -> dict:
     )
 
 
+def write_tiny_gguf(path: Path, model: TinyModel, vocabulary: dict):
+    """A random-weight transformers model of ``model``'s config (seed 0, weights spread over a useful range) written
+    to ``path`` in ``model``'s types. Returns (path, that model holding exactly what the file holds, the held
+    weights by Hugging Face name)."""
+    config = transformers.AutoConfig.for_model(vocab_size=len(vocabulary["tokens"]), **model.config)
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    spread_weights(reference)
+    weights = write_gguf(path, model, reference, vocabulary, np.random.default_rng(0))
+    written = {tensor.name: tensor.tensor_type for tensor in gguf.GGUFReader(path).tensors}
+    assert {name: qtype for name, qtype in written.items() if qtype != Q.F32} == model.types
+    reference.load_state_dict(weights)
+    return path, reference, weights
+
+
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def tiny(request, vocabulary, tmp_path_factory):
     """One tiny model's GGUF, its float32 reference (transformers, holding what the file holds), and the LLM
     serving the file, its conversion cached in a temporary directory."""
     model = MODELS[request.param]
-    config = transformers.AutoConfig.for_model(vocab_size=len(vocabulary["tokens"]), **model.config)
-    torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    spread_weights(reference)
     work = tmp_path_factory.mktemp(f"gguf-{request.param}")
-    path = work / f"tiny-{request.param}.gguf"
-    weights = write_gguf(path, model, reference, vocabulary, np.random.default_rng(0))
-    written = {tensor.name: tensor.tensor_type for tensor in gguf.GGUFReader(path).tensors}
-    assert {name: qtype for name, qtype in written.items() if qtype != Q.F32} == model.types
-    reference.load_state_dict(weights)
+    path, reference, weights = write_tiny_gguf(work / f"tiny-{request.param}.gguf", model, vocabulary)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MINIVLLM_CACHE", str(work / "cache"))
         llm = LLM(str(path), max_model_len=128, num_kvcache_blocks=24, quantization="none")

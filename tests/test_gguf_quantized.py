@@ -28,8 +28,6 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
-import gguf
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -44,7 +42,6 @@ from engine.models.linear import (
     UnquantizedLinearMethod,
     linear_layers,
 )
-from tests.helpers import spread_weights
 from tests.test_gguf_models import (  # noqa: F401  (default_tokenizer, vocabulary: fixtures)
     MODELS,
     TinyModel,
@@ -53,6 +50,7 @@ from tests.test_gguf_models import (  # noqa: F401  (default_tokenizer, vocabula
     default_tokenizer,
     vocabulary,
     write_gguf,
+    write_tiny_gguf,
 )
 
 Q4_K_M_LAYER = dict(attn_q=Q.Q4_K, attn_k=Q.Q4_K, attn_v=Q.Q4_K, attn_output=Q.Q4_K,
@@ -143,16 +141,8 @@ def tiny(request, vocabulary, tmp_path_factory):  # noqa: F811
     """A tiny model's GGUF of ``TINY``'s types, the float32 reference (transformers loading the file), and LLMs
     serving it quantized: asked for, with the int4 products in float32 (and the start-up log), and by default
     (``quantization`` unset), with them in bfloat16."""
-    model = TINY[request.param]
-    config = transformers.AutoConfig.for_model(vocab_size=len(vocabulary["tokens"]), **model.config)
-    torch.manual_seed(0)
-    source = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    spread_weights(source)
     work = tmp_path_factory.mktemp(f"gguf-quantized-{request.param}")
-    path = work / f"tiny-{request.param}.gguf"
-    held = write_gguf(path, model, source, vocabulary, np.random.default_rng(0))
-    written = {tensor.name: tensor.tensor_type for tensor in gguf.GGUFReader(path).tensors}
-    assert {name: qtype for name, qtype in written.items() if qtype != Q.F32} == model.types
+    path, _, held = write_tiny_gguf(work / f"tiny-{request.param}.gguf", TINY[request.param], vocabulary)
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(work), gguf_file=path.name,
                                                                   dtype=torch.float32).eval()
     state = reference.state_dict()

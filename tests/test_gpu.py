@@ -734,22 +734,14 @@ def test_int4_and_int8_kernels_under_cuda_graphs_match_the_dequantized_reference
     steps in CUDA graphs, K cut into slices whose partial products the next kernels add): in float32 (IEEE products)
     the prompt logprobs and greedy tokens of transformers holding what the file holds; in bfloat16 the logprobs
     within bfloat16's tolerance."""
-    import numpy as np
-
     from engine.models.linear import Int4LinearMethod, Int8LinearMethod, linear_layers
-    from tests.helpers import spread_weights
-    from tests.test_gguf_models import TinyModel, write_gguf
+    from tests.test_gguf_models import TinyModel, write_tiny_gguf
     from tests.test_gguf_quantized import BFLOAT16_TOLERANCE, TINY, _check_logprobs, _prompts
 
     tiny = TINY[arch]  # hidden 256: heads of 64, which the Triton attention (and so the CUDA graphs) takes
     model = TinyModel(arch=tiny.arch, config={**tiny.config, "hidden_size": 256}, types=tiny.types,
                       chat_template=tiny.chat_template)
-    config = transformers.AutoConfig.for_model(vocab_size=len(vocabulary["tokens"]), **model.config)
-    torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    spread_weights(reference)
-    path = tmp_path / f"tiny-{arch}.gguf"
-    reference.load_state_dict(write_gguf(path, model, reference, vocabulary, np.random.default_rng(0)))
+    path, reference, _ = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", model, vocabulary)
     for dtype, tolerance in (("float32", 1e-4), ("bfloat16", BFLOAT16_TOLERANCE)):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
