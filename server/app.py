@@ -24,7 +24,13 @@ from server.completions import create_completion
 from server.dashboard import dashboard_router
 from server.errors import SERVER_ERROR, APIError, bad_request, install_error_handlers
 from server.limits import BodyLimit
-from server.openapi import CHAT_RESPONSES, COMPLETION_RESPONSES, error_responses, install_openapi
+from server.openapi import (
+    CHAT_RESPONSES,
+    COMPLETION_RESPONSES,
+    INVOCATION_RESPONSES,
+    error_responses,
+    install_openapi,
+)
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -78,7 +84,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(body, raw_request, ctx)
 
-    @app.post("/invocations", response_model=None, responses=CHAT_RESPONSES,
+    @app.post("/invocations", response_model=None, responses=INVOCATION_RESPONSES,
               openapi_extra={"requestBody": {"content": {"application/json": {"schema": {"oneOf": [
                   {"$ref": "#/components/schemas/ChatCompletionRequest"},
                   {"$ref": "#/components/schemas/CompletionRequest"}]}}}, "required": True}})

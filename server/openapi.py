@@ -43,19 +43,35 @@ def error_responses(*codes: int) -> dict[int, dict[str, Any]]:
     return {code: {"model": ErrorResponse, "description": _DESCRIPTIONS[code]} for code in codes}
 
 
+def _sse(chunk_names: str) -> dict[str, Any]:
+    return {"schema": {"type": "object", "required": ["data"], "description": "One server-sent event.",
+                       "properties": {"data": {"type": "string",
+                                               "description": f"A {chunk_names} as JSON; an ErrorResponse as JSON if "
+                                                              "the stream fails; `[DONE]` last."},
+                                      "event": {"type": "string"}}}}
+
+
 def generation_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int, dict[str, Any]]:
     """200 as one JSON body, or (``"stream": true``) as SSE events carrying ``chunk`` objects."""
-    sse = {"type": "object", "required": ["data"], "description": "One server-sent event.",
-           "properties": {"data": {"type": "string", "description": f"A {chunk.__name__} as JSON; an ErrorResponse as "
-                                                                      "JSON if the stream fails; `[DONE]` last."},
-                          "event": {"type": "string"}}}
     return {200: {"model": body, "description": "The generation, whole or streamed.",
-                  "content": {"text/event-stream": {"schema": sse}}},
+                  "content": {"text/event-stream": _sse(chunk.__name__)}},
             **error_responses(400, 401, 404, 408, 413, 503)}
 
 
 COMPLETION_RESPONSES = generation_responses(CompletionResponse, CompletionChunk)
 CHAT_RESPONSES = generation_responses(ChatCompletionResponse, ChatCompletionChunk)
+
+
+def _either(*models: type[BaseModel]) -> dict[str, Any]:
+    return {"oneOf": [{"$ref": f"#/components/schemas/{model.__name__}"} for model in models]}
+
+
+# SageMaker's /invocations answers as the chat route or the completions route, by the body it was given.
+INVOCATION_RESPONSES = {
+    200: {"description": "A chat completion when the body has `messages`, else a completion; whole or streamed.",
+          "content": {"application/json": {"schema": _either(ChatCompletionResponse, CompletionResponse)},
+                      "text/event-stream": _sse("ChatCompletionChunk or CompletionChunk")}},
+    **error_responses(400, 401, 404, 408, 413, 503)}
 
 
 def install_openapi(app: FastAPI) -> None:

@@ -57,3 +57,16 @@ def test_the_document_names_errors_sse_security_and_text_metrics(described):
     assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert "HTTPValidationError" not in doc["components"]["schemas"]
     wait_until_idle(described.url)
+
+
+def test_invocations_documents_both_of_its_answers(described):
+    """/invocations is a completion for a ``prompt`` body and a chat completion for ``messages``: each answer
+    fits the document."""
+    api_schema = schemathesis.openapi.from_url(f"{described.url}/openapi.json")
+    operation = api_schema["/invocations"]["POST"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for body in ({"prompt": "Hello", "max_tokens": 2}, chat):
+        response = operation.Case(body=body, media_type="application/json").call_and_validate(
+            base_url=described.url, headers=AUTH)
+        assert response.status_code == 200
+    wait_until_idle(described.url)
