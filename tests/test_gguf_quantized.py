@@ -303,6 +303,26 @@ def test_the_default_model_answers_from_its_blocks(default_models):
         assert reply.outputs[0].text == "The capital of France is Paris."
 
 
+def test_the_default_models_greedy_tokens_come_from_its_heads_blocks(default_models):
+    """The default model's LM head keeps its Q8_0 blocks beside its dense weight, and greedy steps that need no
+    logits take their tokens from them: the same tokens as the dense head gives, token for token."""
+    llm = default_models.quantized
+    head = llm.engine.runner.model.lm_head
+    assert head.argmax_form is not None
+    prompts = ["The history of Paris", "def fibonacci(n):", "List three colours:", "Water boils at"]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    calls = []
+    original = head.argmax_form.greedy_tokens
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(head.argmax_form, "greedy_tokens", lambda *args: calls.append(1) or original(*args))
+        fast = llm.generate(prompts, params, use_tqdm=False)
+    assert len(calls) >= 39  # every decode step (the batch's rows fit the copy's 4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(head, "argmax_form", None)
+        dense = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in dense]
+
+
 def test_the_default_models_perplexity_stays_within_the_bar(default_models):
     dequantized, quantized = _perplexity(default_models.dequantized), _perplexity(default_models.quantized)
     assert abs(quantized / dequantized - 1) <= PERPLEXITY_BUDGET, (dequantized, quantized)

@@ -239,3 +239,67 @@ def test_int8_product_is_x_times_the_dequantized_weight(monkeypatch, dtype, grou
     for tokens in (1, 7):
         x = torch.randn(tokens, 256, generator=gen).to(dtype)
         assert_product(layer(x), x, weight, layer.bias)
+
+
+def _head_int8(rows: int, cols: int, gen: torch.Generator, zeros: bool):
+    """An int8 form as GGUF's Q8_0 (no zeros) or Q5_1 (zeros) give it: codes, scales, zeros or None, groups of 32;
+    and W = q s + z in float32."""
+    codes = torch.randint(-128, 128, (rows, cols), generator=gen).to(torch.int8)
+    scales = torch.rand(rows, cols // 32, generator=gen) * 0.004 + 0.001
+    offsets = torch.randn(rows, cols // 32, generator=gen) * 0.02 if zeros else None
+    weight = codes.float() * scales.repeat_interleave(32, dim=1)
+    if offsets is not None:
+        weight += offsets.repeat_interleave(32, dim=1)
+    return codes, scales, offsets, weight
+
+
+@pytest.mark.skipif(not HAS_INT4_OP, reason="this torch has no CPU int4 op")
+@pytest.mark.parametrize("form", ["int8", "int8-zeros", "int4"])
+def test_a_head_copy_multiplies_within_its_error_bounds(form):
+    """A head's copy for the CPU op (``CpuInt4OpWeight``): an int8 form held as two 4-bit planes, or an int4 one,
+    multiplies as its dequantized weight does up to bfloat16's rounding, and every product lies within the bounds
+    ``greedy_tokens`` relies on."""
+    gen = torch.Generator().manual_seed(3)
+    if form == "int4":
+        codes, scales, zeros = random_int4(256, 128, 32, gen)
+        weight = int4_weight(codes, scales, zeros, 32)
+        copy = int4.CpuInt4OpWeight.from_int4(pack_int4(codes), scales, zeros, 32)
+    else:
+        codes, scales, zeros, weight = _head_int8(256, 128, gen, zeros=form == "int8-zeros")
+        copy = int4.CpuInt4OpWeight.from_int8(codes, scales, zeros, 32)
+    for scale in (0.1, 1.0, 30.0):
+        x = torch.randn(3, 128, generator=gen) * scale
+        products, exact = copy(x), x @ weight.T
+        assert products.dtype == torch.float32
+        torch.testing.assert_close(products, exact, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
+        assert ((products - exact).abs() <= copy.error_bounds(x, products)).all()
+
+
+@pytest.mark.skipif(not HAS_INT4_OP, reason="this torch has no CPU int4 op")
+def test_a_head_copys_greedy_tokens_are_the_dense_argmax_even_at_near_ties():
+    """Rows whose logits differ by far less than bfloat16 resolves still get the dense product's argmax, and an
+    exact tie goes to the lower id, as torch.argmax: the copy only narrows the candidates."""
+    gen = torch.Generator().manual_seed(5)
+    codes, scales, _, _ = _head_int8(512, 256, gen, zeros=False)
+    x = torch.randn(4, 256, generator=gen)
+    x[:, 7] = x[:, 7].abs() + 0.5  # column 7 positive in every row: one code more there raises a logit a little
+    weight = codes.float() * scales.repeat_interleave(32, dim=1)
+    best = (x @ weight.T).argmax(dim=-1)
+    # Row 0: id 40 a copy of its best one, one code higher in column 7 (if it can be; else lower there, so it loses).
+    # Row 1: id 41 an exact copy of its best: a tie, to the lower id. Rows 2 and 3 stay as they are.
+    for row, twin, bump in ((0, 40, 1), (1, 41, 0)):
+        src = int(best[row])
+        codes[twin], scales[twin] = codes[src], scales[src]
+        if bump:
+            code = int(codes[twin, 7])
+            codes[twin, 7] = code + 1 if code < 127 else code - 1
+    weight = codes.float() * scales.repeat_interleave(32, dim=1)
+    logits = x @ weight.T
+    expected = logits.argmax(dim=-1)
+    assert int(expected[1]) == min(41, int(best[1]))
+    gap = (logits[0, 40] - logits[0, int(best[0])]).abs()
+    assert 0 < gap < 2**-9 * logits[0].abs().max()  # below what a bfloat16 product tells apart
+    copy = int4.CpuInt4OpWeight.from_int8(codes, scales, None, 32)
+    assert torch.equal(copy.greedy_tokens(x, weight), expected)
+    for rows in (1, 2):
+        assert torch.equal(copy.greedy_tokens(x[:rows], weight), expected[:rows])

@@ -18,7 +18,8 @@ global that could be left set after an error.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -47,6 +48,16 @@ class AttentionMetadata:
     # with these lengths, the prefill kernel over every row but the decodes. Requests may have no new tokens
     # (padding), and tokens past the last request's are padding too.
     decode_seq_lens: torch.Tensor | None = None
+    # What a backend derives from this step's metadata once for all its layers (``derive``); a fresh metadata
+    # (``dataclasses.replace`` included) starts empty.
+    _derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derive(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed by the first layer that asks for ``key`` in this step and shared by the others:
+        values every layer would compute alike from the metadata (a decode batch's mask, the step's host lists)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     @property
     def num_prefills(self) -> int:

@@ -49,7 +49,9 @@ def _gather_context(
 ) -> torch.Tensor:
     """Contiguous copy of the first blocks of n requests: [n, num_kv_heads, num_blocks_needed * block_size, head_dim]."""
     n, nb = block_tables.shape
-    ids = block_tables.reshape(-1).long()
+    ids = block_tables.reshape(-1)
+    if ids.dtype != torch.int64:
+        ids = ids.long()
     if scales is None:
         blocks = cache.index_select(0, ids)  # [n * nb, bs, kvh, hd]
     else:
@@ -111,8 +113,8 @@ class TorchAttentionBackend:
         if meta.num_decodes > 0:
             d = meta.num_decodes
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, window, kv_scales, softcap)
-        starts = meta.query_start_loc_cpu.tolist()
-        seq_lens = meta.seq_lens_cpu.tolist()
+        starts, seq_lens = meta.derive("torch:host_lists", lambda: (meta.query_start_loc_cpu.tolist(),
+                                                                     meta.seq_lens_cpu.tolist()))
         # Every other request, one at a time; in a mixed step's CUDA graph (``meta.decode_seq_lens``) that is every
         # request, decodes included, as this path serves them alike. Padding requests have no tokens.
         for i in range(meta.num_decodes, meta.num_reqs):
@@ -132,21 +134,14 @@ class TorchAttentionBackend:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // num_kv_heads
-        max_len = int(meta.seq_lens_cpu[:d].max())
-        nb = (max_len + block_size - 1) // block_size
-        tables = meta.block_tables[:d, :nb]
+        block_ids, mask = meta.derive(("torch:decode", d, block_size, window, q.dtype),
+                                      lambda: _decode_plan(meta, d, block_size, window, q.dtype))
         k_scales, v_scales = kv_scales or (None, None)
-        keys = _gather_context(k_cache, tables, k_scales, q.dtype)  # [d, kvh, L, hd]
-        values = _gather_context(v_cache, tables, v_scales, q.dtype)
-        positions = torch.arange(nb * block_size, device=q.device)
-        beyond = positions[None, :] >= meta.seq_lens[:d, None]  # [d, L]: padding past each context
-        if window:  # and keys that slid out of the window of the query (at seq_len - 1)
-            beyond |= positions[None, :] < meta.seq_lens[:d, None] - window
-        # An additive mask: SDPA's CPU kernel takes it without converting a boolean one per call.
-        mask = torch.zeros(beyond.shape, dtype=q.dtype, device=q.device).masked_fill_(beyond, float("-inf"))
+        keys = _gather_context(k_cache, block_ids, k_scales, q.dtype)  # [d, kvh, L, hd]
+        values = _gather_context(v_cache, block_ids, v_scales, q.dtype)
         # Fold the query heads of one KV head into the query axis: GQA without repeating K/V.
         qg = q.view(d, num_kv_heads, group, head_dim)  # [d, kvh, group, hd]
-        o = _attend(qg, keys, values, mask[:, None, None, :], scale, softcap)
+        o = _attend(qg, keys, values, mask, scale, softcap)
         return o.reshape(d, num_heads, head_dim)
 
     @staticmethod
@@ -174,6 +169,22 @@ class TorchAttentionBackend:
         qg = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
         o = _attend(qg, keys, values, mask.repeat(group, 1), scale, softcap)
         return o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+
+
+def _decode_plan(meta: AttentionMetadata, d: int, block_size: int, window: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``d`` (decode) requests' block ids [d, nb] (int64) and additive mask [d, 1, 1, nb * block_size]
+    over their padded contexts: the same for every layer of a step with the same window."""
+    max_len = int(meta.seq_lens_cpu[:d].max())
+    nb = (max_len + block_size - 1) // block_size
+    block_ids = meta.block_tables[:d, :nb].long()
+    positions = torch.arange(nb * block_size, device=block_ids.device)
+    beyond = positions[None, :] >= meta.seq_lens[:d, None]  # [d, L]: padding past each context
+    if window:  # and keys that slid out of the window of the query (at seq_len - 1)
+        beyond |= positions[None, :] < meta.seq_lens[:d, None] - window
+    # An additive mask: SDPA's CPU kernel takes it without converting a boolean one per call.
+    mask = torch.zeros(beyond.shape, dtype=dtype, device=block_ids.device).masked_fill_(beyond, float("-inf"))
+    return block_ids, mask[:, None, None, :]
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.distributed import tp_size
 from engine.loading.gguf_blocks import (
     GGUF_BLOCK,
     q4_0_to_int4,
@@ -49,7 +50,13 @@ from engine.loading.gguf_blocks import (
     q5_1_to_int8,
     q8_0_to_int8,
 )
-from engine.loading.gguf_kquants import q4_k_to_int4, q4_k_to_int8, q5_k_to_int8, q6_k_to_int8
+from engine.loading.gguf_kquants import (
+    q4_k_to_int4,
+    q4_k_to_int8,
+    q5_k_to_int8,
+    q6_k_to_int8,
+)
+from engine.models.embedding import ParallelLMHead
 from engine.models.linear import (
     Int4LinearMethod,
     Int8LinearMethod,
@@ -57,6 +64,7 @@ from engine.models.linear import (
     linear_layers,
     set_linear_methods,
 )
+from engine.models.linear.int4 import INT4_HEAD_MAX_TOKENS, CpuInt4OpWeight
 
 logger = logging.getLogger("minivllm")
 
@@ -217,7 +225,7 @@ def use_gguf_methods(model: nn.Module, gguf_path: Path, num_heads: int, num_kv_h
     return found
 
 
-def log_weight_bytes(model: nn.Module, found: GgufWeights) -> None:
+def log_weight_bytes(model: nn.Module, found: GgufWeights, head: str = "") -> None:
     """At start-up: how many linear layers are kept in each form and of which GGML types, which types were
     dequantized, and the bytes of the kept layers' codes, scales and zeros against what their dequantized weights
     take in the compute dtype (and the copies dequantized for the product where no int4 or int8 op serves the
@@ -233,10 +241,10 @@ def log_weight_bytes(model: nn.Module, found: GgufWeights) -> None:
                 copies += copy.numel() * copy.element_size()
                 with_copy += 1
     logger.info("GGUF linear layers: %s; the kept layers' codes, scales and zeros take %.1f MiB, dequantized they "
-                "would take %.1f MiB%s (--quantization none dequantizes every layer)", layer_counts(found),
+                "would take %.1f MiB%s (--quantization none dequantizes every layer)%s", layer_counts(found),
                 kept / 2**20, dequantized / 2**20,
                 f" ({with_copy} of them hold a dequantized copy for the product, {copies / 2**20:.1f} MiB)"
-                if with_copy else "")
+                if with_copy else "", f"; {head}" if head else "")
 
 
 def layer_counts(found: GgufWeights) -> str:
@@ -247,3 +255,37 @@ def layer_counts(found: GgufWeights) -> str:
         detail = ", ".join(f"{types}: {n}" for types, n in sorted(by_types.items()))
         counts.append(f"{sum(by_types.values())} {category}" + (f" ({detail})" if detail else ""))
     return ", ".join(counts)
+
+
+def keep_lm_head(model: nn.Module, found: GgufWeights) -> str:
+    """After loading, on the CPU: the LM head's GGUF tensor (``output.weight``, or ``token_embd.weight`` where the
+    embeddings are tied) kept in its blocks beside the dense weight (``CpuInt4OpWeight``: int4 types as they are,
+    the other kept types as their int8 form in two 4-bit planes), to find the greedy tokens of steps of up to
+    ``INT4_HEAD_MAX_TOKENS`` rows whose sampling needs nothing else of the logits. Its products are in bfloat16,
+    so they only narrow each row to the few ids that may be its argmax; those are multiplied by the dense weight.
+    Every logit a sampler or a client sees still comes from the dense weight. Returns what the start-up log says."""
+    heads = [module for module in model.modules() if isinstance(module, ParallelLMHead)]
+    by_name = {tensor.name: tensor for tensor in found.reader.tensors}
+    tensor = by_name.get("output.weight") or by_name.get("token_embd.weight")
+    if len(heads) != 1 or tensor is None:
+        return "the LM head is dense (no GGUF tensor for it)"
+    head, type_name = heads[0], tensor.tensor_type.name
+    block_type = KEPT_TYPES.get(type_name)
+    group = GGUF_BLOCK if block_type is not None and block_type.int4 is not None else getattr(block_type, "group", 0)
+    if block_type is None:
+        return f"the LM head ({type_name}) is dense"
+    if head.weight.device.type != "cpu" or tp_size() > 1 or head.weight.dtype not in (torch.float32, torch.bfloat16):
+        return f"the LM head ({type_name}) is dense: its blocks are kept on a CPU, on one rank"
+    if not CpuInt4OpWeight.usable(head.out_features, group):
+        return (f"the LM head ({type_name}) is dense: torch's CPU int4 op does not take its groups of {group} or its "
+                f"{head.out_features} rows")
+    data = np.asarray(tensor.data)
+    if block_type.int4 is not None:
+        form, weight = "int4", CpuInt4OpWeight.from_int4(*block_type.int4(data), group)
+    else:
+        form, weight = "int8 as two 4-bit planes", CpuInt4OpWeight.from_int8(*block_type.int8(data), group)
+    if weight.out_features != head.out_features:
+        return f"the LM head ({type_name}) is dense: its GGUF tensor has {weight.out_features} rows"
+    head.argmax_form, head.argmax_max_rows = weight, INT4_HEAD_MAX_TOKENS
+    return (f"the LM head's {type_name} blocks are kept beside its dense weight ({form}, {weight.nbytes / 2**20:.1f} "
+            f"MiB) to find greedy tokens, up to {INT4_HEAD_MAX_TOKENS} rows a step")

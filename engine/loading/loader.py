@@ -67,7 +67,7 @@ def load_model(
     before = fp8_weights.weight_bytes(model)
     process_weights_after_loading(model)
     if gguf is not None:
-        gguf_weights.log_weight_bytes(model, gguf)
+        gguf_weights.log_weight_bytes(model, gguf, gguf_weights.keep_lm_head(model, gguf))
     if _int_checkpoint(config):
         int_weights.log_weight_bytes(model)
     if quantized:

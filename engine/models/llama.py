@@ -206,6 +206,12 @@ class LlamaForCausalLM(nn.Module):
         """
         return self.lm_head(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of ``compute_logits(hidden)`` without computing them, where the LM head holds a
+        quantized copy that finds it (``ParallelLMHead.greedy_tokens``); None elsewhere. The logits of a model that
+        caps them (Gemma 2) have the same argmax: the cap is increasing."""
+        return self.lm_head.greedy_tokens(hidden)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors (any dtype/device); return the names used.
 

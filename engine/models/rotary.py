@@ -55,6 +55,7 @@ class RotaryEmbedding(nn.Module):
             rows = torch.repeat_interleave(torch.arange(3), torch.tensor(self.mrope_section)).repeat(2)
             self.register_buffer("mrope_rows", rows.to(target_device), persistent=False)
         self.use_triton: bool | None = None  # engine.models.fused_path
+        self._last_cos_sin: tuple | None = None  # (positions, its version, dtype, cos, sin): ``_cos_sin``
 
     def pending(self, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> PendingRope:
         """This rope (after Qwen3's per-head norms, both or neither) as one attention layer's q and k will need it:
@@ -80,14 +81,26 @@ class RotaryEmbedding(nn.Module):
             )
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
+        cos, sin = self._cos_sin(positions, q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens' cos and sin, [num_tokens, 1, head_dim // 2] each. Every layer of a step passes the same
+        ``positions``, so on the CPU the last ones are kept and reused while that tensor is unchanged (its version
+        counter moves with every in-place write)."""
+        last = self._last_cos_sin
+        if last is not None and last[0] is positions and last[1] == positions._version and last[2] == dtype:
+            return last[3], last[4]
         if self.mrope_section is None:
             cos_sin = self.cos_sin_cache[positions]  # [num_tokens, head_dim]
         else:  # column j of token t: the table's row positions[mrope_rows[j], t]
             cos_sin = self.cos_sin_cache.gather(0, positions[self.mrope_rows].T)
         # The table stays float32; cos/sin are rounded to the activation dtype as Hugging Face does.
-        cos, sin = cos_sin.to(q.dtype).chunk(2, dim=-1)  # [num_tokens, head_dim // 2] each
+        cos, sin = cos_sin.to(dtype).chunk(2, dim=-1)  # [num_tokens, head_dim // 2] each
         cos, sin = cos[:, None, :], sin[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if positions.device.type == "cpu":  # never kept from a CUDA graph's capture, whose memory replays reuse
+            self._last_cos_sin = (positions, positions._version, dtype, cos, sin)
+        return cos, sin
 
 
 @dataclass(frozen=True)

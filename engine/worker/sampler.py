@@ -16,6 +16,19 @@ from engine.ops.greedy import argmax_rows
 from engine.worker.sampling_tensors import SamplingTensors
 
 
+def changes_logits(st: SamplingTensors) -> bool:
+    """Whether a ban, penalty, bias or allowed-token list changes some row's logits before sampling (a grammar's
+    bitmask, set later, too)."""
+    return (st.banned is not None or st.repetition_penalty is not None or st.logit_bias is not None
+            or st.allowed is not None)
+
+
+def takes_greedy_tokens(st: SamplingTensors) -> bool:
+    """Whether ``Sampler`` returns the ``greedy`` tokens it is given and reads nothing of the logits: every row
+    greedy, no logprobs, nothing changing the logits (a grammar's bitmask included)."""
+    return st.all_greedy and st.max_num_logprobs < 0 and not changes_logits(st) and st.bitmask is None
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, st: SamplingTensors,
                  greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -26,8 +39,7 @@ class Sampler:
         Returns the sampled ids [N] and, when any row asked for logprobs, the raw
         log-softmax [N, vocab] of the model's distribution (before penalties and filters).
         """
-        changed = (st.banned is not None or st.repetition_penalty is not None or st.logit_bias is not None
-                   or st.allowed is not None)
+        changed = changes_logits(st)
         if changed or st.bitmask is not None:
             greedy = None  # the argmax of the logits before these changes
         if st.all_greedy and st.max_num_logprobs < 0 and not changed:

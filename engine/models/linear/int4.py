@@ -247,3 +247,97 @@ def check_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtypes: tup
         allowed = " or ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
         raise ValueError(f"an {kind} linear layer needs a {shape} {allowed} {name}, has {tuple(param.shape)} "
                          f"{str(param.dtype).removeprefix('torch.')}")
+
+
+# ----------------------------------------------------------------------------- a weight without a layer: LM heads
+
+
+# Greedy tokens of up to this many rows come from the op (a decode step's sampled rows); more multiply by the dense
+# weight. The default model's Q8_0 head (49,152 x 576, two planes) on a 2-core VM: the op ~1.4 ms a row plus ~0.4 ms
+# each further row, the float32 product ~2.7 ms for 1 to 4 rows (more where the layers' weights left the caches).
+INT4_HEAD_MAX_TOKENS = 4
+
+
+class CpuInt4OpWeight:
+    """x W^T through torch's CPU int4 op for a weight held only as the op's operands, in bfloat16: a GGUF LM head's
+    copy, which finds greedy tokens (``greedy_tokens``).
+
+    Built from the int4 form (codes in [0, 15], W = (q - 8) s + z; ``from_int4``) or from an int8 form (codes q in
+    [-128, 127], W = q s + z; ``from_int8``), which is held exactly as two 4-bit planes along K: with q + 128 =
+    16 h + l (h, l in [0, 15]), W = (h - 8)(16 s) + (l - 8) s + (8 s + z), so the product of [x, x] with the
+    planes [h | l] (scales 16 s and s, zeros 0 and 8 s + z) is x W^T: 8 bits a weight, read once.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, planes: int,
+                 term_bounds: torch.Tensor):
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+        self.scales_zeros = scales_zeros.to(torch.bfloat16).contiguous()  # [groups, out, 2]
+        self.group_size, self.planes = group_size, planes
+        self.out_features = codes.shape[0]
+        # [in / group, out] float32: per group of W's columns, the largest magnitude a term of the op's dequantized
+        # sum takes ((q - 8) s and z of each plane), which bounds what rounding them to bfloat16 costs
+        self.term_bounds = term_bounds.t().contiguous()
+
+    @staticmethod
+    def usable(out_features: int, group_size: int) -> bool:
+        return (int4_cpu_op_available() and group_size in INT4_CPU_GROUP_SIZES
+                and out_features % INT4_CPU_OUT_MULTIPLE == 0)
+
+    @classmethod
+    def from_int4(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int) -> CpuInt4OpWeight:
+        """From ``Int4LinearMethod``'s parameters: packed codes [out, in / 2], scales and zeros [out, groups]."""
+        bounds = 8 * scales.float().abs() + zeros.float().abs()
+        return cls(unpack_int4(qweight), torch.stack((scales.t(), zeros.t()), dim=-1), group_size, 1, bounds)
+
+    @classmethod
+    def from_int8(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                  group_size: int) -> CpuInt4OpWeight:
+        """From ``Int8LinearMethod``'s form: codes [out, in] int8, scales and zeros (or None) [out, groups]."""
+        shifted = codes.to(torch.int32) + 128
+        planes = torch.cat((shifted >> 4, shifted & 15), dim=1)  # [out, 2 * in]: the high plane, then the low
+        scales = scales.float()
+        low_zeros = 8 * scales + (zeros.float() if zeros is not None else 0)
+        plane_scales = torch.cat((16 * scales, scales), dim=1)
+        plane_zeros = torch.cat((torch.zeros_like(scales), low_zeros), dim=1)
+        bounds = 136 * scales.abs() + low_zeros.abs()  # |h - 8| 16 |s| + |l - 8| |s| + |8 s + z|
+        return cls(planes, torch.stack((plane_scales.t(), plane_zeros.t()), dim=-1), group_size, 2, bounds)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, in] -> x W^T [n, out] in x's dtype."""
+        xb = x.to(torch.bfloat16)
+        if self.planes == 2:
+            xb = torch.cat((xb, xb), dim=-1)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), self.packed, self.group_size,
+                                                         self.scales_zeros)
+        return out.to(x.dtype)
+
+    def error_bounds(self, x: torch.Tensor, products: torch.Tensor) -> torch.Tensor:
+        """[n, out] float32: bounds on |products - x W^T| for this op's ``products`` of ``x``. Rounding x, the scales
+        and zeros, the dequantized terms and the outputs to bfloat16 each errs by at most 2^-9 of what is rounded:
+        3 * 2^-9 * sum_k |x_k| (term bound of k's group) for the first three, 2^-8 |product| for the last, doubled
+        for the float32 sums' own rounding and a margin."""
+        x_groups = x.float().abs().view(x.shape[0], -1, self.group_size).sum(-1)  # [n, in / group]
+        return 2 * (3 * 2.0**-9 * (x_groups @ self.term_bounds) + 2.0**-8 * products.abs())
+
+    def greedy_tokens(self, x: torch.Tensor, dense_weight: torch.Tensor) -> torch.Tensor:
+        """argmax_v (x W^T)[:, v] for x [n, in], exactly as from the dense float ``dense_weight`` [out, in] (ties to
+        the lowest column, as torch.argmax): the op's products and their error bounds leave the rows a few
+        candidates each (those whose upper bound reaches the best lower bound), which are multiplied exactly."""
+        approx = self(x).float()
+        bounds = self.error_bounds(x, approx)
+        floor = (approx - bounds).amax(dim=-1, keepdim=True)
+        rows, cols = torch.nonzero(approx + bounds >= floor, as_tuple=True)  # row-major: columns ascending per row
+        exact = (x[rows].to(dense_weight.dtype) * dense_weight[cols]).sum(-1)
+        best = torch.full((x.shape[0],), float("-inf"), dtype=exact.dtype).scatter_reduce(0, rows, exact, "amax")
+        # The first candidate column of each row reaching its row's best value.
+        hits = exact == best[rows]
+        first = torch.full((x.shape[0],), dense_weight.shape[0], dtype=torch.int64)
+        first = first.scatter_reduce(0, rows[hits], cols[hits], "amin")
+        if bool((first == dense_weight.shape[0]).any()):  # no candidate: a NaN in the row; as torch.argmax does
+            return F.linear(x.to(dense_weight.dtype), dense_weight).argmax(dim=-1)
+        return first
