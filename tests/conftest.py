@@ -94,6 +94,7 @@ TIER_OF_FILE = {
     "test_paged_cache.py": "unit",
     "test_roofline.py": "unit",
     "test_sampler.py": "unit",
+    "test_speculative.py": "unit",
     "test_scheduler.py": "unit",
     "test_settings.py": "unit",
     "test_tool_parsers.py": "unit",

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (``ngram``) and the verification's rejection sampling (``rejection``)."""
