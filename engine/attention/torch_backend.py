@@ -104,7 +104,7 @@ class TorchAttentionBackend:
         k_cache, v_cache, kv_scales = layer.k_cache, layer.v_cache, layer.kv_scales
         scale, window, softcap = layer.scale, layer.window, layer.softcap
         if rope is not None:
-            q, k, v = rope.apply(q, k, v)
+            q, k, v = rope.apply(q, k, v, meta)
         num_tokens = meta.slot_mapping.shape[0]
         write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from torch import nn
 from engine.models.fused_path import fused_ops, runs_triton
 from engine.models.linear.output import sum_partials
 from engine.models.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from engine.attention.metadata import AttentionMetadata
 
 
 class RotaryEmbedding(nn.Module):
@@ -55,7 +58,6 @@ class RotaryEmbedding(nn.Module):
             rows = torch.repeat_interleave(torch.arange(3), torch.tensor(self.mrope_section)).repeat(2)
             self.register_buffer("mrope_rows", rows.to(target_device), persistent=False)
         self.use_triton: bool | None = None  # engine.models.fused_path
-        self._last_cos_sin: tuple | None = None  # (positions, its version, dtype, cos, sin): ``_cos_sin``
 
     def pending(self, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> PendingRope:
         """This rope (after Qwen3's per-head norms, both or neither) as one attention layer's q and k will need it:
@@ -69,6 +71,7 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         q_norm: RMSNorm | None = None,  # per-head norms applied before rope, both or neither
         k_norm: RMSNorm | None = None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,  # ``cos_sin(positions)``, where made already
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rope on its own: the models hand it to attention instead (``pending``), whose Triton path applies it in
         the KV-cache write; this is the path of ``PendingRope.apply`` (the torch attention backend)."""
@@ -81,26 +84,18 @@ class RotaryEmbedding(nn.Module):
             )
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        cos, sin = self._cos_sin(positions, q.dtype)
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tokens' cos and sin, [num_tokens, 1, head_dim // 2] each. Every layer of a step passes the same
-        ``positions``, so on the CPU the last ones are kept and reused while that tensor is unchanged (its version
-        counter moves with every in-place write)."""
-        last = self._last_cos_sin
-        if last is not None and last[0] is positions and last[1] == positions._version and last[2] == dtype:
-            return last[3], last[4]
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens' cos and sin, [num_tokens, 1, head_dim // 2] each, in ``dtype``."""
         if self.mrope_section is None:
             cos_sin = self.cos_sin_cache[positions]  # [num_tokens, head_dim]
         else:  # column j of token t: the table's row positions[mrope_rows[j], t]
             cos_sin = self.cos_sin_cache.gather(0, positions[self.mrope_rows].T)
         # The table stays float32; cos/sin are rounded to the activation dtype as Hugging Face does.
         cos, sin = cos_sin.to(dtype).chunk(2, dim=-1)  # [num_tokens, head_dim // 2] each
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        if positions.device.type == "cpu":  # never kept from a CUDA graph's capture, whose memory replays reuse
-            self._last_cos_sin = (positions, positions._version, dtype, cos, sin)
-        return cos, sin
+        return cos[:, None, :], sin[:, None, :]
 
 
 @dataclass(frozen=True)
@@ -149,11 +144,12 @@ class PendingRope:
         # Both norms are built from the same config eps (LlamaAttention), so one eps serves both.
         return self.q_norm.eps if self.q_norm is not None else 0.0
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              meta: AttentionMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) [num_tokens, heads, head_dim] added up from the partial products, with the column scales applied
         (each product rounded to the model dtype, as ``fp8_kernels.scale_columns_`` rounds it), then q and k normed
-        and roped (``RotaryEmbedding``)."""
+        and roped (``RotaryEmbedding``). With the step's ``meta``, the tokens' cos and sin are made once a step, for
+        every layer (``AttentionMetadata.derive``)."""
         if self.partials is not None:
             whole = sum_partials(self.partials)
             q, k, v = (part.view(x.shape) for x, part in
@@ -162,7 +158,11 @@ class PendingRope:
             widths = [x.shape[1] * x.shape[2] for x in (q, k, v)]
             q, k, v = ((x.float() * s.view(x.shape[1:])).to(x.dtype)
                        for x, s in zip((q, k, v), self.column_scales.split(widths)))
-        q, k = self.rotary(self.positions, q, k, self.q_norm, self.k_norm)
+        cos_sin = None
+        if meta is not None:
+            rotary, positions, dtype = self.rotary, self.positions, q.dtype
+            cos_sin = meta.derive(("rope", id(rotary), dtype), lambda: rotary.cos_sin(positions, dtype))
+        q, k = self.rotary(self.positions, q, k, self.q_norm, self.k_norm, cos_sin)
         return q, k, v
 
 

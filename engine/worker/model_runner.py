@@ -57,7 +57,7 @@ from engine.worker.input_batch import InputBatch
 from engine.worker.kv_offload import KVOffloader
 from engine.worker.logprobs import LogprobsCopy, copy_logprobs
 from engine.worker.prompt_logprobs import PromptLogprobsCopy, launch_prompt_logprobs
-from engine.worker.sampler import Sampler, takes_greedy_tokens
+from engine.worker.sampler import Sampler, logits_or_greedy_tokens, takes_greedy_tokens
 from engine.worker.sampling_tensors import SamplingTensors, build_sampling_tensors
 from engine.worker.step_buffers import StepBuffers, upload
 from engine.worker.step_channel import BlockCopies, StepChannel, StepShape
@@ -335,9 +335,7 @@ class ModelRunner:
         # wait behind it.
         st = build_sampling_tensors(self.batch, inputs.sampled_rows, self.device) if len(inputs.sampled_rows) else None
         handle = StepHandle(inputs=inputs, events=self._start_timing())
-        # Greedy tokens without the logits (a quantized LM head's copy finds them) where sampling needs no more.
-        greedy_only = sample and st is not None and takes_greedy_tokens(st)
-        logits, greedy = self._forward(inputs, handle, greedy_only)
+        logits, greedy = self._forward(inputs, handle, sample and st is not None and takes_greedy_tokens(st))
         if sched.freed_encoder_hashes:  # after the forward pass that read them is queued
             self.images.free(sched.freed_encoder_hashes)
         handle.launched = time.perf_counter()
@@ -353,9 +351,8 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, handle: StepHandle,
                  greedy_only: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Queue the step's forward pass (a captured graph's replay where the step has one) and its prompt logprobs.
-        Returns the logits of the sampled rows (None when none is sampled) and, where a decode graph took them,
-        their greedy tokens. ``greedy_only`` (the sampler will only take greedy tokens): an eager step whose model
-        finds them without the logits (``greedy_tokens``) returns no logits, only those tokens."""
+        Returns the logits of the sampled rows (None when none is sampled, or where ``greedy_only`` lets an eager
+        step give only greedy tokens) and, where a decode graph took them, their greedy tokens."""
         shape, n = inputs.shape, inputs.shape.num_sampled
         if shape.graph_size:
             self.num_steps_by_kind["decode_graph"] += 1
@@ -377,14 +374,7 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.prompt_logprobs is not None:
             handle.prompt_logprobs = launch_prompt_logprobs(self.model, hidden, inputs.prompt_logprobs)
-        if not n:
-            return None, None
-        rows = hidden[inputs.logits_indices]
-        if greedy_only and hasattr(self.model, "greedy_tokens"):
-            tokens = self.model.greedy_tokens(rows)
-            if tokens is not None:
-                return None, tokens
-        return self.model.compute_logits(rows), None
+        return logits_or_greedy_tokens(self.model, hidden[inputs.logits_indices], greedy_only) if n else (None, None)
 
     @torch.inference_mode()
     def launch_sampling(self, handle: StepHandle, masks: tuple[torch.Tensor, list[int]] | None = None) -> None:

@@ -29,6 +29,18 @@ def takes_greedy_tokens(st: SamplingTensors) -> bool:
     return st.all_greedy and st.max_num_logprobs < 0 and not changes_logits(st) and st.bitmask is None
 
 
+def logits_or_greedy_tokens(model, rows: torch.Tensor,
+                            greedy_only: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The sampled rows' (logits, None); or, where the sampler will take only greedy tokens (``greedy_only``:
+    ``takes_greedy_tokens``) and the model finds them without the logits (a quantized LM head's copy:
+    ``greedy_tokens``), (None, those tokens)."""
+    if greedy_only and hasattr(model, "greedy_tokens"):
+        tokens = model.greedy_tokens(rows)
+        if tokens is not None:
+            return None, tokens
+    return model.compute_logits(rows), None
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, st: SamplingTensors,
                  greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
