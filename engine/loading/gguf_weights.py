@@ -271,9 +271,9 @@ def keep_lm_head(model: nn.Module, found: GgufWeights) -> str:
         return "the LM head is dense (no GGUF tensor for it)"
     head, type_name = heads[0], tensor.tensor_type.name
     block_type = KEPT_TYPES.get(type_name)
-    group = GGUF_BLOCK if block_type is not None and block_type.int4 is not None else getattr(block_type, "group", 0)
     if block_type is None:
         return f"the LM head ({type_name}) is dense"
+    group = GGUF_BLOCK if block_type.int4 is not None else block_type.group
     if head.weight.device.type != "cpu" or tp_size() > 1 or head.weight.dtype not in (torch.float32, torch.bfloat16):
         return f"the LM head ({type_name}) is dense: its blocks are kept on a CPU, on one rank"
     if not CpuInt4OpWeight.usable(head.out_features, group):

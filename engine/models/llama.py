@@ -208,8 +208,7 @@ class LlamaForCausalLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax of ``compute_logits(hidden)`` without computing them, where the LM head holds a
-        quantized copy that finds it (``ParallelLMHead.greedy_tokens``); None elsewhere. The logits of a model that
-        caps them (Gemma 2) have the same argmax: the cap is increasing."""
+        quantized copy that finds it (``ParallelLMHead.greedy_tokens``); None elsewhere."""
         return self.lm_head.greedy_tokens(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

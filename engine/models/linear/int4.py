@@ -161,11 +161,17 @@ class Int4LinearMethod(LinearMethod):
 def prepare_cpu_int4(layer: nn.Module, op_dtype: torch.dtype) -> None:
     """The operands of the CPU products: the op's repacked codes and its [groups, out, 2] scales and zeros in
     ``op_dtype``, and for the dense path each group's offset z - 8 s in float32 (W = q s + offset)."""
-    codes = unpack_int4(layer.qweight).to(torch.int32)
-    layer.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)  # innerKTiles: unused
-    scales_zeros = torch.stack((layer.scales.t(), layer.zeros.t()), dim=-1)
-    layer.int4_scales_zeros = scales_zeros.to(op_dtype).contiguous()
+    layer.int4_packed, layer.int4_scales_zeros = int4_op_operands(unpack_int4(layer.qweight), layer.scales,
+                                                                  layer.zeros, op_dtype)
     layer.int4_offsets = layer.zeros.float() - 8 * layer.scales.float()
+
+
+def int4_op_operands(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     op_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [out, in] (0-15) and scales and zeros [out, groups] as torch's CPU int4 op takes them: the codes
+    repacked, the scales and zeros as [groups, out, 2] in ``op_dtype``."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)  # innerKTiles
+    return packed, torch.stack((scales.t(), zeros.t()), dim=-1).to(op_dtype).contiguous()
 
 
 def cpu_int4_product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
@@ -268,10 +274,9 @@ class CpuInt4OpWeight:
     planes [h | l] (scales 16 s and s, zeros 0 and 8 s + z) is x W^T: 8 bits a weight, read once.
     """
 
-    def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, planes: int,
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, planes: int,
                  term_bounds: torch.Tensor):
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
-        self.scales_zeros = scales_zeros.to(torch.bfloat16).contiguous()  # [groups, out, 2]
+        self.packed, self.scales_zeros = int4_op_operands(codes, scales, zeros, torch.bfloat16)
         self.group_size, self.planes = group_size, planes
         self.out_features = codes.shape[0]
         # [in / group, out] float32: per group of W's columns, the largest magnitude a term of the op's dequantized
@@ -288,7 +293,7 @@ class CpuInt4OpWeight:
                   group_size: int) -> CpuInt4OpWeight:
         """From ``Int4LinearMethod``'s parameters: packed codes [out, in / 2], scales and zeros [out, groups]."""
         bounds = 8 * scales.float().abs() + zeros.float().abs()
-        return cls(unpack_int4(qweight), torch.stack((scales.t(), zeros.t()), dim=-1), group_size, 1, bounds)
+        return cls(unpack_int4(qweight), scales, zeros, group_size, 1, bounds)
 
     @classmethod
     def from_int8(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -301,7 +306,7 @@ class CpuInt4OpWeight:
         plane_scales = torch.cat((16 * scales, scales), dim=1)
         plane_zeros = torch.cat((torch.zeros_like(scales), low_zeros), dim=1)
         bounds = 136 * scales.abs() + low_zeros.abs()  # |h - 8| 16 |s| + |l - 8| |s| + |8 s + z|
-        return cls(planes, torch.stack((plane_scales.t(), plane_zeros.t()), dim=-1), group_size, 2, bounds)
+        return cls(planes, plane_scales, plane_zeros, group_size, 2, bounds)
 
     @property
     def nbytes(self) -> int:
