@@ -154,6 +154,10 @@ class EngineConfig:
     xgrammar_cache_mb: int = option(
         512, "memory xgrammar's cache of compiled grammars may hold, least recently used out first (vLLM's "
         "VLLM_XGRAMMAR_CACHE_MB); 0: no cache", group=SCHEDULING)
+    speculative_config: dict[str, Any] | None = option(
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+        "\"prompt_lookup_min\": m, \"prompt_lookup_max\": M, \"disable_by_batch_size\": B} proposes k tokens a step "
+        "from the last time the sequence's tail appeared; the target verifies them in one pass", group=SCHEDULING)
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # empty: 1, 2, 4, 8, 16, 24, ... max_num_seqs
     # Check the KV manager's invariants when idle: after LLM.generate, and in the server once no request
     # has run for a second (the check takes ~1 us per block, so never while requests wait).
@@ -193,6 +197,9 @@ class EngineConfig:
         need(self.quantization in QUANTIZATIONS,
              f"quantization must be None (what the checkpoint says) or one of {QUANTIZATIONS[1:]}, got "
              f"{self.quantization!r}")
+        from engine.speculative.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)  # its ConfigError names what is wrong
         if self.quantization == "gguf":
             from engine.loading.gguf import is_gguf_model
 

@@ -8,6 +8,7 @@ core and the API server, so they are msgspec structs: encoding one step's output
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -76,6 +77,9 @@ class SchedulerOutput:
     encoder_inputs: list = field(default_factory=list)
     # Content hashes whose embeddings the runner drops after the step: no request needs them any more.
     freed_encoder_hashes: list[str] = field(default_factory=list)
+    # Speculative decoding: the tokens proposed for a request, computed after its last token this step (its
+    # scheduled tokens count them) and verified by its sampling.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -110,6 +114,16 @@ class RunnerTiming:
     graph: bool  # replayed a captured graph (decode or mixed step)
     num_reqs: int  # rows of the forward pass, a graph's padding included
 
+    @classmethod
+    def measured(cls, launched_s: float, events: tuple, shape) -> RunnerTiming:
+        """A measured step's timing once it has synced: ``events`` (start, end) CUDA events, or () on the CPU, where
+        the step's compute is all "device" time; ``shape`` its StepShape."""
+        device_s = time.perf_counter() - launched_s
+        if events:
+            events[1].synchronize()
+            device_s = events[0].elapsed_time(events[1]) / 1e3
+        return cls(launched_s, device_s, bool(shape.graph_size or shape.mixed_size), shape.padded)
+
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
@@ -121,6 +135,8 @@ class ModelRunnerOutput:
     # Per request computing prompt tokens that asked for their logprobs.
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     timing: RunnerTiming | None = None  # when steps are measured
+    # Speculative decoding: the proposed tokens a request's sampling accepted, which come before its sampled token.
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class BeamResult(msgspec.Struct, array_like=True, gc=False):

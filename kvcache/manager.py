@@ -209,6 +209,7 @@ class KVCacheManager:
         new_computed_blocks: list[KVCacheBlock] | None = None,
         mm_spans: MMSpans | None = None,
         prefix: PrefixHit | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Grow the request's table to hold ``num_computed_tokens + num_new_tokens`` tokens.
 
@@ -218,7 +219,8 @@ class KVCacheManager:
         cached under their chained hash (their KV is written this step, before any read);
         ``mm_spans`` are the request's images, as for ``get_computed_blocks``. ``prefix``, from ``find_prefix``
         (instead of ``new_computed_blocks``): its device blocks are shared and its host blocks copied into the
-        first new blocks before the step.
+        first new blocks before the step. ``num_lookahead_tokens``: of the new tokens, how many lie past the known
+        ones (speculative proposals; their slots are written, never hashed until the tokens are known).
 
         Returns the ids of the newly allocated blocks, in table order, or None, with
         nothing changed, if there are not enough free blocks.
@@ -234,7 +236,8 @@ class KVCacheManager:
             # The common decode step: the tokens fit in the last block and fill no block. Nothing to do.
             table.num_tokens = max(table.num_tokens, num_tokens)
             return []
-        self._check_allocate_args(request_id, table, token_ids, num_computed_tokens, num_new_tokens, hit_blocks)
+        self._check_allocate_args(request_id, table, token_ids, num_computed_tokens,
+                                  num_new_tokens - num_lookahead_tokens, hit_blocks)
 
         num_held = len(table.blocks) if table is not None else 0
         num_new_blocks = max(0, _cdiv(num_tokens, self.block_size) - num_held - len(hit_blocks))

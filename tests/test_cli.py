@@ -27,7 +27,7 @@ ENGINE_FLAGS = [
     "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
     "--max-logprobs", "--attention-backend", "--enforce-eager", "--cuda-graph-max-tokens", "--overlap-steps",
     "--no-overlap-steps", "--async-scheduling", "--no-async-scheduling", "--structured-outputs-max-bytes",
-    "--structured-outputs-compile-timeout", "--xgrammar-cache-mb",
+    "--structured-outputs-compile-timeout", "--xgrammar-cache-mb", "--speculative-config",
     "--tensor-parallel-size", "-tp", "--nnodes", "--node-rank", "--master-addr", "--master-port",
     "--distributed-timeout",
 ]

@@ -32,6 +32,7 @@ from engine.loading.mrope import MRopePositions, mrope_positions
 from engine.loading.tokenizer import load_tokenizer
 from engine.outputs import EngineOutput, EngineStats
 from engine.sampling_params import SamplingParams
+from engine.speculative.proposer import SpeculationProposer
 from engine.worker.model_runner import ModelRunner
 from kvcache.manager import KVCacheManager
 
@@ -121,10 +122,16 @@ class LLMEngine:
         )
         self.beams = BeamSearch(self.scheduler, self.eos_token_ids, self.max_model_len)
         on_cuda = self.runner.device.type == "cuda"
+        self.proposer = SpeculationProposer.from_config(config.speculative_config)
+        async_scheduling = config.async_scheduling if config.async_scheduling is not None else on_cuda
+        if self.proposer is not None and async_scheduling:
+            # A step planned before the last one's tokens are known cannot hold proposals that follow them.
+            logger.info("speculative decoding: async scheduling is off (steps are planned once tokens are known)")
+            async_scheduling = False
         self.pipeline = StepPipeline(
             self.scheduler, self.runner,
             overlap_steps=config.overlap_steps if config.overlap_steps is not None else on_cuda,
-            async_scheduling=config.async_scheduling if config.async_scheduling is not None else on_cuda,
+            async_scheduling=async_scheduling,
             new_grammars=functools.partial(_new_grammar_manager, self.tokenizer, self.model_config.vocab_size,
                                            self.eos_token_ids, config),
         )
@@ -285,6 +292,9 @@ class LLMEngine:
             return settled
         runner_out = pipeline.finish(step)  # the step's one sync
         outputs = self.scheduler.update_from_output(step.sched, runner_out)
+        if self.proposer is not None:  # before the next step is planned (overlapped steps: in done())
+            self.proposer.count(step.sched.spec_token_ids, runner_out.accepted_token_ids)
+            self.proposer.propose(self.scheduler.running)
         if self.scheduler.group_reports:  # beams' logprobs: their searches choose their tokens
             outputs += self.beams.advance(self.scheduler.take_group_reports())
         pipeline.done(step, outputs)  # overlapped steps: launch the next one

@@ -65,6 +65,8 @@ class Request:
         self.num_computed_tokens = 0
         # Tokens being sampled by steps in flight, not yet appended (0, or 1 while steps are planned ahead).
         self.num_placeholders = 0
+        # Speculative decoding: tokens proposed for the next step (the engine's proposer sets them).
+        self.spec_token_ids: list[int] = []
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
@@ -130,6 +132,21 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def append_step_tokens(self, accepted, token_id: int, max_model_len: int) -> tuple[list[int], RequestStatus | None]:
+        """Append a step's tokens: the proposals it accepted (speculative decoding; their KV is computed now),
+        then its sampled token, each checked for a stop; the tokens after one that stops are dropped. Returns the
+        tokens kept and the finished status (None to go on)."""
+        if self.status == RequestStatus.RUNNING:  # (preempted meanwhile: its KV is computed again anyway)
+            self.num_computed_tokens += len(accepted)
+        new_token_ids = []
+        for token in (*accepted, token_id):
+            self.append_token(token)
+            new_token_ids.append(token)
+            status = self.check_stop(max_model_len)
+            if status is not None:
+                return new_token_ids, status
+        return new_token_ids, None
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finished status the last appended token leads to, or None to go on."""

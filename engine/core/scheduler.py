@@ -39,6 +39,7 @@ from engine.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
+from engine.speculative.proposer import take_proposals
 from kvcache.manager import KVCacheManager
 
 
@@ -130,6 +131,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        spec_token_ids: dict[str, list[int]] = {}
         num_preempted = 0
         if self._images is not None:
             self._images.begin_step()
@@ -147,7 +149,8 @@ class Scheduler:
             if num_new == 0:
                 i += 1  # a grouped request that waits for its next token to be chosen, or an image that waits
                 continue
-            new_block_ids, preempted = self._allocate_or_preempt(request, num_new)
+            spec = take_proposals(request, num_new, budget, self.max_model_len)
+            new_block_ids, preempted = self._allocate_or_preempt(request, num_new + len(spec), len(spec))
             num_preempted += preempted
             if new_block_ids is None:  # the request itself was preempted
                 break
@@ -156,11 +159,13 @@ class Scheduler:
                 request.resend = False
             else:
                 cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
-            num_scheduled[request.request_id] = num_new
+            num_scheduled[request.request_id] = num_new + len(spec)
+            if spec:
+                spec_token_ids[request.request_id] = spec
             if request.mm_end > request.num_computed_tokens:
                 self._images.take(request, num_new)
-            self._advance(request, num_new)
-            budget -= num_new
+            self._advance(request, num_new)  # proposals count as computed once accepted (update_from_output)
+            budget -= num_new + len(spec)
             i += 1
 
         # 2. Waiting requests, first come first served; none while memory is short this step. A request
@@ -186,6 +191,7 @@ class Scheduler:
             block_copies=copies,
             kv_loads=loads,
             kv_saves=saves,
+            spec_token_ids=spec_token_ids,
         )
         if self._images is not None:
             out.encoder_inputs, out.freed_encoder_hashes = self._images.end_step()
@@ -212,19 +218,19 @@ class Scheduler:
             if request.group is not None:  # its coordinator picks its token, with the rest of its group
                 self.group_reports.append((request, runner_out.logprobs[rid]))
                 continue
-            request.append_token(token_id)
-            status = request.check_stop(self.max_model_len)
+            new_token_ids, status = request.append_step_tokens(runner_out.accepted_token_ids.get(rid, ()), token_id,
+                                                               self.max_model_len)
             if request.grammar is not None and status is None:
                 status = self._follow_grammar(request, token_id)
             logprobs = runner_out.logprobs.get(rid)
             new_logprobs = [logprobs] if logprobs is not None else []
             if status is None:
-                outputs.append(self._output(request, [token_id], new_logprobs=new_logprobs))
+                outputs.append(self._output(request, new_token_ids, new_logprobs=new_logprobs))
                 continue
             # A request preempted while this token was in flight is already back in the queue.
             (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
             self._finish(request, status)
-            outputs.append(self._output(request, [token_id], finished=True, new_logprobs=new_logprobs))
+            outputs.append(self._output(request, new_token_ids, finished=True, new_logprobs=new_logprobs))
         return outputs
 
     # ------------------------------------------------------------------ helpers
@@ -288,8 +294,10 @@ class Scheduler:
         return not any(r.sampling_params.has_penalties or r.sampling_params.min_tokens or r.group is not None
                        for r in self.running)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int] | None, int]:
-        """Blocks for ``num_new`` more tokens, preempting newer requests until they fit.
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             num_lookahead: int = 0) -> tuple[list[int] | None, int]:
+        """Blocks for ``num_new`` more tokens (``num_lookahead`` of them proposals past the known tokens),
+        preempting newer requests until they fit.
 
         Returns the new block ids (None when ``request`` itself had to be preempted) and
         how many requests were preempted.
@@ -298,7 +306,7 @@ class Scheduler:
         while True:
             new_block_ids = self.kv.allocate_slots(
                 request.request_id, request.all_token_ids, request.num_computed_tokens, num_new,
-                mm_spans=request.mm_spans,
+                mm_spans=request.mm_spans, num_lookahead_tokens=num_lookahead,
             )  # a placeholder's block is hashed once its token is known
             if new_block_ids is not None:
                 return new_block_ids, num_preempted

@@ -50,12 +50,7 @@ from engine.loading.gguf_blocks import (
     q5_1_to_int8,
     q8_0_to_int8,
 )
-from engine.loading.gguf_kquants import (
-    q4_k_to_int4,
-    q4_k_to_int8,
-    q5_k_to_int8,
-    q6_k_to_int8,
-)
+from engine.loading.gguf_kquants import q4_k_to_int4, q4_k_to_int8, q5_k_to_int8, q6_k_to_int8
 from engine.models.embedding import ParallelLMHead
 from engine.models.linear import (
     Int4LinearMethod,

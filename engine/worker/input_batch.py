@@ -33,6 +33,9 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        # Speculative decoding: proposed tokens written after a row's known ones for this step (token_ids past
+        # num_tokens), which its sampling verifies.
+        self.num_spec = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         # Sampling parameters, one entry per row.
@@ -140,6 +143,17 @@ class InputBatch:
         self.allowed.pop(row, None)
         self.logprob_token_ids.pop(row, None)
         self._free_rows.append(row)
+
+    def set_proposals(self, spec_token_ids: dict[str, list[int]]) -> None:
+        """This step's proposed tokens, after each row's known ones (none for the other rows)."""
+        if not spec_token_ids and not self.num_spec.any():
+            return
+        self.num_spec[:] = 0
+        for rid, spec in spec_token_ids.items():
+            row = self.row_of[rid]
+            start = self.num_tokens[row]
+            self.token_ids[row, start : start + len(spec)] = spec
+            self.num_spec[row] = len(spec)
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids

@@ -59,6 +59,7 @@ from engine.worker.logprobs import LogprobsCopy, copy_logprobs
 from engine.worker.prompt_logprobs import PromptLogprobsCopy, launch_prompt_logprobs
 from engine.worker.sampler import Sampler, logits_or_greedy_tokens, takes_greedy_tokens
 from engine.worker.sampling_tensors import SamplingTensors, build_sampling_tensors
+from engine.worker.speculation import record_accepted, verify_step
 from engine.worker.step_buffers import StepBuffers, upload
 from engine.worker.step_channel import BlockCopies, StepChannel, StepShape
 from engine.worker.step_inputs import StepInputPreparer, StepInputs
@@ -90,6 +91,7 @@ class StepHandle:
     events: tuple | None = None
     launched: float = 0.0  # time.perf_counter() when its last launch returned
     pending: PendingSampling | None = None
+    verified: tuple[torch.Tensor, torch.Tensor] | None = None  # a speculative step's (tokens, accepted counts)
 
     @property
     def awaits_sampling(self) -> bool:
@@ -374,6 +376,7 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.prompt_logprobs is not None:
             handle.prompt_logprobs = launch_prompt_logprobs(self.model, hidden, inputs.prompt_logprobs)
+        greedy_only = greedy_only and inputs.spec_counts is None  # (a speculative step verifies its logits)
         return logits_or_greedy_tokens(self.model, hidden[inputs.logits_indices], greedy_only) if n else (None, None)
 
     @torch.inference_mode()
@@ -389,7 +392,8 @@ class ModelRunner:
             if bitmask.shape[1] < words:  # the grammars' vocabulary is the tokenizer's: the padding ids stay out
                 bitmask = torch.nn.functional.pad(bitmask, (0, words - bitmask.shape[1]))
             st.bitmask, st.bitmask_rows = bitmask, masks[1]
-        sampled, raw_logprobs = self.sampler(pending.logits, st, pending.greedy)
+        sampled, raw_logprobs = (verify_step(handle, pending.logits, st, self.batch) if handle.inputs.spec_counts
+                                 is not None else self.sampler(pending.logits, st, pending.greedy))
         # Two pinned buffers in turn: with a step planned ahead, this copy may land while the
         # host still reads the previous step's tokens.
         self._sampled_turn ^= 1
@@ -416,7 +420,8 @@ class ModelRunner:
             raise RuntimeError("finish() on a step whose sampling was never launched (launch_sampling)")
         if handle.ready is not None:
             handle.ready.synchronize()  # the step's one host sync
-        timing = self._timing(handle) if handle.events is not None else None
+        timing = (RunnerTiming.measured(handle.launched, handle.events, inputs.shape) if handle.events is not None
+                  else None)
         prompt_logprobs = handle.prompt_logprobs.collect() if handle.prompt_logprobs is not None else {}
         if handle.sampled is None:
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs, timing=timing)
@@ -426,9 +431,11 @@ class ModelRunner:
         sampled_ids = inputs.sampled_request_ids
         rows = [self.batch.row_of.get(rid, -1) for rid in sampled_ids]
         live = [i for i, row in enumerate(rows) if row >= 0]
+        accepted = record_accepted(self.batch, handle.verified, rows, live) if handle.verified is not None else []
         self.batch.append_sampled(np.asarray([rows[i] for i in live], dtype=np.int64),
                                   np.asarray([token_ids[i] for i in live], dtype=np.int64))
-        output = ModelRunnerOutput(sampled_ids, token_ids, prompt_logprobs=prompt_logprobs, timing=timing)
+        output = ModelRunnerOutput(sampled_ids, token_ids, prompt_logprobs=prompt_logprobs, timing=timing,
+                                   accepted_token_ids={rid: a for rid, a in zip(sampled_ids, accepted) if a})
         if handle.logprobs is not None:
             output.logprobs = handle.logprobs.entries(token_ids, sampled_ids)
         return output
@@ -458,6 +465,7 @@ class ModelRunner:
             self.batch.add(data, self.eos_token_ids)
         for data in sched.cached_requests:
             self.batch.update(data)
+        self.batch.set_proposals(sched.spec_token_ids)
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         """The step's inputs, in the host buffers (sent to the other ranks, if any) and then on the device."""
@@ -486,13 +494,3 @@ class ModelRunner:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         return start, end
-
-    @staticmethod
-    def _timing(handle: StepHandle) -> RunnerTiming:
-        """A measured step's timing, once it has synced."""
-        device_s = time.perf_counter() - handle.launched  # CPU: the step's compute is all "device" time
-        if handle.events:
-            handle.events[1].synchronize()
-            device_s = handle.events[0].elapsed_time(handle.events[1]) / 1e3
-        shape = handle.inputs.shape
-        return RunnerTiming(handle.launched, device_s, bool(shape.graph_size or shape.mixed_size), shape.padded)

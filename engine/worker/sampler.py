@@ -81,19 +81,31 @@ class Sampler:
             greedy = argmax_rows(logits)
         if st.all_greedy:
             return greedy, raw_logprobs
-        temperature = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
-        logits = logits / temperature[:, None]
-        if st.top_k is not None or st.top_p is not None:
-            logits = apply_top_k_top_p(logits, st.top_k, st.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if st.min_p is not None:
-            max_prob = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < st.min_p[:, None] * max_prob, 0.0)
+        probs = sampling_probs(logits, st)
         noise = torch.empty_like(probs).exponential_()
         for row, generator in st.generators.items():
             noise[row].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(st.temperature > 0, sampled, greedy), raw_logprobs
+
+
+def sampling_probs(logits: torch.Tensor, st: SamplingTensors, repeat: int = 1) -> torch.Tensor:
+    """The distributions the rows sample from [N * repeat, vocab] float32: temperature (1 for greedy rows), top-k,
+    top-p, then min-p, renormalised. ``repeat``: each of st's rows stands for that many consecutive logits rows
+    (a speculative step's positions)."""
+    def per_row(values: torch.Tensor | None) -> torch.Tensor | None:
+        return values.repeat_interleave(repeat) if values is not None and repeat > 1 else values
+
+    temperature = per_row(torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature)))
+    logits = logits.float() / temperature[:, None]
+    if st.top_k is not None or st.top_p is not None:
+        logits = apply_top_k_top_p(logits, per_row(st.top_k), per_row(st.top_p))
+    probs = torch.softmax(logits, dim=-1)
+    if st.min_p is not None:
+        max_prob = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < per_row(st.min_p)[:, None] * max_prob, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -17,6 +17,7 @@ and an M-RoPE model's three positions per token come from each request's table (
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,9 @@ class StepInputs:
     # Image embeddings for some of the step's tokens: (their positions in the flat tokens [K] int64 on the
     # device, their embeddings [K, hidden]); None when the step has no image token.
     image_embeds: tuple[torch.Tensor, torch.Tensor] | None
+    # Speculative decoding: each sampled row's proposals verified this step [num_sampled]; None in a step with none.
+    # The logits are then each sampled row's 1 + k last tokens', row after row.
+    spec_counts: np.ndarray | None
     # On the device, once ``ModelRunner.device_inputs`` has copied the host buffers:
     input_ids: torch.Tensor | None = None  # [padded tokens] int64
     positions: torch.Tensor | None = None  # [padded tokens] int64; [3, padded tokens] for an M-RoPE model
@@ -80,21 +84,30 @@ class StepInputPreparer:
         token_req = np.repeat(np.arange(num_reqs), counts)  # [num_tokens] batch index of each token
         positions = b.num_computed[rows][token_req] + np.arange(num_tokens) - (ends - counts)[token_req]
         token_rows = rows[token_req]
-        # A request gets a token when this step computes the last of its known tokens.
+        # A request gets a token when this step computes the last of its known tokens (and its proposals).
         sampled = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
+        spec_counts = b.num_spec[rows[sampled]] if sched.spec_token_ids else None
         prompt_lp = None
         if (b.num_prompt_logprobs[rows] >= 0).any():
             prompt_lp = plan_prompt_logprobs(b, rows, token_req, token_rows, positions, req_ids, order, self.device)
         image_embeds = self._gather_image_embeds(rows, counts, ends) if b.mm_inputs else None
         max_seq_len = int(seq_lens.max())
         shape = select_step_shape(
-            decode_graphs, mixed_graphs, prompt_lp is not None or image_embeds is not None, num_reqs,
+            decode_graphs, mixed_graphs, prompt_lp is not None or image_embeds is not None or spec_counts is not None,
+            num_reqs,
             int(np.count_nonzero(counts == 1)), num_tokens, len(sampled), -(-max_seq_len // self.block_size),
             int(counts.max()), max_seq_len)
         self._fill_buffers(shape, rows, seq_lens, ends, positions, token_rows, sampled)
+        if spec_counts is not None:  # verification: every proposal's logits too, each row's 1 + k last tokens
+            verified = np.repeat(ends[sampled] - 1 - spec_counts, spec_counts + 1)
+            verified += np.arange(len(verified)) - np.repeat(np.cumsum(spec_counts + 1) - spec_counts - 1,
+                                                              spec_counts + 1)
+            self.buffers.logits_indices.np[: len(verified)] = verified
+            shape = dataclasses.replace(shape, num_logits=len(verified))
         if self.buffers.mrope_positions is not None:  # M-RoPE: the model reads three positions per token
             self._fill_mrope_positions(rows, counts, ends, positions, token_rows, shape.padded_tokens)
-        unknown = np.nonzero(positions >= b.num_tokens[token_rows])[0]  # ids a step in flight is sampling
+        # ids a step in flight is sampling (proposals are known: written after the known tokens)
+        unknown = np.nonzero(positions >= (b.num_tokens + b.num_spec)[token_rows])[0]
         return StepInputs(
             shape=shape,
             sampled_request_ids=[req_ids[order[i]] for i in sampled.tolist()],
@@ -104,6 +117,7 @@ class StepInputPreparer:
             placeholder_request_ids=[req_ids[order[token_req[t]]] for t in unknown.tolist()] if len(unknown) else [],
             prompt_logprobs=prompt_lp,
             image_embeds=image_embeds,
+            spec_counts=spec_counts,
         )
 
     def wait_for_input_copies(self) -> None:

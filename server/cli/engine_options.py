@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 from pathlib import Path
 
@@ -65,8 +66,19 @@ def served_model_name(args: argparse.Namespace) -> str:
     return path.name if path.exists() else args.model
 
 
-def _value_type(hint: typing.Any) -> type:
-    """The type a flag's text converts to: ``int`` for ``int`` and ``int | None``."""
+def _value_type(hint: typing.Any) -> typing.Any:
+    """What a flag's text converts with: ``int`` for ``int`` and ``int | None``, a JSON object for a dict."""
     members = [t for t in typing.get_args(hint) if t is not type(None)]
-    return members[0] if members else hint
+    value = members[0] if members else hint
+    return _json_object if typing.get_origin(value) is dict else value
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
 

@@ -1,0 +1,76 @@
+"""The engine's side of speculative decoding: after each step, proposals for the running requests that can take
+them (``SpeculationProposer.propose``); the scheduler gives a request with proposals 1 + k tokens in its next step
+and the runner verifies them (``engine.worker.speculation``).
+
+A request speculates when its next tokens depend on nothing but the model's distribution: no grammar, logprobs,
+penalties, min_tokens, logit_bias or allowed_token_ids, and no beam search. The others decode one token a step, as
+without speculation (their outputs are the same either way). ``disable_by_batch_size``: no proposals in a step
+while at least that many requests run, where a step of many requests is busy enough without them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from engine.core.request import Request
+
+
+def speculates(request: Request) -> bool:
+    """Whether the request's sampling takes proposals (the module's rule)."""
+    p = request.sampling_params
+    return (request.grammar is None and request.group is None and p.logprobs is None and not p.has_penalties
+            and not p.min_tokens and not p.logit_bias and p.allowed_token_ids is None and not p.use_beam_search)
+
+
+def take_proposals(request: Request, num_new: int, budget: int, max_model_len: int) -> list[int]:
+    """The proposed tokens a decoding request computes after its last one in the step being planned: its
+    proposals, as many as the budget, the model's length and max_tokens leave room for (a step that accepts them
+    all adds one more token). Taken from the request: a later step needs new ones."""
+    spec, request.spec_token_ids = request.spec_token_ids, []
+    if not spec or num_new != 1 or request.num_placeholders:
+        return []
+    room = min(budget - 1, max_model_len - request.num_tokens)
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is not None:
+        room = min(room, max_tokens - request.num_output_tokens - 1)
+    return spec[:max(room, 0)]
+
+
+class SpeculationProposer:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        # vLLM's counters: requests' proposals verified, their tokens, and the tokens accepted.
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    def count(self, spec_token_ids: dict[str, list[int]], accepted_token_ids: dict[str, list[int]]) -> None:
+        """A finished step's proposals and what its sampling accepted of them."""
+        self.num_drafts += len(spec_token_ids)
+        self.num_draft_tokens += sum(map(len, spec_token_ids.values()))
+        self.num_accepted_tokens += sum(map(len, accepted_token_ids.values()))
+
+    @classmethod
+    def from_config(cls, given: dict[str, Any] | None) -> SpeculationProposer | None:
+        config = SpeculativeConfig.parse(given)
+        return cls(config) if config is not None else None
+
+    def propose(self, running: Iterable[Request]) -> None:
+        """Set each running request's proposals for the next step (none where it does not speculate, is not
+        decoding, or the batch is at ``disable_by_batch_size``)."""
+        running = list(running)
+        limit = self.config.disable_by_batch_size
+        off = limit is not None and len(running) >= limit
+        for request in running:
+            decoding = request.num_computed_tokens == request.num_tokens - 1 and not request.num_placeholders
+            if off or not decoding or not speculates(request):
+                request.spec_token_ids = []
+                continue
+            tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+            request.spec_token_ids = self.ngram.propose(tokens).tolist()

@@ -1,0 +1,71 @@
+"""The runner's side of speculative decoding: a step's verification of its proposals.
+
+The step's logits are each sampled row's 1 + k last tokens' (``StepInputs.spec_counts``), row after row; the target's
+distributions there (temperature, top-k, top-p and min-p applied as the sampler applies them) and its argmax verify
+the proposals (``engine.speculative.rejection``). Rows that speculate have nothing else that changes the logits
+(``engine.speculative.proposer.speculates``); a row without proposals in the same step is verified with k = 0, which
+is plain sampling from its distribution (a grammar's row after its bitmask).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from engine.speculative.rejection import rejection_sample
+from engine.worker.input_batch import InputBatch
+from engine.worker.sampler import sampling_probs
+from engine.worker.sampling_tensors import SamplingTensors
+
+
+def verify_proposals(logits: torch.Tensor, st: SamplingTensors, spec_counts: np.ndarray, rows: np.ndarray,
+                     batch: InputBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``logits`` [sum(1 + k), vocab] of the sampled ``rows`` (InputBatch rows) with ``spec_counts`` proposals each.
+    Returns each row's last token [rows] and (its output tokens [rows, kmax + 1], its accepted count [rows])."""
+    device = logits.device
+    num_rows, kmax = len(rows), int(spec_counts.max())
+    counts = torch.from_numpy(spec_counts).to(device)
+    starts = torch.cumsum(counts + 1, 0) - counts - 1  # each row's first logits row
+    if st.bitmask is not None:  # grammar rows (no proposals: their one logits row) allow only their grammar's tokens
+        at_rows = [int(spec_counts[:i].sum()) + i for i in st.bitmask_rows]
+        flat = st.bitmask.new_full((logits.shape[0], st.bitmask.shape[1]), -1)  # the bitmask by logits row
+        flat[at_rows] = st.bitmask[st.bitmask_rows]
+        xgr.apply_token_bitmask_inplace(logits, flat, vocab_size=logits.shape[-1], indices=at_rows)
+    at = starts[:, None] + torch.minimum(torch.arange(kmax + 1, device=device)[None, :], counts[:, None])
+    per_row = logits[at]  # [rows, kmax + 1, vocab]; past a row's k: its last position again (never read)
+    argmax = per_row.argmax(dim=-1)
+    greedy = st.temperature <= 0
+    if bool(greedy.all()):
+        probs = per_row.new_zeros(()).expand(per_row.shape)  # not read: every row is greedy
+    else:
+        flat = per_row.reshape(num_rows * (kmax + 1), -1)
+        probs = sampling_probs(flat, st, repeat=kmax + 1).view(per_row.shape)
+    drafts = np.zeros((num_rows, max(kmax, 1)), dtype=np.int64)
+    for i, (row, k) in enumerate(zip(rows.tolist(), spec_counts.tolist())):
+        start = batch.num_tokens[row]
+        drafts[i, :k] = batch.token_ids[row, start : start + k]
+    out, accepted = rejection_sample(torch.from_numpy(drafts[:, :kmax]).to(device), counts, probs, argmax, greedy,
+                                     None, st.generators)
+    return out.gather(1, accepted[:, None])[:, 0], (out, accepted)
+
+
+def verify_step(handle, logits: torch.Tensor, st: SamplingTensors, batch: InputBatch) -> tuple[torch.Tensor, None]:
+    """A speculative step's sampling (``ModelRunner.launch_sampling``): its proposals verified, the accepted ones
+    left on the handle (``verified``). No logprobs: rows that ask for them do not speculate."""
+    sampled, handle.verified = verify_proposals(logits, st, handle.inputs.spec_counts, handle.inputs.sampled_rows,
+                                                batch)
+    return sampled, None
+
+
+def record_accepted(batch: InputBatch, verified: tuple[torch.Tensor, torch.Tensor], rows: list[int],
+                    live: list[int]) -> list[list[int]]:
+    """After the step's sync: each sampled row's accepted proposals, appended to the ``live`` rows' tokens (the
+    sampled token comes after them)."""
+    out, accepted = (t.cpu() for t in verified)
+    tokens = [row[:n] for row, n in zip(out.tolist(), accepted.tolist())]
+    for i in live:
+        row, n = rows[i], len(tokens[i])
+        batch.token_ids[row, batch.num_tokens[row] : batch.num_tokens[row] + n] = tokens[i]
+        batch.num_tokens[row] += n
+    return tokens
