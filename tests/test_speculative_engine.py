@@ -79,25 +79,59 @@ def test_stop_strings_max_tokens_and_eos_cut_where_they_would_without(engines):
     assert [len(o.outputs[0].token_ids) for o in b] == [len(o.outputs[0].token_ids) for o in a]
 
 
-def test_a_json_schema_request_decodes_as_without(engines):
-    """Constrained requests take no proposals: their output is the grammar's, as without speculation, beside
-    requests that do speculate in the same steps."""
+@pytest.mark.parametrize("other", ["json-schema", "logprobs", "penalty"])
+def test_a_request_that_cannot_take_proposals_decodes_as_without(engines, other):
+    """A request with a grammar, logprobs or a penalty takes no proposals, and neither does the batch while it is
+    in it: every request's output is what it is without speculation, logprobs and grammar included."""
     plain, spec = engines
     schema = {"type": "object", "properties": {"fruit": {"type": "string"}}, "required": ["fruit"]}
-    constrained = SamplingParams(temperature=0.0, max_tokens=30,
-                                 structured_outputs=StructuredOutputsParams(json=json.dumps(schema)))
-    params = [constrained, GREEDY, GREEDY, GREEDY]
+    first = {"json-schema": SamplingParams(temperature=0.0, max_tokens=30,
+                                           structured_outputs=StructuredOutputsParams(json=json.dumps(schema))),
+             "logprobs": SamplingParams(temperature=0.0, max_tokens=30, logprobs=2),
+             "penalty": SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3)}[other]
+    params = [first, GREEDY, GREEDY, GREEDY]
     a, b = plain.generate(PROMPTS, params, use_tqdm=False), spec.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    assert "fruit" in json.loads(b[0].outputs[0].text)
+    if other == "json-schema":
+        assert "fruit" in json.loads(b[0].outputs[0].text)
+    if other == "logprobs":
+        assert len(b[0].outputs[0].logprobs) == len(b[0].outputs[0].token_ids)
+        assert [lp.logprob for lp in b[0].outputs[0].logprobs] == \
+            pytest.approx([lp.logprob for lp in a[0].outputs[0].logprobs], abs=1e-5)
 
 
-def test_seeded_sampling_repeats_itself(engines):
-    """With speculation a seeded request's tokens (drawn through rejection sampling) are the same run to run."""
-    _, spec = engines
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=11, ignore_eos=True)
-    first = _tokens(spec, PROMPTS, params)
-    assert _tokens(spec, PROMPTS[::-1], params)[::-1] == first
+def _run_with_a_late_request(llm: LLM, late: SamplingParams, join_at: int | None) -> tuple[dict, int]:
+    """Three requests decoding, a fourth added after ``join_at`` steps (None: after the first step from which the
+    others hold proposals), in the engine's own loop. Returns each request's (tokens, logprobs entries) and the
+    step it joined after."""
+    engine, tokenizer = llm.engine, llm.tokenizer
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(f"early-{i}", tokenizer.encode(prompt), GREEDY)
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, int] = {}
+    steps, joined = 0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            logprobs[out.request_id] = logprobs.get(out.request_id, 0) + len(out.new_logprobs)
+        steps += 1
+        proposing = any(request.spec_token_ids for request in engine.scheduler.running)
+        if joined is None and (steps == join_at or (join_at is None and steps >= 2 and proposing)):
+            engine.add_request("late", tokenizer.encode(PROMPTS[3]), late)
+            joined = steps
+    return {rid: (tokens[rid], logprobs[rid]) for rid in tokens}, joined
+
+
+def test_a_request_joining_a_speculating_batch_gets_what_it_asks(engines):
+    """Requests decoding with proposals, then one asking for logprobs arrives: the step that samples its first
+    token verifies no proposals, so that token has its logprobs; everyone's tokens are as without speculation."""
+    plain, spec = engines
+    late = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
+    got, joined = _run_with_a_late_request(spec, late, None)
+    assert joined is not None  # it joined a batch holding proposals
+    expected, _ = _run_with_a_late_request(plain, late, joined)
+    assert got == expected
+    assert got["late"][1] == 12
 
 
 @pytest.mark.parametrize("config, message", [

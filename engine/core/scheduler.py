@@ -39,7 +39,7 @@ from engine.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from engine.speculative.proposer import take_proposals
+from engine.speculative.proposer import drop_proposals_beside_others, take_proposals
 from kvcache.manager import KVCacheManager
 
 
@@ -176,6 +176,8 @@ class Scheduler:
                 # Everything running is a beam waiting for siblings that wait for memory: make room.
                 while not num_scheduled and self._preempt_parked_group():
                     budget = self._admit_waiting(budget, new_reqs, num_scheduled)
+        if spec_token_ids:  # proposals only in a step whose every sampled request can take them
+            budget += drop_proposals_beside_others(spec_token_ids, num_scheduled, self._requests)
 
         freed, self._freed_ids = self._freed_ids, set()
         copies, self._block_copies = self._block_copies, []

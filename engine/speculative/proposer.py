@@ -3,9 +3,10 @@ them (``SpeculationProposer.propose``); the scheduler gives a request with propo
 and the runner verifies them (``engine.worker.speculation``).
 
 A request speculates when its next tokens depend on nothing but the model's distribution: no grammar, logprobs,
-penalties, min_tokens, logit_bias or allowed_token_ids, and no beam search. The others decode one token a step, as
-without speculation (their outputs are the same either way). ``disable_by_batch_size``: no proposals in a step
-while at least that many requests run, where a step of many requests is busy enough without them.
+penalties, min_tokens, logit_bias or allowed_token_ids, and no beam search. A step that samples any other request
+has no proposals: the batch decodes one token a step, as without speculation, while such a request is in it.
+``disable_by_batch_size``: no proposals while at least that many requests run, where a step of many requests is
+busy enough without them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,21 @@ def take_proposals(request: Request, num_new: int, budget: int, max_model_len: i
     return spec[:max(room, 0)]
 
 
+def drop_proposals_beside_others(spec_token_ids: dict[str, list[int]], num_scheduled: dict[str, int],
+                                 requests: dict[str, Request]) -> int:
+    """A verification step samples every row as ``speculates`` allows (no logprobs, penalties, grammar, ...): where
+    the step being planned also samples a request that does not speculate (one that joined since the proposals),
+    its proposals are taken back (their slots stay allocated, unused). Returns the tokens taken back."""
+    if all(speculates(requests[rid]) for rid in num_scheduled
+           if requests[rid].num_computed_tokens >= requests[rid].num_tokens):  # the step samples it
+        return 0
+    for rid, spec in spec_token_ids.items():
+        num_scheduled[rid] -= len(spec)
+    dropped = sum(map(len, spec_token_ids.values()))
+    spec_token_ids.clear()
+    return dropped
+
+
 class SpeculationProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -66,7 +82,8 @@ class SpeculationProposer:
         decoding, or the batch is at ``disable_by_batch_size``)."""
         running = list(running)
         limit = self.config.disable_by_batch_size
-        off = limit is not None and len(running) >= limit
+        # A batch holding a request that cannot take proposals samples without them (drop_proposals_beside_others).
+        off = (limit is not None and len(running) >= limit) or not all(map(speculates, running))
         for request in running:
             decoding = request.num_computed_tokens == request.num_tokens - 1 and not request.num_placeholders
             if off or not decoding or not speculates(request):

@@ -2,16 +2,15 @@
 
 The step's logits are each sampled row's 1 + k last tokens' (``StepInputs.spec_counts``), row after row; the target's
 distributions there (temperature, top-k, top-p and min-p applied as the sampler applies them) and its argmax verify
-the proposals (``engine.speculative.rejection``). Rows that speculate have nothing else that changes the logits
-(``engine.speculative.proposer.speculates``); a row without proposals in the same step is verified with k = 0, which
-is plain sampling from its distribution (a grammar's row after its bitmask).
+the proposals (``engine.speculative.rejection``). Every row of such a step samples from the model's distribution
+alone (``engine.speculative.proposer.speculates``; the scheduler plans no proposals beside a row that would not); a
+row without proposals is verified with k = 0, which is plain sampling from its distribution.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from engine.speculative.rejection import rejection_sample
 from engine.worker.input_batch import InputBatch
@@ -27,11 +26,6 @@ def verify_proposals(logits: torch.Tensor, st: SamplingTensors, spec_counts: np.
     num_rows, kmax = len(rows), int(spec_counts.max())
     counts = torch.from_numpy(spec_counts).to(device)
     starts = torch.cumsum(counts + 1, 0) - counts - 1  # each row's first logits row
-    if st.bitmask is not None:  # grammar rows (no proposals: their one logits row) allow only their grammar's tokens
-        at_rows = [int(spec_counts[:i].sum()) + i for i in st.bitmask_rows]
-        flat = st.bitmask.new_full((logits.shape[0], st.bitmask.shape[1]), -1)  # the bitmask by logits row
-        flat[at_rows] = st.bitmask[st.bitmask_rows]
-        xgr.apply_token_bitmask_inplace(logits, flat, vocab_size=logits.shape[-1], indices=at_rows)
     at = starts[:, None] + torch.minimum(torch.arange(kmax + 1, device=device)[None, :], counts[:, None])
     per_row = logits[at]  # [rows, kmax + 1, vocab]; past a row's k: its last position again (never read)
     argmax = per_row.argmax(dim=-1)
