@@ -168,6 +168,16 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
 
 
 @dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative decoding's counters so far (vLLM's spec_decode_* metrics)."""
+
+    num_drafts: int  # requests' sets of proposals verified
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]  # [k]: proposals accepted at each position
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot for metrics: queue sizes, counters, and the KV pool."""
 
@@ -188,3 +198,4 @@ class EngineStats:
     kv_transfers: KVTransferStats | None = None
     # int8 [host blocks], HostBlockPool.block_states() (0 free, 1 cached, 2 held), when the host tier is on.
     host_block_states: np.ndarray | None = field(default=None, compare=False, repr=False)
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding on

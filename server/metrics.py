@@ -92,6 +92,8 @@ class EngineStatsCollector(Collector):
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
         yield from _host_tier_metrics(PREFIX, kv.host, stats.kv_transfers)
+        if stats.spec_decode is not None:
+            yield from _spec_decode_metrics(PREFIX, stats.spec_decode)
         steps = CounterMetricFamily(PREFIX + "engine_steps", "Forward passes, by how they ran: a captured decode "
                                     "graph, a captured mixed-step graph (decodes with prefill chunks), or eagerly "
                                     "(larger steps, steps with images or prompt logprobs, the CPU, --enforce-eager).",
@@ -113,6 +115,21 @@ class EngineStatsCollector(Collector):
             yield CounterMetricFamily(PREFIX + "encoder_cache_reuses", "Times a request found an image it needed "
                                       "already encoded (another request's, or its own before a preemption).",
                                       value=encoder.num_reused)
+
+
+def _spec_decode_metrics(prefix: str, spec):
+    """Speculative decoding (``--speculative-config``), with vLLM's names."""
+    for name, doc, value in [
+        ("spec_decode_num_drafts", "Requests' sets of proposed tokens verified.", spec.num_drafts),
+        ("spec_decode_num_draft_tokens", "Proposed tokens verified.", spec.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens),
+    ]:
+        yield CounterMetricFamily(prefix + name, doc, value=value)
+    per_position = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos", "Proposed tokens "
+                                       "accepted, by their position among a request's proposals.", labels=["position"])
+    for position, value in enumerate(spec.accepted_per_position):
+        per_position.add_metric([str(position)], value)
+    yield per_position
 
 
 def _host_tier_metrics(prefix: str, host, transfers):

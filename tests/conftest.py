@@ -96,6 +96,7 @@ TIER_OF_FILE = {
     "test_sampler.py": "unit",
     "test_speculative.py": "unit",
     "test_speculative_engine.py": "engine",
+    "test_speculative_server.py": "server",
     "test_scheduler.py": "unit",
     "test_settings.py": "unit",
     "test_tool_parsers.py": "unit",

@@ -345,6 +345,7 @@ class LLMEngine:
             kv_transfers=(dataclasses.replace(self.runner.offloader.poll()) if self.runner.offloader is not None
                           else None),
             host_block_states=self.kv_manager.host.block_states() if self.kv_manager.host is not None else None,
+            spec_decode=self.proposer.stats() if self.proposer is not None else None,
         )
 
 

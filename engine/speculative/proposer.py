@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.outputs import SpecDecodeStats
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramProposer
 
@@ -63,14 +64,23 @@ class SpeculationProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-        # vLLM's counters: requests' proposals verified, their tokens, and the tokens accepted.
+        # vLLM's counters: requests' proposals verified, their tokens, the tokens accepted, and how often the
+        # proposal at each position (0 .. k - 1) was accepted.
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * config.num_speculative_tokens
 
     def count(self, spec_token_ids: dict[str, list[int]], accepted_token_ids: dict[str, list[int]]) -> None:
         """A finished step's proposals and what its sampling accepted of them."""
         self.num_drafts += len(spec_token_ids)
         self.num_draft_tokens += sum(map(len, spec_token_ids.values()))
-        self.num_accepted_tokens += sum(map(len, accepted_token_ids.values()))
+        for accepted in accepted_token_ids.values():
+            self.num_accepted_tokens += len(accepted)
+            for position in range(len(accepted)):
+                self.accepted_per_position[position] += 1
+
+    def stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_position))
 
     @classmethod
     def from_config(cls, given: dict[str, Any] | None) -> SpeculationProposer | None:
