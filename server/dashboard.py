@@ -80,6 +80,16 @@ class HostTier(BaseModel):
     to_device: Transfers
 
 
+class SpecDecode(BaseModel):
+    """Speculative decoding (``--speculative-config``): counters since start, as /metrics has them."""
+
+    num_drafts: int  # requests' sets of proposals verified: minivllm:spec_decode_num_drafts
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float  # accepted / proposed tokens, 0 to 1 (0 before any proposal)
+    mean_accepted: float  # accepted tokens per set of proposals
+
+
 class DashboardSnapshot(BaseModel):
     time: float  # Unix time, seconds: the page divides token deltas by time deltas
     engine_status: str  # "ok", "shutting_down", "dead" or "unavailable", as /health would answer
@@ -108,6 +118,7 @@ class DashboardSnapshot(BaseModel):
     num_host_blocks: int = 0
     host_states: str = ""
     host_state_names: list[str] = list(HOST_STATE_NAMES)
+    spec_decode: SpecDecode | None = None  # with speculative decoding on
 
 
 def dashboard_router(ctx: ServingContext) -> APIRouter:
@@ -169,8 +180,19 @@ def snapshot_from_stats(
         prefix_cache_queries=kv.prefix_cache_queries,
         prefix_cache_hits=kv.prefix_cache_hits,
         num_steps_by_kind=dict(stats.num_steps_by_kind),
+        spec_decode=_spec_decode(stats),
         **_host_fields(stats),
     )
+
+
+def _spec_decode(stats: EngineStats) -> SpecDecode | None:
+    spec = stats.spec_decode
+    if spec is None:
+        return None
+    accepted = spec.num_accepted_tokens
+    return SpecDecode(num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens, num_accepted_tokens=accepted,
+                      acceptance_rate=accepted / spec.num_draft_tokens if spec.num_draft_tokens else 0.0,
+                      mean_accepted=accepted / spec.num_drafts if spec.num_drafts else 0.0)
 
 
 def _host_fields(stats: EngineStats) -> dict:

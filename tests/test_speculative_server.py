@@ -1,6 +1,6 @@
 """``minivllm serve --speculative-config``: a real server speculating with n-gram proposals answers the openai SDK
-with the tokens the engine gives without speculation, streamed or not, and /metrics counts the proposals with
-vLLM's names."""
+with the tokens the engine gives without speculation, streamed or not; /metrics counts the proposals with vLLM's
+names, and the dashboard shows their acceptance rate."""
 
 from __future__ import annotations
 
@@ -47,3 +47,6 @@ def test_completions_match_the_engine_without_speculation_and_metrics_count(spec
     accepted, drafted = (values[f"minivllm:spec_decode_num_{name}_tokens_total"] for name in ("accepted", "draft"))
     assert 0 < accepted <= drafted
     assert values['minivllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+    # The dashboard shows the same counters and the acceptance rate.
+    spec = httpx.get(f"{speculating.url}/dashboard/snapshot", timeout=10).json()["spec_decode"]
+    assert spec["num_accepted_tokens"] == accepted and spec["acceptance_rate"] == pytest.approx(accepted / drafted)
