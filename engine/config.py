@@ -197,9 +197,12 @@ class EngineConfig:
         need(self.quantization in QUANTIZATIONS,
              f"quantization must be None (what the checkpoint says) or one of {QUANTIZATIONS[1:]}, got "
              f"{self.quantization!r}")
-        from engine.speculative.config import SpeculativeConfig
+        from engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
 
-        SpeculativeConfig.parse(self.speculative_config)  # its ConfigError names what is wrong
+        try:
+            SpeculativeConfig.parse(self.speculative_config)
+        except SpeculativeConfigError as exc:  # it names what is wrong
+            raise ConfigError(str(exc)) from None
         if self.quantization == "gguf":
             from engine.loading.gguf import is_gguf_model
 

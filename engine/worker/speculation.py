@@ -30,7 +30,7 @@ def verify_proposals(logits: torch.Tensor, st: SamplingTensors, spec_counts: np.
     per_row = logits[at]  # [rows, kmax + 1, vocab]; past a row's k: its last position again (never read)
     argmax = per_row.argmax(dim=-1)
     greedy = st.temperature <= 0
-    if bool(greedy.all()):
+    if st.all_greedy:
         probs = per_row.new_zeros(()).expand(per_row.shape)  # not read: every row is greedy
     else:
         flat = per_row.reshape(num_rows * (kmax + 1), -1)
