@@ -17,10 +17,12 @@ pytest.importorskip("triton")
 
 from engine.models.linear.int4 import dequantize_int4, pack_int4  # noqa: E402
 from engine.models.linear.int8 import dequantize_int8  # noqa: E402
+from engine.ops.quant_gemv import GemvTiles, choose_gemv_tiles  # noqa: E402
 from engine.ops.quant_matmul import (  # noqa: E402
     QuantWeight,
     Tiles,
     block_k_for,
+    choose_product_tiles,
     choose_tiles,
     dequantize,
     quant_matmul,
@@ -86,6 +88,37 @@ def test_quant_matmul_matches_dequantized_product(bits, n, k, group, zeros, m):
     parts = quant_matmul_partials(x.to(DEVICE), weight, tiles)
     assert parts.shape == (split, m, n)
     _close(parts.float().sum(0), want, dtype)
+
+
+@pytest.mark.parametrize("n,k,group,zeros", [(96, 256, 32, True), (64, 512, 128, True), (80, 192, 64, False),
+                                             (48, 256, 256, False)])
+@pytest.mark.parametrize("m", [1, 3])
+def test_int4_gemv_matches_dequantized_product(n, k, group, zeros, m):
+    """The few-token GEMV: groups narrower than its K step, as wide, and one group spanning several steps; N not a
+    multiple of its rows; K whole, cut in slices summed after, and handed over as partial products."""
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    weight, ref_w = _weight(4, n, k, group, dtype, zeros, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    want = x.float() @ ref_w.t()
+    chosen = choose_product_tiles(m, n, k, group, 4, num_sms=132)
+    assert isinstance(chosen, GemvTiles)
+    _close(quant_matmul(x.to(DEVICE), weight, chosen), want, dtype)
+    block_k = 64 if k % 128 else 128
+    split = k // block_k // 2 if (k // block_k) % 2 == 0 else 1
+    tiles = GemvTiles(16, block_k, split, 4)
+    _close(quant_matmul(x.to(DEVICE), weight, tiles), want, dtype)
+    parts = quant_matmul_partials(x.to(DEVICE), weight, tiles)
+    assert parts.shape == (split, m, n)
+    _close(parts.float().sum(0), want, dtype)
+
+
+def test_gemv_only_for_few_int4_tokens():
+    assert isinstance(choose_product_tiles(4, 4096, 4096, 128, 4, num_sms=132), GemvTiles)
+    assert not isinstance(choose_product_tiles(5, 4096, 4096, 128, 4, num_sms=132), GemvTiles)
+    assert not isinstance(choose_product_tiles(1, 4096, 4096, 32, 8, num_sms=132), GemvTiles)  # int8: tensor cores
+    assert choose_gemv_tiles(1, 64, 96, 32, num_sms=132) is None  # K of 96 is not cut into steps of 64
+    one = choose_gemv_tiles(1, 4096, 4096, 128, num_sms=132)
+    assert 4096 % (one.block_k * one.split) == 0 and one.split > 1
 
 
 @pytest.mark.parametrize("bits,n,k,group,zeros", CASES[:2] + CASES[4:5])

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from engine.ops.fp8 import sum_splits
 from engine.ops.intmath import cdiv, next_power_of_2
+from engine.ops.quant_gemv import GemvTiles, choose_gemv_tiles, int4_gemv_parts
 
 
 @triton.jit
@@ -167,6 +168,13 @@ def choose_tiles(m: int, n: int, k: int, group: int, num_sms: int) -> Tiles | No
     return Tiles(block_m, block_n, block_k, split, 4 if few else 8, 3)
 
 
+def choose_product_tiles(m: int, n: int, k: int, group: int, bits: int, num_sms: int) -> Tiles | GemvTiles | None:
+    """The kernel and tiles for a product of ``m`` tokens: the int4 GEMV (``engine.ops.quant_gemv``) for a few
+    tokens where it takes the shape, else the tensor-core kernel's ``choose_tiles``."""
+    gemv = choose_gemv_tiles(m, n, k, group, num_sms) if bits == 4 else None
+    return gemv or choose_tiles(m, n, k, group, num_sms)
+
+
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
@@ -192,10 +200,24 @@ def _launch(x: torch.Tensor, weight: QuantWeight, tiles: Tiles, out: torch.Tenso
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
-def quant_matmul(x: torch.Tensor, weight: QuantWeight, tiles: Tiles | None = None) -> torch.Tensor:
+def _gemv_parts(x: torch.Tensor, weight: QuantWeight, tiles: GemvTiles, dtype: torch.dtype) -> torch.Tensor:
+    if weight.bits != 4:
+        raise ValueError(f"quant_matmul: the GEMV takes int4 W, not {weight.bits}-bit")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"quant_matmul: x {tuple(x.shape)} does not match W {weight.shape}")
+    return int4_gemv_parts(x, weight.codes, weight.scales, weight.zeros, weight.group, tiles, dtype)
+
+
+def quant_matmul(x: torch.Tensor, weight: QuantWeight, tiles: Tiles | GemvTiles | None = None) -> torch.Tensor:
     """``x W^T``: x [M, K] (the compute dtype) -> [M, N] in x's dtype, accumulated in float32; K's slices (if any)
-    summed in float32 and rounded once."""
-    tiles = tiles or choose_tiles(x.shape[0], weight.shape[0], x.shape[1], weight.group, _num_sms(x.device))
+    summed in float32 and rounded once. ``tiles`` (default: ``choose_product_tiles``) picks the kernel."""
+    tiles = tiles or choose_product_tiles(x.shape[0], weight.shape[0], x.shape[1], weight.group, weight.bits,
+                                          _num_sms(x.device))
+    if isinstance(tiles, GemvTiles):
+        if tiles.split == 1:
+            return _gemv_parts(x, weight, tiles, x.dtype)[0]
+        return sum_splits(_gemv_parts(x, weight, tiles, torch.float32), torch.empty(
+            (x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device))
     m, n, _ = _check(x, weight, tiles)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -208,9 +230,11 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, tiles: Tiles | None = Non
     return sum_splits(parts, out)
 
 
-def quant_matmul_partials(x: torch.Tensor, weight: QuantWeight, tiles: Tiles) -> torch.Tensor:
+def quant_matmul_partials(x: torch.Tensor, weight: QuantWeight, tiles: Tiles | GemvTiles) -> torch.Tensor:
     """``x W^T`` as the products of ``tiles.split`` slices of K, [split, M, N] in x's dtype: a reader adds them (in
     float32, rounding once; ``LinearOutput.partials``)."""
+    if isinstance(tiles, GemvTiles):
+        return _gemv_parts(x, weight, tiles, x.dtype)
     m, n, _ = _check(x, weight, tiles)
     parts = torch.empty((tiles.split, m, n), dtype=x.dtype, device=x.device)
     if m:

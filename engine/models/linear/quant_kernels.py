@@ -1,6 +1,7 @@
 """The int4 and int8 methods' products on CUDA: when a layer's codes go to the Triton kernels of
 ``engine.ops.quant_matmul``, and which kernel each product takes by its token count.
 
+* up to ``GEMV_MAX_ROWS`` tokens of an int4 layer: the GEMV of ``engine.ops.quant_gemv`` on the CUDA cores;
 * up to ``DEQUANTIZE_FROM_ROWS`` tokens (decode steps, short prompts): ``quant_matmul``, which reads the codes and
   dequantizes them tile by tile; with K cut into slices (few output tiles for the SMs) ``apply_deferred`` hands
   the slices' partial products to the kernel that reads the product (``LinearOutput.partials``), as the 16-bit
@@ -41,11 +42,11 @@ def cuda_quant_weight(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 
 @functools.lru_cache(maxsize=4096)
-def _tiles(m: int, n: int, k: int, group: int, device_index: int):
-    from engine.ops.quant_matmul import choose_tiles
+def _tiles(m: int, n: int, k: int, group: int, bits: int, device_index: int):
+    from engine.ops.quant_matmul import choose_product_tiles
 
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return choose_tiles(m, n, k, group, sms)
+    return choose_product_tiles(m, n, k, group, bits, sms)
 
 
 def cuda_kernels_apply(weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -56,7 +57,8 @@ def cuda_kernels_apply(weight, x: torch.Tensor, bias: torch.Tensor | None) -> to
     if rows.shape[0] >= DEQUANTIZE_FROM_ROWS:
         return F.linear(x, dequantize(weight, x.dtype), bias)
     n, k = weight.shape
-    out = quant_matmul(rows.contiguous(), weight, _tiles(rows.shape[0], n, k, weight.group, x.device.index or 0))
+    tiles = _tiles(rows.shape[0], n, k, weight.group, weight.bits, x.device.index or 0)
+    out = quant_matmul(rows.contiguous(), weight, tiles)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)
@@ -69,7 +71,7 @@ def cuda_kernels_apply_deferred(weight, x: torch.Tensor, bias: torch.Tensor | No
 
     if partials_ok and bias is None and x.dim() == 2 and x.shape[0] < DEQUANTIZE_FROM_ROWS:
         n, k = weight.shape
-        tiles = _tiles(x.shape[0], n, k, weight.group, x.device.index or 0)
+        tiles = _tiles(x.shape[0], n, k, weight.group, weight.bits, x.device.index or 0)
         if tiles.split > 1:
             partials = quant_matmul_partials(x.contiguous(), weight, tiles)
             return LinearOutput(partials[0], partials=partials)
