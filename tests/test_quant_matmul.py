@@ -100,7 +100,7 @@ def test_int4_gemv_matches_dequantized_product(n, k, group, zeros, m):
     weight, ref_w = _weight(4, n, k, group, dtype, zeros, seed=m + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     want = x.float() @ ref_w.t()
-    chosen = choose_product_tiles(m, n, k, group, 4, num_sms=132)
+    chosen = choose_gemv_tiles(1, n, k, group, num_sms=132)
     assert isinstance(chosen, GemvTiles)
     _close(quant_matmul(x.to(DEVICE), weight, chosen), want, dtype)
     block_k = 64 if k % 128 else 128
@@ -113,12 +113,13 @@ def test_int4_gemv_matches_dequantized_product(n, k, group, zeros, m):
 
 
 def test_gemv_only_for_few_int4_tokens():
-    assert isinstance(choose_product_tiles(4, 4096, 4096, 128, 4, num_sms=132), GemvTiles)
-    assert not isinstance(choose_product_tiles(5, 4096, 4096, 128, 4, num_sms=132), GemvTiles)
+    assert isinstance(choose_product_tiles(1, 4096, 4096, 128, 4, num_sms=132), GemvTiles)
+    assert not isinstance(choose_product_tiles(2, 4096, 4096, 128, 4, num_sms=132), GemvTiles)
     assert not isinstance(choose_product_tiles(1, 4096, 4096, 32, 8, num_sms=132), GemvTiles)  # int8: tensor cores
     assert choose_gemv_tiles(1, 64, 96, 32, num_sms=132) is None  # K of 96 is not cut into steps of 64
     one = choose_gemv_tiles(1, 4096, 4096, 128, num_sms=132)
     assert 4096 % (one.block_k * one.split) == 0 and one.split > 1
+    assert choose_gemv_tiles(1, 28672, 4096, 128, num_sms=132).split == 1  # its 896 tiles fill the SMs
 
 
 @pytest.mark.parametrize("bits,n,k,group,zeros", CASES[:2] + CASES[4:5])

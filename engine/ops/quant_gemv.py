@@ -2,8 +2,8 @@
 
 ``quant_matmul`` feeds the tensor cores, which want W's tile in registers in their own layout: each K step unpacks
 the codes, dequantizes them to the compute dtype and shuffles them into place, and at one token that work, not the
-bytes, sets its pace (~0.7 TB/s of codes on an H100, where cuBLAS reads bf16 at 2-2.9 TB/s). With one to four
-tokens there is little to multiply, so this kernel skips the tensor cores: a program reads a [BLOCK_N, BLOCK_K / 8]
+bytes, sets its pace (~0.7 TB/s of codes on an H100, where cuBLAS reads bf16 at 2-2.9 TB/s). With one token
+there is little to multiply, so this kernel skips the tensor cores: a program reads a [BLOCK_N, BLOCK_K / 8]
 tile of 32-bit words (eight codes each, column 8w + j in bits 4j .. 4j + 3: the little-endian view of the packed
 bytes) and for each of the eight nibble planes turns the codes into float32 with one OR and one subtraction
 (``(q | 0x4B000000)`` read as a float is 2^23 + q), multiplies them with the tokens' activations for those columns
@@ -25,7 +25,9 @@ import triton.language as tl
 
 from engine.ops.intmath import cdiv, next_power_of_2
 
-GEMV_MAX_ROWS = 4  # token counts the GEMV serves; more go to the tensor-core kernel
+GEMV_MAX_ROWS = 1  # token counts the GEMV serves; more go to the tensor-core kernel. On an H100 (Llama-3.1-8B's
+# projections, group 128; bench/RESULTS.md, 2026-12-07) it beat that kernel by 5-20% at one token and lost 2.5-3.2x
+# at four: with more tokens the products, not the bytes, take the CUDA cores' time.
 
 
 @triton.jit(do_not_specialize=["stride_am", "stride_cm", "stride_cs"])
@@ -85,7 +87,7 @@ class GemvTiles:
     num_warps: int
 
 
-def gemv_block_k(k: int, group: int, widest: int = 256) -> int | None:
+def gemv_block_k(k: int, group: int, widest: int = 512) -> int | None:
     """The widest K step of at most ``widest`` columns (at least 64: eight 32-bit words) that divides ``k`` and
     fits the groups (a multiple of the group or a divisor of it); None if there is none."""
     block = widest
@@ -98,16 +100,17 @@ def gemv_block_k(k: int, group: int, widest: int = 256) -> int | None:
 
 def choose_gemv_tiles(m: int, n: int, k: int, group: int, num_sms: int) -> GemvTiles | None:
     """Tiles for the GEMV of ``m`` (<= ``GEMV_MAX_ROWS``) tokens, or None where it does not take the shape: K not
-    cut into steps of 64 columns that fit the groups. Weight tiles of 16 rows and K cut until ~4 programs per SM
-    stream their share."""
+    cut into steps of 64 columns that fit the groups. From a sweep on an H100 over Llama-3.1-8B's projections
+    (``bench/quant_gemm.py --sweep --gemv``): weight tiles of 32 rows, K steps of 512 columns, 4 warps, K cut until
+    ~3 programs per SM stream their share (qkv in two, o and down in four, gate|up whole)."""
     if m > GEMV_MAX_ROWS:
         return None
     block_k = gemv_block_k(k, group)
     if block_k is None:
         return None
-    block_n = 16
+    block_n = 32
     tiles, steps, split = cdiv(n, block_n), k // block_k, 1
-    while tiles * split < 4 * num_sms and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
+    while tiles * split < 2.9 * num_sms and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
         split *= 2
     return GemvTiles(block_n, block_k, split, 4)
 
