@@ -34,8 +34,10 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU: run with TRITON_INTERPRET=1 to test the kernels on the CPU", allow_module_level=True)
 
 
-def _weight(bits: int, n: int, k: int, group: int | None, dtype: torch.dtype, zeros: bool, seed: int):
-    """A random quantized W and the same W dequantized by the methods' torch code, [n, k] float32."""
+def _weight(bits: int, n: int, k: int, group: int | None, dtype: torch.dtype, zeros: bool, seed: int,
+            rounded: bool = True):
+    """A random quantized W and the same W dequantized by the methods' torch code, [n, k] float32: rounded to
+    ``dtype`` as the tensor-core kernel rounds it, or not (``rounded`` False) as the GEMV takes it."""
     gen = torch.Generator().manual_seed(seed)
     groups = 1 if group is None else k // group
     scales = (torch.rand(n, groups, generator=gen) * 0.02 + 0.005).to(dtype)
@@ -53,12 +55,14 @@ def _weight(bits: int, n: int, k: int, group: int | None, dtype: torch.dtype, ze
         scales = scales[:, 0].contiguous()
     weight = QuantWeight(codes.to(DEVICE), scales.to(DEVICE), None if zero is None else zero.to(DEVICE), bits,
                          k if group is None else group)
-    return weight, ref.to(dtype).float()
+    return weight, ref.to(dtype).float() if rounded else ref
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     error = float((got.float().cpu() - want).norm() / want.norm())
-    limit = 1e-5 if dtype == torch.float32 else 2e-3 if dtype == torch.float16 or DEVICE == "cuda" else 2e-2
+    # bfloat16 on CUDA: the product and each slice's partial product are rounded to bfloat16 (unit roundoff 2^-9,
+    # ~1.1e-3 rms each), measured 2.1-2.3e-3 at one token over 48-96 outputs; a wrong code, group or scale is ~1
+    limit = 1e-5 if dtype == torch.float32 else 2e-3 if dtype == torch.float16 else 4e-3 if DEVICE == "cuda" else 2e-2
     assert error < limit, f"relative error {error:.2e} over {limit:.0e}"
 
 
@@ -79,7 +83,11 @@ def test_quant_matmul_matches_dequantized_product(bits, n, k, group, zeros, m):
     weight, ref_w = _weight(bits, n, k, group, dtype, zeros, seed=m + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     want = x.float() @ ref_w.t()
-    _close(quant_matmul(x.to(DEVICE), weight), want, dtype)
+    if isinstance(choose_product_tiles(m, n, k, weight.group, bits, num_sms=132), GemvTiles):
+        exact = x.float() @ _weight(bits, n, k, group, dtype, zeros, seed=m + n, rounded=False)[1].t()
+        _close(quant_matmul(x.to(DEVICE), weight), exact, dtype)
+    else:
+        _close(quant_matmul(x.to(DEVICE), weight), want, dtype)
     # K cut into slices, summed by the second launch and handed over as partial products
     block_k = block_k_for(k, weight.group, 64)
     split = 2 if (k // block_k) % 2 == 0 else 3
@@ -97,7 +105,7 @@ def test_int4_gemv_matches_dequantized_product(n, k, group, zeros, m):
     """The few-token GEMV: groups narrower than its K step, as wide, and one group spanning several steps; N not a
     multiple of its rows; K whole, cut in slices summed after, and handed over as partial products."""
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    weight, ref_w = _weight(4, n, k, group, dtype, zeros, seed=m + n)
+    weight, ref_w = _weight(4, n, k, group, dtype, zeros, seed=m + n, rounded=False)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     want = x.float() @ ref_w.t()
     chosen = choose_gemv_tiles(1, n, k, group, num_sms=132)
