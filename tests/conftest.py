@@ -95,6 +95,7 @@ TIER_OF_FILE = {
     "test_roofline.py": "unit",
     "test_sampler.py": "unit",
     "test_speculative.py": "unit",
+    "test_speculative_draft.py": "engine",
     "test_speculative_engine.py": "engine",
     "test_speculative_server.py": "server",
     "test_scheduler.py": "unit",

@@ -91,7 +91,7 @@ def test_the_start_up_log_says_what_one_block_table_costs(tmp_path, caplog):
     """Windowed layers keep every token's KV (one block table for all layers): the log says how much of a
     full-length request's KV lies outside every window, here Gemma 2's one windowed layer in two, 16 of 256
     tokens: (256 - 16) / (2 * 256) = 47%."""
-    from engine.worker.model_runner import kv_outside_windows
+    from engine.worker.kv_report import kv_outside_windows
 
     assert kv_outside_windows((1024,) * 5 + (0,), 32768) == pytest.approx(5 / 6 * (1 - 1024 / 32768))  # Gemma 3
     assert kv_outside_windows((0, 0), 4096) == 0 and kv_outside_windows((8192,), 4096) == 0

@@ -132,7 +132,10 @@ def test_a_request_joining_a_speculating_batch_gets_what_it_asks(engines):
 
 @pytest.mark.parametrize("config, message", [
     ({"method": "eagle3", "model": "some/head"}, 'method "eagle3" is not served yet'),
-    ({"model": "some/draft", "num_speculative_tokens": 3}, "a draft model is not served yet"),
+    ({"model": "some/draft", "num_speculative_tokens": 3}, "not a Hugging Face model directory"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, 'needs a "model" directory'),
+    ({"method": "draft_model", "model": ".", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+     "prompt_lookup_max not served with method draft_model"),
     ({"method": "lookahead"}, 'unknown method "lookahead"'),
     ({"method": "ngram"}, "num_speculative_tokens must be a positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},

@@ -1,15 +1,22 @@
 """``--speculative-config`` (``LLM(speculative_config=...)``): vLLM's keys, checked once at start-up.
 
-Served here: ``method: "ngram"`` with ``num_speculative_tokens``, ``prompt_lookup_min`` and ``prompt_lookup_max``
-(as vLLM: one of the two given sets the other, neither means 5 and 5), and ``disable_by_batch_size``: no proposals
-in a step while at least that many requests run. A draft ``model`` and ``method`` ``draft_model``, ``eagle``,
-``eagle3``, ``medusa`` and ``mtp`` are refused by name, as is any other key.
+Served:
+
+* ``method: "ngram"`` with ``num_speculative_tokens``, ``prompt_lookup_min`` and ``prompt_lookup_max`` (as vLLM:
+  one of the two given sets the other, neither means 5 and 5);
+* a draft model: ``model`` (a Hugging Face model directory with the target's vocabulary) with ``method``
+  ``"draft_model"`` or none, ``num_speculative_tokens``, and ``draft_tensor_parallel_size`` 1 (the draft runs
+  unsharded beside a target of one GPU);
+* for both, ``disable_by_batch_size``: no proposals in a step while at least that many requests run.
+
+``eagle``, ``eagle3``, ``medusa`` and ``mtp`` are refused by name, as is any other key.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -18,16 +25,27 @@ class SpeculativeConfigError(ValueError):
 
 
 KNOWN_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "mtp")
-SERVED_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
+SERVED_KEYS = {
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"),
+    "draft_model": ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
+                    "disable_by_batch_size"),
+}
+
+
+def _positive(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpeculativeConfigError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 0  # n-gram only
+    prompt_lookup_max: int = 0
     disable_by_batch_size: int | None = None  # no proposals while at least this many requests run
     method: str = "ngram"
+    model: str | None = None  # the draft model's directory (method "draft_model")
 
     @classmethod
     def parse(cls, given: dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -41,26 +59,42 @@ class SpeculativeConfig:
                 raise SpeculativeConfigError(f"speculative_config is not JSON: {exc}") from None
         if not isinstance(given, dict):
             raise SpeculativeConfigError(f"speculative_config must be a JSON object, got {type(given).__name__}")
-        method = given.get("method")
-        if method is None and "model" not in given:
-            raise SpeculativeConfigError('speculative_config needs a "method" (this server serves "ngram")')
-        if "model" in given or method != "ngram":
-            what = f'method "{method}"' if method is not None else "a draft model"
-            if method is not None and method not in KNOWN_METHODS:
-                raise SpeculativeConfigError(f'speculative_config: unknown method "{method}"; known: {", ".join(KNOWN_METHODS)}')
-            raise SpeculativeConfigError(f'speculative_config: {what} is not served yet; "ngram" is')
-        unknown = sorted(set(given) - set(SERVED_KEYS))
+        method = given.get("method", "draft_model" if "model" in given else None)
+        if method is None:
+            raise SpeculativeConfigError('speculative_config needs a "method" ("ngram") or a draft "model"')
+        if method not in KNOWN_METHODS:
+            known = ", ".join(KNOWN_METHODS)
+            raise SpeculativeConfigError(f'speculative_config: unknown method "{method}"; known: {known}')
+        if method not in SERVED_KEYS:
+            raise SpeculativeConfigError(f'speculative_config: method "{method}" is not served yet; "ngram" and '
+                                         'draft models ("draft_model") are')
+        unknown = sorted(set(given) - set(SERVED_KEYS[method]))
         if unknown:
-            raise SpeculativeConfigError(f"speculative_config: {', '.join(unknown)} not served with method ngram")
-        k = given.get("num_speculative_tokens")
+            raise SpeculativeConfigError(f"speculative_config: {', '.join(unknown)} not served with method {method}")
+        k = _positive("num_speculative_tokens", given.get("num_speculative_tokens"))
+        by_batch = given.get("disable_by_batch_size")
+        if by_batch is not None:
+            _positive("disable_by_batch_size", by_batch)
+        if method == "draft_model":
+            return cls(k, disable_by_batch_size=by_batch, method=method, model=_draft_directory(given))
         lo, hi = given.get("prompt_lookup_min"), given.get("prompt_lookup_max")
         lo, hi = (lo if lo is not None else hi or 5), (hi if hi is not None else lo or 5)
-        by_batch = given.get("disable_by_batch_size")
-        for name, value in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpeculativeConfigError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+        _positive("prompt_lookup_min", lo), _positive("prompt_lookup_max", hi)
         if lo > hi:
-            raise SpeculativeConfigError(f"speculative_config: prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})")
-        if by_batch is not None and (not isinstance(by_batch, int) or isinstance(by_batch, bool) or by_batch < 1):
-            raise SpeculativeConfigError(f"speculative_config: disable_by_batch_size must be a positive integer, got {by_batch!r}")
+            raise SpeculativeConfigError(f"speculative_config: prompt_lookup_min ({lo}) is above prompt_lookup_max "
+                                         f"({hi})")
         return cls(k, lo, hi, by_batch)
+
+
+def _draft_directory(given: dict[str, Any]) -> str:
+    model = given.get("model")
+    if not isinstance(model, str) or not model:
+        raise SpeculativeConfigError('speculative_config: method "draft_model" needs a "model" directory')
+    if not (Path(model) / "config.json").is_file():
+        raise SpeculativeConfigError(f"speculative_config: the draft model {model} is not a Hugging Face model "
+                                     "directory (no config.json)")
+    tp = given.get("draft_tensor_parallel_size", 1)
+    if tp != 1:
+        raise SpeculativeConfigError(f"speculative_config: draft_tensor_parallel_size must be 1 (the draft runs "
+                                     f"unsharded), got {tp!r}")
+    return model

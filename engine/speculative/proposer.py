@@ -7,6 +7,11 @@ penalties, min_tokens, logit_bias or allowed_token_ids, and no beam search. A st
 has no proposals: the batch decodes one token a step, as without speculation, while such a request is in it.
 ``disable_by_batch_size``: no proposals while at least that many requests run, where a step of many requests is
 busy enough without them.
+
+With a draft model the tokens are not known here: a request that speculates is given ``TO_DRAFT`` placeholders,
+and the scheduler plans (and the KV manager allocates) 1 + k tokens for it as for n-gram proposals; the runner's
+draft model writes the proposals over them at the start of the step that verifies them
+(``engine.worker.draft_model``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from engine.speculative.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from engine.core.request import Request
+
+TO_DRAFT = -1  # a proposal the runner's draft model makes at the start of the step (never a model input)
 
 
 def speculates(request: Request) -> bool:
@@ -63,7 +70,8 @@ def drop_proposals_beside_others(spec_token_ids: dict[str, list[int]], num_sched
 class SpeculationProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.ngram = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+                      if config.method == "ngram" else None)
         # vLLM's counters: requests' proposals verified, their tokens, the tokens accepted, and how often the
         # proposal at each position (0 .. k - 1) was accepted.
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -98,6 +106,9 @@ class SpeculationProposer:
             decoding = request.num_computed_tokens == request.num_tokens - 1 and not request.num_placeholders
             if off or not decoding or not speculates(request):
                 request.spec_token_ids = []
+                continue
+            if self.ngram is None:
+                request.spec_token_ids = [TO_DRAFT] * self.config.num_speculative_tokens
                 continue
             tokens = np.asarray(request.all_token_ids, dtype=np.int64)
             request.spec_token_ids = self.ngram.propose(tokens).tolist()

@@ -51,10 +51,12 @@ from engine.models.linear import (
 from engine.ops.greedy import argmax_in_graphs
 from engine.outputs import ModelRunnerOutput, RunnerTiming, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs
+from engine.worker.draft_model import DraftModel
 from engine.worker.dummy_steps import DummySteps, warm_up_experts
 from engine.worker.image_encoder import ImageEncoder
 from engine.worker.input_batch import InputBatch
 from engine.worker.kv_offload import KVOffloader
+from engine.worker.kv_report import log_sliding_windows
 from engine.worker.logprobs import LogprobsCopy, copy_logprobs
 from engine.worker.prompt_logprobs import PromptLogprobsCopy, launch_prompt_logprobs
 from engine.worker.sampler import Sampler, logits_or_greedy_tokens, takes_greedy_tokens
@@ -114,15 +116,6 @@ def make_attention_backend(name: str):
     raise ConfigError(f"unknown attention backend {name!r}")
 
 
-def kv_outside_windows(layer_windows: tuple[int, ...], num_tokens: int) -> float:
-    """The share of a ``num_tokens``-token request's KV that no attention reads: in each windowed layer, the
-    tokens before its window (0 for a window of 0, i.e. full attention). What one block table for all layers
-    costs against per-layer tables that free those blocks (Gemma 3 at 32k tokens: 5 layers in 6 with 1,024-token
-    windows, 81%)."""
-    outside = sum(max(0, num_tokens - w) for w in layer_windows if w)
-    return outside / (num_tokens * len(layer_windows))
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  eos_token_ids: frozenset[int] = frozenset()):
@@ -142,6 +135,8 @@ class ModelRunner:
         self.backend = make_attention_backend(config.resolve_attention_backend(self.device))
         for layer in self.model.attention_layers():
             layer.set_backend(self.backend)
+        self.drafter = DraftModel.from_config(config, model_config, self.dtype, self.kv_dtype, self.device,
+                                              self.block_size, self.backend)  # a draft model's proposals
         k_split = decode_k_split_summary(self.model)
         if k_split:
             logger.info("products of steps of up to %d tokens cut along K (MINIVLLM_DECODE_KSPLIT=%s): %s",
@@ -177,9 +172,11 @@ class ModelRunner:
     # ---------------------------------------------------------------- KV cache
 
     def bytes_per_block(self) -> int:
+        """A block's bytes across the target's layers (and a draft model's, whose cache has as many blocks)."""
         mc = self.model_config
         return PagedKVCache.bytes_per_block(mc.num_hidden_layers, self.block_size, self.num_kv_heads,
-                                            mc.head_dim, self.kv_dtype)
+                                            mc.head_dim, self.kv_dtype) + (self.drafter.bytes_per_block()
+                                                                           if self.drafter is not None else 0)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit: the configured count, or the memory budget over the block size.
@@ -193,6 +190,8 @@ class ModelRunner:
             budget = self._profile_cuda_budget()
         else:
             budget = int(self.config.cpu_kvcache_space_gib * 2**30)
+        if self.drafter is not None:  # the target's share of the budget: the draft's blocks take the rest
+            budget = budget * (self.bytes_per_block() - self.drafter.bytes_per_block()) // self.bytes_per_block()
         return min_over_ranks(PagedKVCache.num_blocks_for_budget(
             budget, self.model_config.num_hidden_layers, self.block_size, self.num_kv_heads,
             self.model_config.head_dim, self.kv_dtype,
@@ -209,6 +208,8 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads,
                                      mc.head_dim, self.kv_dtype, self.device)
         self._bind_kv_cache(self.kv_cache)
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_blocks)
         if self.config.kv_offloading_size_gib > 0:
             self.offloader = KVOffloader.of_size(self.kv_cache, self.config.kv_offloading_size_gib)
         logger.info("KV cache%s: %s", f" of rank {tp_rank()} (its share of the heads)" if tp_size() > 1 else "",
@@ -218,14 +219,7 @@ class ModelRunner:
                                                  mc.head_dim, self.dtype)
             logger.info("KV cache in float8_e4m3: %.2fx the tokens a %s cache would hold in the same memory",
                         dense / self.bytes_per_block(), str(self.dtype).removeprefix("torch."))
-        windows = [w for w in mc.layer_windows if w]
-        if windows:
-            logger.info("sliding windows on %d of %d layers (%s tokens): one block table serves every layer, so a "
-                        "request keeps the KV of all its tokens in every layer until it ends, where the windowed "
-                        "layers read only their window's blocks; at %d tokens %.0f%% of the KV a request holds is "
-                        "never read (older than its layer's window)", len(windows), mc.num_hidden_layers,
-                        ", ".join(str(w) for w in sorted(set(windows))), self.max_model_len,
-                        100 * kv_outside_windows(mc.layer_windows, self.max_model_len))
+        log_sliding_windows(mc, self.max_model_len)
 
     @property
     def num_host_blocks(self) -> int:
@@ -466,6 +460,9 @@ class ModelRunner:
         for data in sched.cached_requests:
             self.batch.update(data)
         self.batch.set_proposals(sched.spec_token_ids)
+        if self.drafter is not None:  # requests that left or (re)joined start over; proposals over the placeholders
+            self.drafter.forget([*sched.freed_request_ids, *(data.request_id for data in sched.new_requests)])
+            self.drafter.draft(self.batch, sched.spec_token_ids)
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         """The step's inputs, in the host buffers (sent to the other ranks, if any) and then on the device."""
