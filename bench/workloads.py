@@ -52,6 +52,16 @@ MODEL_SHAPES = {
         "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
         "bos_token_id": 128000, "eos_token_id": 128001,
     },
+    # A draft for Llama-3.1-8B (the same tokenizer).
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
     # Mixture of experts: 30.5B parameters (61 GB in bf16), 3.3B active per token (8 of 128 experts a layer).
     "qwen3-30b-a3b": {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
