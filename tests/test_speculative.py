@@ -1,5 +1,6 @@
-"""Speculative decoding's parts: n-gram proposals (``engine.speculative.ngram``) and the verification's rejection
-sampling (``engine.speculative.rejection``), which must leave the target's distribution unchanged."""
+"""Speculative decoding's parts: n-gram proposals (``engine.speculative.ngram``), the verification's rejection
+sampling (``engine.speculative.rejection``), which must leave the target's distribution unchanged, and the pause of
+a request's proposals while few are accepted (``engine.speculative.proposer.Acceptance``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from engine.speculative.ngram import NgramProposer
+from engine.speculative.proposer import MIN_ACCEPTANCE, PAUSE_STEPS, PROBATION, Acceptance
 from engine.speculative.rejection import PLACEHOLDER, rejection_sample
 
 
@@ -99,3 +101,20 @@ def test_seeded_rows_draw_the_same_whatever_the_batch():
         return out[row_of_interest].tolist()
 
     assert run(0, 1) == run(2, 5) == run(4, 9)
+
+
+def test_proposals_pause_while_few_are_accepted_and_come_back():
+    rejected = Acceptance()
+    for _ in range(PROBATION - 1):
+        rejected.record(proposed=4, accepted=0)
+        assert rejected.proposes()  # on probation: not judged yet
+    rejected.record(proposed=4, accepted=0)
+    assert [rejected.proposes() for _ in range(PAUSE_STEPS)] == [False] * PAUSE_STEPS
+    assert rejected.proposes()  # the pause is over: proposals again, judged afresh
+    rejected.record(proposed=4, accepted=4)
+    assert rejected.proposes()
+    good = Acceptance()
+    for i in range(50):  # one proposal in two accepted, always above the bar
+        good.record(proposed=4, accepted=2 * (i % 2) + 1)
+        assert good.proposes()
+    assert MIN_ACCEPTANCE < 0.25

@@ -51,7 +51,8 @@ def test_a_draft_equal_to_the_target_has_every_proposal_accepted(models):
 def test_another_draft_changes_no_token_through_chunks_prefix_hits_and_preemption(models):
     """A different, smaller draft (its proposals mostly rejected): the tokens are the target's greedy tokens, with
     a small token budget (prefills in chunks), the prompts twice (prefix-cache hits: the draft computes the blocks
-    the target found) and a pool too small for every request at once (preemptions: the draft starts over)."""
+    the target found) and a pool too small for every request at once (preemptions: the draft starts over). Its
+    requests, seeing their proposals rejected, pause them."""
     target, draft = models
     prompts = make_prompts(VOCAB, lens=[40, 70, 25, 55])
     expected = hf_greedy(target, prompts, 16)
@@ -63,6 +64,7 @@ def test_another_draft_changes_no_token_through_chunks_prefix_hits_and_preemptio
         assert run(llm, prompts, greedy(16)) == expected
         assert llm.engine.kv_manager.prefix_cache_hits > hits
         assert llm.engine.proposer.num_drafts > 0
+        assert llm.engine.proposer.num_paused > 0  # its requests stopped drafting for a while
         _assert_blocks_all_free(llm)
 
 

@@ -8,6 +8,12 @@ has no proposals: the batch decodes one token a step, as without speculation, wh
 ``disable_by_batch_size``: no proposals while at least that many requests run, where a step of many requests is
 busy enough without them.
 
+Low acceptance: each request keeps a moving average of the share of its proposals accepted (``Acceptance``). Once
+it has had ``PROBATION`` drafts and the average is under ``MIN_ACCEPTANCE``, it decodes without proposals for
+``PAUSE_STEPS`` steps, then tries again with its average reset: a request whose text the proposer cannot guess (a
+draft model that disagrees with the target, an n-gram history with nothing to copy) stops paying for verifying and
+drafting proposals that are thrown away, and one whose text turns predictable later gets them back.
+
 With a draft model the tokens are not known here: a request that speculates is given ``TO_DRAFT`` placeholders,
 and the scheduler plans (and the KV manager allocates) 1 + k tokens for it as for n-gram proposals; the runner's
 draft model writes the proposals over them at the start of the step that verifies them
@@ -29,6 +35,33 @@ if TYPE_CHECKING:
     from engine.core.request import Request
 
 TO_DRAFT = -1  # a proposal the runner's draft model makes at the start of the step (never a model input)
+MIN_ACCEPTANCE = 0.2  # a request whose average share of proposals accepted falls below this pauses them...
+PROBATION = 4  # ...once it has had this many drafts...
+PAUSE_STEPS = 16  # ...for this many steps
+SMOOTHING = 0.3  # the weight of a draft's share in the moving average
+
+
+class Acceptance:
+    """One request's recent acceptance: a moving average of the share of each draft's proposals accepted."""
+
+    __slots__ = ("average", "drafts", "paused")
+
+    def __init__(self):
+        self.average, self.drafts, self.paused = 1.0, 0, 0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        share = accepted / proposed
+        self.average = share if not self.drafts else self.average + SMOOTHING * (share - self.average)
+        self.drafts += 1
+        if self.drafts >= PROBATION and self.average < MIN_ACCEPTANCE:
+            self.paused, self.average, self.drafts = PAUSE_STEPS, 1.0, 0
+
+    def proposes(self) -> bool:
+        """Whether the request takes proposals in the next step (a paused one counts a step down)."""
+        if self.paused:
+            self.paused -= 1
+            return False
+        return True
 
 
 def speculates(request: Request) -> bool:
@@ -76,11 +109,17 @@ class SpeculationProposer:
         # proposal at each position (0 .. k - 1) was accepted.
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens
+        self.acceptance: dict[str, Acceptance] = {}  # by request id, of the running requests that speculated
+        self.num_paused = 0  # times a request's proposals were paused for low acceptance
 
     def count(self, spec_token_ids: dict[str, list[int]], accepted_token_ids: dict[str, list[int]]) -> None:
         """A finished step's proposals and what its sampling accepted of them."""
         self.num_drafts += len(spec_token_ids)
         self.num_draft_tokens += sum(map(len, spec_token_ids.values()))
+        for rid, spec in spec_token_ids.items():
+            acceptance = self.acceptance.setdefault(rid, Acceptance())
+            acceptance.record(len(spec), len(accepted_token_ids.get(rid, ())))
+            self.num_paused += acceptance.paused == PAUSE_STEPS
         for accepted in accepted_token_ids.values():
             self.num_accepted_tokens += len(accepted)
             for position in range(len(accepted)):
@@ -97,14 +136,18 @@ class SpeculationProposer:
 
     def propose(self, running: Iterable[Request]) -> None:
         """Set each running request's proposals for the next step (none where it does not speculate, is not
-        decoding, or the batch is at ``disable_by_batch_size``)."""
+        decoding, has paused them for low acceptance, or the batch is at ``disable_by_batch_size``)."""
         running = list(running)
         limit = self.config.disable_by_batch_size
         # A batch holding a request that cannot take proposals samples without them (drop_proposals_beside_others).
         off = (limit is not None and len(running) >= limit) or not all(map(speculates, running))
+        if len(self.acceptance) > 2 * len(running):  # forget the requests that ended
+            ids = {request.request_id for request in running}
+            self.acceptance = {rid: a for rid, a in self.acceptance.items() if rid in ids}
         for request in running:
             decoding = request.num_computed_tokens == request.num_tokens - 1 and not request.num_placeholders
-            if off or not decoding or not speculates(request):
+            acceptance = self.acceptance.get(request.request_id)
+            if off or not decoding or not speculates(request) or (acceptance is not None and not acceptance.proposes()):
                 request.spec_token_ids = []
                 continue
             if self.ngram is None:
