@@ -1,11 +1,13 @@
-"""The FastAPI app: OpenAI's routes, plus health, version, metrics, (de)tokenization and the KV dashboard.
+"""The FastAPI app: OpenAI's routes, Anthropic's Messages API, plus health, version, metrics, (de)tokenization and
+the KV dashboard.
 
 The engine client starts receiving outputs with the app, and the engine core process is shut
 down with it (the app's lifespan). Every route defined on the app itself is protected: with an
 API key it needs ``Authorization: Bearer <key>``, checked by the route (server/routing.py) before
-its body is read, whatever prefix or proxy the request came through. ``/health``, ``/version``,
-``/load`` and ``/metrics`` (the ops router), ``/dashboard`` and the OpenAPI document stay open
-for probes, scrapers and people.
+its body is read, whatever prefix or proxy the request came through. The Anthropic routes
+(server/anthropic_messages.py) are protected too, and also take the key as ``x-api-key``.
+``/health``, ``/version``, ``/load`` and ``/metrics`` (the ops router), ``/dashboard`` and the
+OpenAPI document stay open for probes, scrapers and people.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
 
 from server import __version__
+from server.anthropic_messages import add_anthropic_routes
 from server.chat import create_chat_completion, render_chat_request
 from server.completions import create_completion
 from server.dashboard import dashboard_router
@@ -67,6 +70,7 @@ def build_app(ctx: ServingContext, root_path: str = "") -> FastAPI:
     app.router.route_class = guarded_route_class(ctx.api_key or None, body_limit)
     _add_openai_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
+    add_anthropic_routes(app, ctx, body_limit)
     ops = APIRouter(route_class=guarded_route_class(None, body_limit))
     _add_ops_routes(ops, ctx)
     app.include_router(ops)

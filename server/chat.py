@@ -68,6 +68,18 @@ from server.tools import ToolPlan
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, ctx: ServingContext):
     ctx.check_model(body.model)
     headers = load_report(raw_request)
+    try:
+        view = await start_chat(body, raw_request, ctx)
+    except ClientDisconnected:
+        return client_closed_response()
+    return await respond(raw_request, bool(body.stream), view.chunks, view.response, headers)
+
+
+async def start_chat(body: ChatCompletionRequest, raw_request: Request, ctx: ServingContext,
+                     id_prefix: str = "chatcmpl") -> ChatView:
+    """A chat request checked, rendered and admitted (the model is the caller's to check): the view that answers
+    it, as one response or as its chunks; its request id is ``{id_prefix}-{hex}``. Raises ``ClientDisconnected``
+    when the client leaves during the render."""
     if body.top_logprobs is not None and body.top_logprobs < -1:
         raise bad_request("`top_logprobs` must be a positive value or -1 (the whole vocabulary)",
                           param="top_logprobs")
@@ -81,25 +93,12 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     ctx.limits.check_choices(1, body.n or 1)  # before anything is rendered
     tools = ToolPlan.of(body, get_parser(ctx.model.tool_parser))
-    options = ChatTemplateOptions(body.add_generation_prompt, body.continue_final_message, body.chat_template,
-                                  body.chat_template_kwargs)
-    try:
-        rendered = await render_chat_request(ctx, body.messages, options, tools.template_tools,
-                                             keep_tokens(body.truncate_prompt_tokens, ctx.model.max_model_len),
-                                             raw_request, body.truncation_side)
-    except ClientDisconnected:
-        return client_closed_response()
-    prompt_ids, mm_inputs = rendered.prompt_token_ids, None
-    if rendered.images:  # the model's processor: each image's pixels, its placeholder expanded to its tokens
-        if body.truncate_prompt_tokens is not None:
-            raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", param="truncate_prompt_tokens")
-        prompt_ids, images = await ctx.in_tokenizer_thread(ctx.model.image_processor.process_text, rendered.prompt,
-                                                           [image.image for image in rendered.images], False)
-        mm_inputs = [images]
+    prompt_ids, mm_inputs = await chat_prompt(ctx, body, tools, raw_request)
     thinking = thinking_state(ctx.tokenizer, prompt_ids) if ctx.model.reasoning_parser else "closed"
     reasoning = None if thinking == "closed" else thinking  # where constraints start (after the thinking)
     tool_grammar = tools.grammar(parallel=body.parallel_tool_calls is not False, reasoning=reasoning)
-    params = body.to_sampling_params(ctx.limits.apply_max_tokens(max_tokens, given, defaults.get("max_tokens")), logprobs, defaults,
+    max_tokens = ctx.limits.apply_max_tokens(max_tokens, given, defaults.get("max_tokens"))
+    params = body.to_sampling_params(max_tokens, logprobs, defaults,
                                      tool_grammar=tool_grammar, skip_special_tokens=tools.skip_special_tokens,
                                      reasoning=reasoning)
     if params.structured_outputs is not None:  # once per request, off the event loop: it builds the grammar
@@ -107,9 +106,27 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
                                       ctx.model.info.structured_outputs_max_bytes)
     prompt = truncate_prompt(TokenizedPrompt(prompt_ids), body.truncate_prompt_tokens, ctx.model.max_model_len,
                              body.truncation_side)
-    generation = ctx.start_generation("chatcmpl", [prompt], params, mm_inputs)
-    view = _ChatView(ctx, body, generation, tools, thinking)
-    return await respond(raw_request, bool(body.stream), view.chunks, view.response, headers)
+    generation = ctx.start_generation(id_prefix, [prompt], params, mm_inputs)
+    return ChatView(ctx, body, generation, tools, thinking)
+
+
+async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest, tools: ToolPlan,
+                      raw_request: Request | None = None) -> tuple[list[int], list[list] | None]:
+    """A chat request's prompt as the engine takes it: its token ids (each image's placeholder expanded to the
+    image's tokens) and, when it has images, their inputs (``mm_inputs`` of ``start_generation``)."""
+    options = ChatTemplateOptions(body.add_generation_prompt, body.continue_final_message, body.chat_template,
+                                  body.chat_template_kwargs)
+    rendered = await render_chat_request(ctx, body.messages, options, tools.template_tools,
+                                         keep_tokens(body.truncate_prompt_tokens, ctx.model.max_model_len),
+                                         raw_request, body.truncation_side)
+    if not rendered.images:
+        return rendered.prompt_token_ids, None
+    # The model's processor: each image's pixels, its placeholder expanded to its tokens.
+    if body.truncate_prompt_tokens is not None:
+        raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", param="truncate_prompt_tokens")
+    prompt_ids, images = await ctx.in_tokenizer_thread(ctx.model.image_processor.process_text, rendered.prompt,
+                                                       [image.image for image in rendered.images], False)
+    return prompt_ids, [images]
 
 
 UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
@@ -148,7 +165,7 @@ async def render_chat_request(ctx: ServingContext, messages: list[ChatMessagePar
     return RenderedChat(token_ids, text, images if ctx.model.accepts_images else [])
 
 
-class _ChatView:
+class ChatView:
     """Renders one generation as a chat completion or as its stream of chunks."""
 
     def __init__(self, ctx: ServingContext, body: ChatCompletionRequest, generation: Generation, tools: ToolPlan,

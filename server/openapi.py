@@ -1,9 +1,9 @@
 """``/openapi.json`` that tells the truth: what each route answers, errors included.
 
 FastAPI documents a 422 for every body it validates; this server answers those with a 400
-in OpenAI's error shape, so the 422s are replaced. Streamed responses are server-sent
-events, described as ``text/event-stream`` beside the JSON body. With an API key, the
-protected routes say they need a bearer token.
+in OpenAI's error shape (Anthropic's on the Messages routes), so the 422s are replaced. Streamed
+responses are server-sent events, described as ``text/event-stream`` beside the JSON body. With an
+API key, the protected routes say they need a bearer token (or, on the Messages routes, ``x-api-key``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from server.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse
+from server.protocol.anthropic import STREAM_EVENTS, AnthropicErrorResponse, AnthropicMessage, CountTokensResponse
 
 
 class ErrorDetail(BaseModel):
@@ -66,6 +67,27 @@ def _either(*models: type[BaseModel]) -> dict[str, Any]:
     return {"oneOf": [{"$ref": f"#/components/schemas/{model.__name__}"} for model in models]}
 
 
+def anthropic_error_responses(*codes: int) -> dict[int, dict[str, Any]]:
+    """The errors of the Anthropic Messages routes, in Anthropic's shape."""
+    return {code: {"model": AnthropicErrorResponse, "description": _DESCRIPTIONS[code]} for code in codes}
+
+
+_ANTHROPIC_SSE = {"schema": {
+    "type": "object", "required": ["event", "data"], "description": "One server-sent event of Anthropic's stream.",
+    "properties": {"event": {"type": "string", "enum": list(STREAM_EVENTS)},
+                   "data": {"type": "string", "description": "The event as JSON, its `type` the event's name: "
+                            "message_start (a Message without content), ping, content_block_start, "
+                            "content_block_delta (text_delta, thinking_delta or input_json_delta), "
+                            "content_block_stop, message_delta (stop_reason, stop_sequence, usage.output_tokens), "
+                            "message_stop; an AnthropicErrorResponse if the stream fails."}}}}
+MESSAGES_RESPONSES = {
+    200: {"model": AnthropicMessage, "description": "The message, whole or (`\"stream\": true`) as Anthropic's "
+          "server-sent events.", "content": {"text/event-stream": _ANTHROPIC_SSE}},
+    **anthropic_error_responses(400, 401, 404, 408, 413, 503)}
+COUNT_TOKENS_RESPONSES = {200: {"model": CountTokensResponse, "description": "The prompt's tokens."},
+                          **anthropic_error_responses(400, 401, 404, 408, 413)}
+
+
 # SageMaker's /invocations answers as the chat route or the completions route, by the body it was given.
 INVOCATION_RESPONSES = {
     200: {"description": "A chat completion when the body has `messages`, else a completion; whole or streamed.",
@@ -105,10 +127,15 @@ def _replace_validation_errors(schema: dict[str, Any]) -> None:
 
 
 def _add_security(schema: dict[str, Any], routes: list[APIRoute]) -> None:
-    schema["components"]["securitySchemes"] = {"APIKey": {"type": "http", "scheme": "bearer"}}
+    schemes = {"APIKey": {"type": "http", "scheme": "bearer"}}
     paths = schema.get("paths", {})
     for route in routes:
         operations = paths.get(route.path_format, {})  # the document names a route by its path format
+        security = [{"APIKey": []}]
+        if getattr(route, "accepts_x_api_key", False):  # the Anthropic routes: either header
+            schemes["AnthropicAPIKey"] = {"type": "apiKey", "in": "header", "name": "x-api-key"}
+            security.append({"AnthropicAPIKey": []})
         for method in route.methods:
             if method.lower() in operations:
-                operations[method.lower()]["security"] = [{"APIKey": []}]
+                operations[method.lower()]["security"] = security
+    schema["components"]["securitySchemes"] = schemes

@@ -7,6 +7,8 @@
 The API key belongs to the route, not to a path prefix: whatever prefix, proxy or socket a
 request came through, a protected route's handler runs only after the key was checked, and
 the key is checked before the body is read, so a client without it learns and costs nothing.
+Routes take it as ``Authorization: Bearer <key>``; the Anthropic Messages routes also as
+``x-api-key: <key>`` (Anthropic's header), and answer their errors in Anthropic's shape.
 """
 
 from __future__ import annotations
@@ -47,9 +49,12 @@ def normalize_root_path(root_path: str) -> str:
     return f"/{stripped}" if stripped else ""
 
 
-def guarded_route_class(api_key: str | None, body_limit: BodyLimit) -> type[APIRoute]:
+def guarded_route_class(api_key: str | None, body_limit: BodyLimit, error_style: str | None = None,
+                        accepts_x_api_key: bool = False) -> type[APIRoute]:
     """An APIRoute class whose routes check ``api_key`` (when not None), then read their body within
-    ``body_limit``, before FastAPI's handler runs. Give it to an APIRouter (``route_class``)."""
+    ``body_limit``, before FastAPI's handler runs. Give it to an APIRouter (``route_class``).
+    ``error_style``: the shape of the routes' errors (server/errors.py); ``accepts_x_api_key``: the key may also
+    come as ``x-api-key``."""
     key = api_key.encode() if api_key is not None else None
 
     class GuardedRoute(APIRoute):
@@ -58,7 +63,7 @@ def guarded_route_class(api_key: str | None, body_limit: BodyLimit) -> type[APIR
         async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
             # Called by the router once it chose this route, for an allowed method or not (405).
             if key is not None:
-                error = api_key_error(scope, key)
+                error = api_key_error(scope, key, accepts_x_api_key)
                 if error is not None:
                     raise error
             if scope["method"] in self.methods and scope["method"] not in _BODYLESS_METHODS:
@@ -68,17 +73,33 @@ def guarded_route_class(api_key: str | None, body_limit: BodyLimit) -> type[APIR
                 receive = replay
             await super().handle(scope, receive, send)
 
+    GuardedRoute.error_style = error_style
+    GuardedRoute.accepts_x_api_key = accepts_x_api_key
     return GuardedRoute
 
 
-def api_key_error(scope: Scope, api_key: bytes) -> APIError | None:
-    """None when the request carries ``Authorization: Bearer <api_key>`` (compared in constant time)."""
+def api_key_error(scope: Scope, api_key: bytes, accepts_x_api_key: bool = False) -> APIError | None:
+    """None when the request carries ``Authorization: Bearer <api_key>`` (compared in constant time), or with
+    ``accepts_x_api_key`` ``x-api-key: <api_key>``: a request that sends both is let in when either is right."""
+    if accepts_x_api_key:
+        keys = [value for name, value in scope["headers"] if name == b"x-api-key"]
+        if len(keys) > 1:
+            return APIError(401, "send one x-api-key header, not several", code="invalid_api_key")
+        if keys:
+            if secrets.compare_digest(keys[0].strip(), api_key) or _bearer_error(scope, api_key, "") is None:
+                return None
+            return APIError(401, "invalid API key", code="invalid_api_key")
+        return _bearer_error(scope, api_key, "'x-api-key: <key>' or 'Authorization: Bearer <key>'")
+    return _bearer_error(scope, api_key, "'Authorization: Bearer <key>'")
+
+
+def _bearer_error(scope: Scope, api_key: bytes, how: str) -> APIError | None:
     values = [value for name, value in scope["headers"] if name == b"authorization"]
     if len(values) > 1:
         return APIError(401, "send one Authorization header, not several", code="invalid_api_key")
     scheme, _, token = (values[0] if values else b"").partition(b" ")
     if scheme.lower() != b"bearer" or not token.strip():
-        return APIError(401, "missing API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key")
+        return APIError(401, f"missing API key: send it as {how}", code="invalid_api_key")
     if not secrets.compare_digest(token.strip(), api_key):
         return APIError(401, "invalid API key", code="invalid_api_key")
     return None

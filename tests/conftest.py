@@ -126,6 +126,7 @@ TIER_OF_FILE = {
     "test_quant_matmul.py": "kernels",
     "test_triton_attention.py": "kernels",
 
+    "test_anthropic_messages.py": "server",
     "test_auth.py": "server",
     "test_bench_serve.py": "server",
     "test_dashboard.py": "server",
