@@ -60,7 +60,7 @@ def test_chunked_prefill_prefix_hits_and_preemption_change_nothing(default_model
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     expected = _tokens(plain, prompts, params)
     with LLM(max_model_len=256, quantization="none", speculative_config=NGRAM, max_num_batched_tokens=32,
-             num_kvcache_blocks=24, kvcache_block_size=16) as tight:
+             num_kvcache_blocks=18, kvcache_block_size=16) as tight:
         assert _tokens(tight, prompts, params) == expected
         assert tight.engine.stats().num_preemptions > 0
         assert tight.engine.proposer.num_accepted_tokens > 0
