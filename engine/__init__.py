@@ -13,6 +13,8 @@ _EXPORTS = {
     "LLM": "engine.frontend.llm",
     "CompletionOutput": "engine.frontend.llm",
     "RequestOutput": "engine.frontend.llm",
+    "EmbeddingRequestOutput": "engine.frontend.llm",
+    "PoolingParams": "engine.sampling_params",
     "ConfigError": "engine.config",
     "EngineConfig": "engine.config",
     "LLMEngine": "engine.core.llm_engine",
@@ -26,8 +28,8 @@ if TYPE_CHECKING:
     from engine.config import ConfigError, EngineConfig
     from engine.core.llm_engine import LLMEngine
     from engine.errors import RequestError
-    from engine.frontend.llm import LLM, CompletionOutput, RequestOutput
-    from engine.sampling_params import SamplingParams, SamplingParamsError
+    from engine.frontend.llm import LLM, CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from engine.sampling_params import PoolingParams, SamplingParams, SamplingParamsError
 
 
 def __getattr__(name: str):

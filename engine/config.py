@@ -132,6 +132,9 @@ class EngineConfig:
     attention_backend: str = option("auto", "auto: triton on CUDA, torch elsewhere", group=SCHEDULING,
                                     choices=_BACKENDS)
     enforce_eager: bool = option(False, "never capture CUDA graphs", group=SCHEDULING)
+    runner: str = option(
+        "generate", "what the model serves: generate (completions, chat) or pooling (embeddings: the last prompt "
+        "token's hidden state; steps run without CUDA graphs)", group=SCHEDULING, choices=("generate", "pooling"))
     # Steps that mix decodes with prefill chunks (and decode batches past the largest decode graph) replay a CUDA
     # graph up to this many tokens (``graph_token_sizes``).
     cuda_graph_max_tokens: int = option(

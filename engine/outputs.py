@@ -137,6 +137,8 @@ class ModelRunnerOutput:
     timing: RunnerTiming | None = None  # when steps are measured
     # Speculative decoding: the proposed tokens a request's sampling accepted, which come before its sampled token.
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Pooling requests whose prompt ended this step: their pooled hidden state (engine/worker/pooling.py).
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 class BeamResult(msgspec.Struct, array_like=True, gc=False):
@@ -165,6 +167,7 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     # A finished beam search (engine/core/beam_search.py): its best beams, best first.
     beams: list[BeamResult] | None = None
     num_preemptions: int = 0  # times the request was preempted so far (its KV dropped and recomputed)
+    pooled: list[float] | None = None  # a finished pooling request's output (SamplingParams.pooling)
 
 
 @dataclass(frozen=True)

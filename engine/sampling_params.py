@@ -55,6 +55,20 @@ class StructuredOutputsParams:
 
 
 @dataclass
+class PoolingParams:
+    """A pooling request's output (``LLM.embed``, ``/v1/embeddings``): the final hidden state of the prompt's last
+    token (the pooling of decoder embedding models such as Qwen3-Embedding), cut to its first ``dimensions`` where the
+    model was trained for it (Matryoshka) and L2-normalised when ``normalize``."""
+
+    dimensions: int | None = None
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and self.dimensions < 1:
+            raise SamplingParamsError(f"dimensions must be at least 1, got {self.dimensions}", "dimensions")
+
+
+@dataclass
 class SamplingParams:
     """Sampling and stopping parameters of one request, with vLLM's names and defaults.
 
@@ -93,6 +107,8 @@ class SamplingParams:
     # the n best beams come back, ranked by cumulative logprob / generated_len ** length_penalty.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # A pooling request: its prompt runs, and its output is the pooled hidden state, not tokens (nothing sampled).
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +118,8 @@ class SamplingParams:
         self._validate()
         if self.use_beam_search:
             self.temperature = 0.0  # beams are ranked by the model's own logprobs; nothing is sampled
+        if self.pooling is not None:  # one step past the prompt, whose token is dropped: greedy, no filters
+            self.max_tokens, self.min_tokens, self.temperature = 1, 0, 0.0
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters are meaningless, so normalise them away.
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0

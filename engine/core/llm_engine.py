@@ -27,10 +27,10 @@ from engine.errors import RequestError
 from engine.loading.default_model import resolve_model_path
 from engine.loading.generation_defaults import load_sampling_defaults
 from engine.loading.model_config import ModelConfig, check_tensor_parallel, resolve_max_model_len
-from engine.loading.model_info import ModelInfo
+from engine.loading.model_info import ModelInfo, matryoshka_dimensions
 from engine.loading.mrope import MRopePositions, mrope_positions
 from engine.loading.tokenizer import load_tokenizer
-from engine.outputs import EngineOutput, EngineStats
+from engine.outputs import EngineOutput, EngineStats, FinishReason
 from engine.sampling_params import SamplingParams
 from engine.speculative.proposer import SpeculationProposer
 from engine.worker.model_runner import ModelRunner
@@ -92,18 +92,7 @@ class LLMEngine:
         images = bool(getattr(self.runner.model, "accepts_images", False))
         # A step encodes at most as many image tokens as it computes tokens; no image may take more.
         max_encoder_tokens = config.max_num_batched_tokens if images else 0
-        self.model_info = ModelInfo(
-            model_path=self.model_path, tokenizer_path=config.tokenizer or self.model_path,
-            architecture=self.model_config.architecture, max_model_len=self.max_model_len,
-            vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(sorted(self.eos_token_ids)),
-            num_kv_blocks=num_blocks, kv_block_size=config.kvcache_block_size, device=str(self.runner.device),
-            sampling_defaults=load_sampling_defaults(config.generation_config, self.model_path),
-            max_logprobs=config.max_logprobs, max_num_seqs=config.max_num_seqs,
-            input_modalities=("text", "image") if images else ("text",),
-            image_token_id=self.model_config.multimodal.image_token_id if images else None,
-            max_tokens_per_image=max_encoder_tokens or None,
-            structured_outputs_max_bytes=config.structured_outputs_max_bytes,
-        )
+        self.model_info = self._model_info(num_blocks, images, max_encoder_tokens)
         if self.model_info.sampling_defaults:
             logger.info("sampling defaults from the generation config (requests override them; "
                         "--generation-config vllm ignores them): %s",
@@ -182,6 +171,24 @@ class LLMEngine:
             self.pipeline.shutdown()
         if self._ranks is not None:
             self._ranks.stop()
+
+    def _model_info(self, num_blocks: int, images: bool, max_encoder_tokens: int) -> ModelInfo:
+        """What a front end needs to know about the served model (``engine.loading.model_info``)."""
+        config = self.config
+        return ModelInfo(
+            model_path=self.model_path, tokenizer_path=config.tokenizer or self.model_path,
+            architecture=self.model_config.architecture, max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(sorted(self.eos_token_ids)),
+            num_kv_blocks=num_blocks, kv_block_size=config.kvcache_block_size, device=str(self.runner.device),
+            sampling_defaults=load_sampling_defaults(config.generation_config, self.model_path),
+            max_logprobs=config.max_logprobs, max_num_seqs=config.max_num_seqs,
+            input_modalities=("text", "image") if images else ("text",),
+            image_token_id=self.model_config.multimodal.image_token_id if images else None,
+            max_tokens_per_image=max_encoder_tokens or None,
+            structured_outputs_max_bytes=config.structured_outputs_max_bytes,
+            runner=config.runner, hidden_size=self.model_config.hidden_size,
+            matryoshka_dimensions=matryoshka_dimensions(self.model_path),
+        )
 
     # ----------------------------------------------------------------- requests
 
@@ -292,6 +299,11 @@ class LLMEngine:
             return settled
         runner_out = pipeline.finish(step)  # the step's one sync
         outputs = self.scheduler.update_from_output(step.sched, runner_out)
+        if runner_out.pooled:  # pooling requests end with their prompt: their output is the vector, not a token
+            for out in outputs:
+                if out.request_id in runner_out.pooled:
+                    out.pooled, out.new_token_ids = runner_out.pooled[out.request_id], []
+                    out.finish_reason = FinishReason.STOP
         if self.proposer is not None:  # before the next step is planned (overlapped steps: in done())
             self.proposer.count(step.sched.spec_token_ids, runner_out.accepted_token_ids)
             self.proposer.propose(self.scheduler.running)

@@ -33,7 +33,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.errors import RequestError
 from engine.frontend.output_processor import ChoiceDelta, OutputProcessor
 from engine.outputs import FinishReason, Logprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
 PromptType = str | dict
 
@@ -69,6 +69,22 @@ class RequestOutput:
     # With SamplingParams(prompt_logprobs=N): one entry per prompt token, None for the first (nothing
     # precedes it), as vLLM's; each has the prompt token's logprob, its rank and the top-N.
     prompt_logprobs: list[Logprobs | None] | None = None
+    pooled: list[float] | None = None  # a pooling request's output (``LLM.embed`` reads it)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result for one prompt, as vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 class LLM:
@@ -188,6 +204,20 @@ class LLM:
             result.finished = True
         return results
 
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (an engine made with ``runner="pooling"``): the final hidden state of
+        each prompt's last token, L2-normalised unless ``PoolingParams(normalize=False)``."""
+        self._check_not_shut_down()
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        pooling = pooling_params if pooling_params is not None else PoolingParams()
+        params = ([SamplingParams(pooling=p) for p in pooling] if not isinstance(pooling, PoolingParams)
+                  else SamplingParams(pooling=pooling))
+        results = self._generate([self._tokenize(prompt) for prompt in prompts], params, use_tqdm)
+        return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.pooled)) for r in results]
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation-config defaults (see ``generation_config``)."""
         return SamplingParams(**self.engine.model_info.sampling_defaults)
@@ -294,6 +324,8 @@ class _ResultBuilder:
         if delta.text:
             self._texts[delta.index].append(delta.text)
         completion.token_ids.extend(delta.token_ids)
+        if delta.pooled is not None:
+            self.result.pooled = delta.pooled
         if delta.prompt_logprobs is not None and self.result.prompt_logprobs is None:
             self.result.prompt_logprobs = [None, *delta.prompt_logprobs]
         if completion.logprobs is not None:

@@ -40,11 +40,13 @@ class ChoiceDelta:
     stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it
     # On the choice's first delta with tokens, when asked for: one entry per prompt token after the first.
     prompt_logprobs: list[Logprobs] | None = None
+    pooled: list[float] | None = None  # a pooling request's output, on its last delta
 
     def merge(self, later: ChoiceDelta) -> None:
         """Append a later delta of the same choice (for a reader that fell behind)."""
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
+        self.pooled = later.pooled if later.pooled is not None else self.pooled
         self.text += later.text
         self.token_ids.extend(later.token_ids)
         self.logprobs.extend(later.logprobs)
@@ -272,7 +274,7 @@ class OutputProcessor:
             text = detokenizer.next_delta(finished=finish_reason is not None)
         # The output's lists are this delta's from now on: the engine made them for this output alone.
         return ChoiceDelta(choice.index, choice.prompt_index, text, token_ids, out.new_logprobs, finish_reason,
-                           stop_reason, out.prompt_logprobs)
+                           stop_reason, out.prompt_logprobs, out.pooled)
 
     def _finish(self, choice: _Choice, reason: FinishReason, now: float, step: StepMetrics | None) -> None:
         choice.finished = True

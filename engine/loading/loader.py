@@ -62,7 +62,7 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        weights = iter_safetensors(files)
+        weights = _base_model_names(iter_safetensors(files))
         model.load_weights(weights if gguf is None else gguf.stream(weights))
     before = fp8_weights.weight_bytes(model)
     process_weights_after_loading(model)
@@ -79,6 +79,13 @@ def load_model(
         "loaded %s: %.1fM parameters in %.2f s", config.architecture, num_params / 1e6, time.perf_counter() - start_s
     )
     return model
+
+
+def _base_model_names(weights):
+    """A base model's checkpoint (saved without its LM head, as embedding models are: Qwen3-Embedding's
+    ``layers.0...``) names its tensors without the causal LM's ``model.`` prefix: given it here."""
+    for name, tensor in weights:
+        yield ("model." + name if name.startswith(("layers.", "embed_tokens.", "norm.")) else name), tensor
 
 
 def _set_linear_methods(model: nn.Module, config: ModelConfig, quantization: str | None) -> int:

@@ -8,7 +8,9 @@ Requests are checked against it once, in the front end, before they reach the en
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -40,6 +42,12 @@ class ModelInfo:
     max_tokens_per_image: int | None = None
     # The largest structured-output spec a request may give (engine.structured_output.check_structured_outputs).
     structured_outputs_max_bytes: int | None = None
+    # "generate", or "pooling" (--runner pooling: requests are pooling requests, SamplingParams.pooling).
+    runner: str = "generate"
+    hidden_size: int = 0  # a pooling request's output size
+    # A Matryoshka model's output sizes (a request's ``dimensions`` must be one; () any up to hidden_size); None:
+    # not a Matryoshka model, whose outputs are not cut.
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @property
     def accepts_images(self) -> bool:
@@ -50,6 +58,12 @@ class ModelInfo:
         """Check a prompt (and its images, ``engine.loading.multimodal.ImageInput``s) against the vocabulary and the
         context; return params with max_tokens resolved. A structured-output spec is checked once per request,
         not here (``engine.core.structured_output.check_structured_outputs``: it builds the grammar)."""
+        if (params.pooling is not None) != (self.runner == "pooling"):
+            raise RequestError("this model is served for embeddings (--runner pooling): it does not generate"
+                               if params.pooling is None else "this model is served for generation: --runner "
+                               "pooling serves embeddings", param="model")
+        if params.pooling is not None and params.pooling.dimensions is not None:
+            self.check_dimensions(params.pooling.dimensions)
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty: it must contain at least one token", param="prompt")
@@ -110,6 +124,17 @@ class ModelInfo:
                                f"max_tokens={params.max_tokens} needs up to {needed} KV blocks at once; the pool "
                                f"has {self.num_kv_blocks - 1}", param="n")
 
+    def check_dimensions(self, dimensions: int) -> None:
+        """A pooling request's ``dimensions``: a Matryoshka model's, else a RequestError."""
+        sizes = self.matryoshka_dimensions
+        if sizes is None:
+            raise RequestError("dimensions: this model is not a Matryoshka model (its config.json has no "
+                               "is_matryoshka or matryoshka_dimensions): its embeddings cannot be cut",
+                               param="dimensions")
+        if not 1 <= dimensions <= self.hidden_size or (sizes and dimensions not in sizes):
+            allowed = ", ".join(map(str, sizes)) if sizes else f"1 to {self.hidden_size}"
+            raise RequestError(f"dimensions must be one of {allowed}, got {dimensions}", param="dimensions")
+
     def check_num_logprobs(self, value: int | None, param: str) -> None:
         """-1 asks for the whole vocabulary; no more than ``max_logprobs`` (as vLLM's ``--max-logprobs``)."""
         if value is None:
@@ -120,3 +145,15 @@ class ModelInfo:
             kind = "prompt" if param == "prompt_logprobs" else "sample"
             raise RequestError(f"requested {kind} logprobs of {wanted}{' (-1: the whole vocabulary)' if value == -1 else ''}"
                                f", more than the server allows: {limit} (--max-logprobs)", param=param)
+
+
+def matryoshka_dimensions(model_path: str) -> tuple[int, ...] | None:
+    """What a model's config.json says of Matryoshka training: ``matryoshka_dimensions`` (the sizes it was trained
+    for), ``is_matryoshka`` (any size: ()), or neither (None)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if config.get("matryoshka_dimensions"):
+        return tuple(int(d) for d in config["matryoshka_dimensions"])
+    return () if config.get("is_matryoshka") else None

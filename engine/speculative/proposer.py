@@ -68,7 +68,8 @@ def speculates(request: Request) -> bool:
     """Whether the request's sampling takes proposals (the module's rule)."""
     p = request.sampling_params
     return (request.grammar is None and request.group is None and p.logprobs is None and not p.has_penalties
-            and not p.min_tokens and not p.logit_bias and p.allowed_token_ids is None and not p.use_beam_search)
+            and not p.min_tokens and not p.logit_bias and p.allowed_token_ids is None and not p.use_beam_search
+            and p.pooling is None)
 
 
 def take_proposals(request: Request, num_new: int, budget: int, max_model_len: int) -> list[int]:

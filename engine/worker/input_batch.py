@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from engine.outputs import CachedRequestData, NewRequestData
+from engine.sampling_params import PoolingParams
 
 
 class InputBatch:
@@ -56,6 +57,7 @@ class InputBatch:
         # row -> the tokens whose logprobs replace its top-N (int64, in the request's order): logprob_token_ids
         self.logprob_token_ids: dict[int, np.ndarray] = {}
         self.generators: dict[int, torch.Generator] = {}
+        self.pooling: dict[int, PoolingParams] = {}  # row -> how a pooling request's output is made
         # Requests with images still ahead of their prefill: their ImageInputs (engine/loading/multimodal.py), by offset.
         self.mm_inputs: dict[str, list] = {}
         self.mrope_delta = np.zeros(max_num_reqs, dtype=np.int64)  # 0 for a prompt without images
@@ -110,6 +112,10 @@ class InputBatch:
             self.logprob_token_ids[row] = np.asarray(p.logprob_token_ids, dtype=np.int64)
         else:
             self.logprob_token_ids.pop(row, None)
+        if p.pooling is not None:
+            self.pooling[row] = p.pooling
+        else:
+            self.pooling.pop(row, None)
         if p.seed is not None and not p.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(p.seed)
@@ -142,6 +148,7 @@ class InputBatch:
         self.logit_bias.pop(row, None)
         self.allowed.pop(row, None)
         self.logprob_token_ids.pop(row, None)
+        self.pooling.pop(row, None)
         self._free_rows.append(row)
 
     def set_proposals(self, spec_token_ids: dict[str, list[int]]) -> None:

@@ -58,6 +58,7 @@ from engine.worker.input_batch import InputBatch
 from engine.worker.kv_offload import KVOffloader
 from engine.worker.kv_report import log_sliding_windows
 from engine.worker.logprobs import LogprobsCopy, copy_logprobs
+from engine.worker.pooling import pooled_rows
 from engine.worker.prompt_logprobs import PromptLogprobsCopy, launch_prompt_logprobs
 from engine.worker.sampler import Sampler, logits_or_greedy_tokens, takes_greedy_tokens
 from engine.worker.sampling_tensors import SamplingTensors, build_sampling_tensors
@@ -94,6 +95,7 @@ class StepHandle:
     launched: float = 0.0  # time.perf_counter() when its last launch returned
     pending: PendingSampling | None = None
     verified: tuple[torch.Tensor, torch.Tensor] | None = None  # a speculative step's (tokens, accepted counts)
+    pooled: dict[int, torch.Tensor] | None = None  # pooling rows' outputs, by index among the sampled rows
 
     @property
     def awaits_sampling(self) -> bool:
@@ -251,7 +253,8 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Capture mixed-step and decode graphs (CUDA with a graph-safe backend, unless ``enforce_eager``), into one
         memory pool: a step replays one graph at a time."""
-        if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
+        if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton" or \
+                self.config.runner == "pooling":
             logger.info("CUDA graphs off: every step runs eagerly")
             return
         if not getattr(self.model, "supports_cuda_graphs", True):
@@ -371,6 +374,7 @@ class ModelRunner:
         if inputs.prompt_logprobs is not None:
             handle.prompt_logprobs = launch_prompt_logprobs(self.model, hidden, inputs.prompt_logprobs)
         greedy_only = greedy_only and inputs.spec_counts is None  # (a speculative step verifies its logits)
+        handle.pooled = pooled_rows(self.batch, inputs.sampled_rows, hidden[inputs.logits_indices]) if n else None
         return logits_or_greedy_tokens(self.model, hidden[inputs.logits_indices], greedy_only) if n else (None, None)
 
     @torch.inference_mode()
@@ -429,7 +433,8 @@ class ModelRunner:
         self.batch.append_sampled(np.asarray([rows[i] for i in live], dtype=np.int64),
                                   np.asarray([token_ids[i] for i in live], dtype=np.int64))
         output = ModelRunnerOutput(sampled_ids, token_ids, prompt_logprobs=prompt_logprobs, timing=timing,
-                                   accepted_token_ids={rid: a for rid, a in zip(sampled_ids, accepted) if a})
+                                   accepted_token_ids={rid: a for rid, a in zip(sampled_ids, accepted) if a},
+                                   pooled={sampled_ids[i]: v.tolist() for i, v in (handle.pooled or {}).items()})
         if handle.logprobs is not None:
             output.logprobs = handle.logprobs.entries(token_ids, sampled_ids)
         return output
