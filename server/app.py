@@ -25,6 +25,7 @@ from server.anthropic_messages import add_anthropic_routes
 from server.chat import create_chat_completion, render_chat_request
 from server.completions import create_completion
 from server.dashboard import dashboard_router
+from server.embeddings import create_embedding
 from server.errors import SERVER_ERROR, APIError, bad_request, install_error_handlers
 from server.limits import BodyLimit
 from server.openapi import (
@@ -44,6 +45,7 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
 from server.routing import RootPath, guarded_route_class
 from server.serving import ServingContext
 from server.streaming import ClientDisconnected, client_closed_response
@@ -88,6 +90,12 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(body, raw_request, ctx)
 
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=error_responses(400, 401, 404, 408, 413,
+                                                                                           503))
+    async def embeddings(body: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
+        """One vector per input, from a model served with ``--runner pooling``."""
+        return await create_embedding(body, raw_request, ctx)
+
     @app.post("/invocations", response_model=None, responses=INVOCATION_RESPONSES,
               openapi_extra={"requestBody": {"content": {"application/json": {"schema": {"oneOf": [
                   {"$ref": "#/components/schemas/ChatCompletionRequest"},
@@ -115,7 +123,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         # vLLM's root is the model it was given, a Hugging Face name; here that is a local directory, whose path
         # would tell every client how the host is laid out, so the root is the name clients use.
         return ModelCard(id=ctx.model.name, root=ctx.model.name, max_model_len=ctx.model.max_model_len,
-                         input_modalities=list(ctx.model.input_modalities))
+                         input_modalities=list(ctx.model.input_modalities), runner=ctx.model.info.runner)
 
     @app.get("/v1/models", responses=error_responses(401))
     async def models() -> ModelList:

@@ -99,6 +99,7 @@ TIER_OF_FILE = {
     "test_speculative_draft.py": "engine",
     "test_speculative_engine.py": "engine",
     "test_speculative_server.py": "server",
+    "test_embeddings_server.py": "server",
     "test_scheduler.py": "unit",
     "test_settings.py": "unit",
     "test_tool_parsers.py": "unit",

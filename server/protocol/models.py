@@ -18,6 +18,8 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     # What prompts may carry: ["text"], or ["text", "image"] for a model that takes images.
     input_modalities: list[str] = Field(default_factory=lambda: ["text"])
+    # What the model serves: "generate" (completions, chat, messages) or "pooling" (embeddings).
+    runner: Literal["generate", "pooling"] = "generate"
 
 
 class ModelList(BaseModel):
