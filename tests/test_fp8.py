@@ -396,12 +396,16 @@ NEEDS_INTERPRETER = pytest.mark.skipif(
 @pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
 def test_projections_taking_inputs_quantized_by_norms_and_swiglu_compute_the_same(arch, tmp_path, monkeypatch):
     """The decoder's wiring of FP8 inputs: norms and SwiGLU writing ``Fp8Activation``s (padded rows, residual sums,
-    the first layer without one), and in a prefill of 263 tokens the deferred channel scales (gate|up's applied by
-    SwiGLU, q|k|v's by the rope kernel and the KV write, o's and down's by the next add-norm; a mixture-of-experts
-    layer's norm too), give bit for bit the tokens and logprobs of quantizing before each product. cuBLAS's
-    block-scaled product is stood in for by float32 arithmetic on the same operands, the norm, SwiGLU and
+    the first layer without one), and in a prefill past ``BLOCK_SCALES_MIN_ROWS`` tokens the deferred channel scales
+    (gate|up's applied by SwiGLU, q|k|v's by the rope kernel and the KV write, o's and down's by the next add-norm; a
+    mixture-of-experts layer's norm too), give bit for bit the tokens and logprobs of quantizing before each product.
+    cuBLAS's block-scaled product is stood in for by float32 arithmetic on the same operands, the norm, SwiGLU and
     quantization kernels run in Triton's interpreter."""
     products = stand_in_for_cublas(monkeypatch)
+    # The tiles from 64 tokens on rather than 256, so that a 67-token prefill crosses over (the interpreter runs
+    # the norm, rope and quantization kernels a program per token).
+    monkeypatch.setattr(fp8, "BLOCK_SCALES_MIN_ROWS", 64)
+    assert fp8.block_scales_min_rows(512) == 64
     if arch == "llama":
         config = transformers.LlamaConfig(**{**BLOCK_CONFIG, "intermediate_size": 384})
     else:  # layer 0 routes to experts (which stay unquantized), layer 1 is dense
@@ -420,14 +424,14 @@ def test_projections_taking_inputs_quantized_by_norms_and_swiglu_compute_the_sam
 
     monkeypatch.setattr(RMSNorm, "forward", spy)
     model_dir = save_checkpoint(config, tmp_path)
-    prompts = make_prompts(config.vocab_size, lens=[200, 40, 23])
+    prompts = make_prompts(config.vocab_size, lens=[48, 12, 7])
     got = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=True)
     fused_products = list(products)
-    # In the 263-token prefill: o's scales to both layers' post-attention norms, down's (layer 1) to the final norm.
+    # In the 67-token prefill: o's scales to both layers' post-attention norms, down's (layer 1) to the final norm.
     assert sum(norms_given_scales) == (4 if arch == "llama" else 3)
     products.clear()
     want = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=False)
-    assert fused_products == products and (263, True) in products and (3, False) in products
+    assert fused_products == products and (67, True) in products and (3, False) in products
     assert got == want
 
 
@@ -451,7 +455,7 @@ def test_o_proj_takes_its_input_quantized_by_the_decode_kernels(tmp_path, monkey
     config = transformers.LlamaConfig(**{**BLOCK_CONFIG, "hidden_size": 256, "num_attention_heads": 2,
                                          "num_key_value_heads": 1, "head_dim": 128, "intermediate_size": 256})
     model_dir = save_checkpoint(config, tmp_path)
-    prompts = make_prompts(config.vocab_size, lens=[130, 66])  # contexts long enough to split
+    prompts = make_prompts(config.vocab_size, lens=[130, 12])  # a context long enough to split
     got = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=True, attention_backend="triton")
     assert any(quantized_outputs) and not all(quantized_outputs)  # decode-only steps, not the prefill
     quantized_outputs.clear()
