@@ -62,26 +62,25 @@ class ChatTranslation:
 def to_chat_request(request: CountTokensRequest, reasoning_parser: str | None) -> ChatTranslation:
     """The chat request for ``request`` (a MessagesRequest, or a CountTokensRequest that only makes a prompt);
     ``reasoning_parser``: the server's, without which thinking cannot be asked for."""
-    translation = ChatTranslation(ChatCompletionRequest(messages=[]))
-    messages = translation.body.messages
+    messages, origins = [], []
     if request.system:
         messages.append(ChatMessageParam(role="system", content=_text(request.system, "system")))
-        translation.origins.append(("system", []))
+        origins.append(("system", []))
     for i, message in enumerate(request.messages):
         for chat_message, blocks in _chat_messages(i, message):
             messages.append(chat_message)
-            translation.origins.append((f"messages.{i}", blocks))
-    fields: dict = {"messages": messages, "chat_template_kwargs": {"enable_thinking": _thinking(request,
-                                                                                                 reasoning_parser)}}
+            origins.append((f"messages.{i}", blocks))
+    fields: dict = {"messages": messages,
+                    "chat_template_kwargs": {"enable_thinking": _thinking(request, reasoning_parser)}}
     if request.messages and request.messages[-1].role == "assistant":
         fields.update(add_generation_prompt=False, continue_final_message=True)
-    fields.update(_tool_fields(request, translation))
+    tool_fields, single_tool_use = _tool_fields(request)
+    fields.update(tool_fields)
     if isinstance(request, MessagesRequest):
         fields.update(model=request.model, max_tokens=request.max_tokens, stop=request.stop_sequences,
                       temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                       stream=bool(request.stream))
-    translation.body = ChatCompletionRequest(**fields)
-    return translation
+    return ChatTranslation(ChatCompletionRequest(**fields), origins, single_tool_use)
 
 
 def _thinking(request: CountTokensRequest, reasoning_parser: str | None) -> bool:
@@ -99,14 +98,15 @@ def _thinking(request: CountTokensRequest, reasoning_parser: str | None) -> bool
     return True
 
 
-def _tool_fields(request: CountTokensRequest, translation: ChatTranslation) -> dict:
+def _tool_fields(request: CountTokensRequest) -> tuple[dict, bool]:
+    """The chat request's tool fields, and whether only the first call is wanted (disable_parallel_tool_use)."""
     tools = [ToolParam(type="function", function=FunctionDefinition(
         name=tool.name, description=tool.description, parameters=tool.input_schema, strict=tool.strict))
         for tool in request.tools or []]
     choice = request.tool_choice
     fields: dict = {"tools": tools or None}
     if choice is None:
-        return fields
+        return fields, False
     if choice.type in ("any", "tool") and not tools:
         raise bad_request(f"tool_choice {choice.type!r} needs tools", param="tool_choice")
     if choice.type == "none" or (choice.type == "auto" and tools):
@@ -115,10 +115,10 @@ def _tool_fields(request: CountTokensRequest, translation: ChatTranslation) -> d
         fields["tool_choice"] = "required"
     elif choice.type == "tool":
         fields["tool_choice"] = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
-    if getattr(choice, "disable_parallel_tool_use", None) and tools:
+    single = bool(getattr(choice, "disable_parallel_tool_use", None)) and bool(tools)
+    if single:
         fields["parallel_tool_calls"] = False
-        translation.single_tool_use = True
-    return fields
+    return fields, single
 
 
 def _chat_messages(i: int, message: MessageParam) -> list[tuple[ChatMessageParam, list[int]]]:
@@ -181,10 +181,13 @@ def _tool_result(block: ToolResultBlockParam, where: str) -> str:
     return ERROR_PREFIX + text if block.is_error else text
 
 
-def _text(content: str | list[TextBlockParam], where: str) -> str:
-    """A string, or text blocks joined by newlines (as the chat route joins text parts)."""
+def _text(content: str | list, where: str) -> str:
+    """A string, or text blocks joined by newlines (as the chat route joins text parts); other blocks are a 400."""
     if isinstance(content, str):
         return content
+    for j, block in enumerate(content):
+        if not isinstance(block, TextBlockParam):
+            raise bad_request(f"{where}.{j}: only text blocks go here, not {block.type}", param=f"{where}.{j}")
     return "\n".join(block.text for block in content)
 
 

@@ -9,6 +9,9 @@ from a model never trained to think, and one that does not gets none.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import anthropic
@@ -22,12 +25,12 @@ from server.anthropic_chat import to_chat_request
 from server.protocol.anthropic import CountTokensRequest, MessagesRequest
 
 pytest.register_assert_rewrite("tests.server_helpers")
-from tests.server_helpers import scrape_metrics, start_server, wait_until_idle  # noqa: E402
+from tests.server_helpers import REPO_ROOT, scrape_metrics, start_server, wait_until_idle  # noqa: E402
 
 pytest_plugins = ["tests.server_helpers"]
 pytestmark = pytest.mark.usefixtures("server_logs_on_failure")
 
-MODEL = "smol-thinker"
+MODEL = "SmolLM2-135M-Instruct"  # the README's example runs as written
 API_KEY = "messages-key-81f0"
 GREEDY = {"temperature": 0}  # the SDK's create() has no temperature argument any more: it goes in the body
 SYSTEM = "You answer briefly."
@@ -108,50 +111,54 @@ def test_a_conversation_becomes_the_chat_request_it_amounts_to():
 # ----------------------------------------------------------------------------- answers
 
 
-def test_create_answers_as_the_chat_route_does(client, server):
+def test_create_and_stream_answer_as_the_chat_route_does(client, server):
     before = scrape_metrics(server.url)
-    message = client.messages.create(model=MODEL, max_tokens=12, system=SYSTEM, messages=ASK, extra_body=GREEDY)
+    kwargs = {"model": MODEL, "max_tokens": 8, "system": SYSTEM, "messages": ASK, "extra_body": GREEDY}
+    message = client.messages.create(**kwargs)
     assert message.id.startswith("msg_") and message.model == MODEL and message.role == "assistant"
     assert [block.type for block in message.content] == ["text"]
     chat = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
-        model=MODEL, max_tokens=12, temperature=0, messages=[{"role": "system", "content": SYSTEM}, *ASK],
+        model=MODEL, max_tokens=8, temperature=0, messages=[{"role": "system", "content": SYSTEM}, *ASK],
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert text_of(message) == chat.choices[0].message.content
     assert (message.stop_reason, chat.choices[0].finish_reason) == ("max_tokens", "length")
-    assert (message.usage.input_tokens, message.usage.output_tokens) == (chat.usage.prompt_tokens, 12)
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (chat.usage.prompt_tokens, 8)
     counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=ASK)
     assert counted.input_tokens == message.usage.input_tokens
-    after = wait_until_idle(server.url)
-    finished = 'minivllm:request_success_total{finished_reason="length"}'
-    assert after[finished] == before.get(finished, 0) + 2  # the message and the chat completion, on /metrics
-
-
-def test_the_stream_reassembles_to_the_whole_message(client, server):
-    kwargs = {"model": MODEL, "max_tokens": 10, "system": SYSTEM, "messages": ASK, "extra_body": GREEDY}
-    whole = client.messages.create(**kwargs)
     with client.messages.stream(**kwargs) as stream:
         deltas = list(stream.text_stream)
         final = stream.get_final_message()
-    assert "".join(deltas) == text_of(final) == text_of(whole)
+    assert "".join(deltas) == text_of(final) == text_of(message)
     assert (final.stop_reason, final.usage.input_tokens, final.usage.output_tokens) == (
-        whole.stop_reason, whole.usage.input_tokens, whole.usage.output_tokens)
-    # The events on the wire, in Anthropic's order.
+        message.stop_reason, message.usage.input_tokens, message.usage.output_tokens)
+    after = wait_until_idle(server.url)
+    finished = 'minivllm:request_success_total{finished_reason="length"}'
+    assert after[finished] == before.get(finished, 0) + 3  # the two messages and the chat completion, on /metrics
+
+
+def test_the_events_on_the_wire(server):
     body = {"model": MODEL, "max_tokens": 3, "messages": ASK, "stream": True}
     response = httpx.post(f"{server.url}/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=60)
     assert response.headers["content-type"].startswith("text/event-stream")
-    names = [line.removeprefix("event: ") for line in response.text.splitlines() if line.startswith("event: ")]
+    events = [(event.split("\n")[0].removeprefix("event: "), json.loads(event.split("\n")[1].removeprefix("data: ")))
+              for event in response.text.strip().split("\n\n")]
+    names = [name for name, _ in events]
     assert names[:3] == ["message_start", "ping", "content_block_start"] and names[-3:] == [
         "content_block_stop", "message_delta", "message_stop"]
-    assert set(names[3:-3]) == {"content_block_delta"}
+    assert set(names[3:-3]) == {"content_block_delta"} and all(name == data["type"] for name, data in events)
+    start, delta = events[0][1]["message"], events[-2][1]
+    assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["input_tokens"] > 0
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None} and delta["usage"] == {
+        "output_tokens": 3}
     wait_until_idle(server.url)
 
 
 def test_stop_sequences_and_max_tokens(client, server):
-    long = client.messages.create(model=MODEL, max_tokens=16, messages=ASK, extra_body=GREEDY)
+    long = client.messages.create(model=MODEL, max_tokens=12, messages=ASK, extra_body=GREEDY)
     text = text_of(long)
-    assert long.stop_reason == "max_tokens" and long.stop_sequence is None and long.usage.output_tokens == 16
+    assert long.stop_reason == "max_tokens" and long.stop_sequence is None and long.usage.output_tokens == 12
     stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if text[i:i + 3].strip() == text[i:i + 3])
-    cut = client.messages.create(model=MODEL, max_tokens=16, messages=ASK, stop_sequences=[stop], extra_body=GREEDY)
+    cut = client.messages.create(model=MODEL, max_tokens=12, messages=ASK, stop_sequences=[stop], extra_body=GREEDY)
     assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
     assert text_of(cut) == text[:text.index(stop)]
     wait_until_idle(server.url)
@@ -184,7 +191,7 @@ def test_a_tool_use_and_its_result_round_trip(client, server):
 
 
 def test_thinking_blocks_whole_and_streamed(client, server):
-    kwargs = {"model": MODEL, "max_tokens": 10, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 8},
+    kwargs = {"model": MODEL, "max_tokens": 8, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 4},
               "extra_body": GREEDY}
     whole = client.messages.create(**kwargs)
     assert whole.content[0].type == "thinking" and whole.content[0].thinking
@@ -193,7 +200,7 @@ def test_thinking_blocks_whole_and_streamed(client, server):
         final = stream.get_final_message()
     assert "".join(thoughts) == final.content[0].thinking == whole.content[0].thinking
     assert [block.type for block in final.content] == [block.type for block in whole.content]
-    off = client.messages.create(model=MODEL, max_tokens=4, messages=ASK, thinking={"type": "disabled"})
+    off = client.messages.create(model=MODEL, max_tokens=2, messages=ASK, thinking={"type": "disabled"})
     assert [block.type for block in off.content] == ["text"]
     with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
         client.messages.create(model=MODEL, max_tokens=4, messages=ASK,
@@ -258,4 +265,16 @@ def test_langchain_chat_anthropic(server):
     answer = llm.invoke("Hello")
     assert isinstance(answer.content, str) and answer.usage_metadata["output_tokens"] <= 6
     assert answer.response_metadata["stop_reason"] in ("end_turn", "max_tokens")
+    wait_until_idle(server.url)
+
+
+def test_the_readme_example(server):
+    (script,) = [block for block in re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+                 if "anthropic.Anthropic(" in block]
+    script = script.replace("http://localhost:8000", server.url).replace('api_key="unused"', f'api_key="{API_KEY}"')
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    # This server's template closes an empty thinking block before the answer, so the model starts with a newline.
+    answer, _, streamed = proc.stdout.lstrip("\n").partition("\n")
+    assert answer == "The capital of France is Paris." and streamed.strip()
     wait_until_idle(server.url)

@@ -130,7 +130,7 @@ def ready_line(args: argparse.Namespace, ctx: ServingContext, engine: AsyncEngin
     base = f"http://{host}:{port}{root_path}"
     if args.uds:
         base = f"http+unix://{args.uds}{root_path}"
-    key = "required (Authorization: Bearer)" if ctx.api_key else "not required"
+    key = "required (Authorization: Bearer, or x-api-key on /v1/messages)" if ctx.api_key else "not required"
     cache = f"; model cache {default_cache_dir()}" if args.model is None else ""
     return (f"ready: {ctx.model.name!r} ({ctx.model.path}) at {base}/v1; dashboard {base}/dashboard, metrics "
             f"{base}/metrics; API key {key}; {chat_default_limit(ctx)}; engine core process {engine.engine_pid}"

@@ -32,8 +32,8 @@ def add_server_options(group) -> None:
                        "may carry it or not (a proxy that strips it); /openapi.json names it")
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer <key>' on every route but /health, /version, /load, "
-                            "/metrics, /dashboard and the OpenAPI docs (default: $MINIVLLM_API_KEY; none: no "
-                            "authentication)")
+                            "/metrics, /dashboard and the OpenAPI docs; /v1/messages also takes 'x-api-key: <key>' "
+                            "(default: $MINIVLLM_API_KEY; none: no authentication)")
     group.add_argument("--metrics-prefix", default="minivllm:", type=_metrics_prefix,
                        help="what every /metrics name starts with; 'vllm:' lets vLLM's Grafana dashboards and "
                             "alerts read this server (the names after it are vLLM's)")
