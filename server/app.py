@@ -46,7 +46,16 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
+from server.protocol.scoring import (
+    PoolingRequest,
+    PoolingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from server.routing import RootPath, guarded_route_class
+from server.scoring import create_pooling, create_rerank, create_score
 from server.serving import ServingContext
 from server.streaming import ClientDisconnected, client_closed_response
 from server.tokenization import ChatTemplateOptions, check_token_ids, decode, encode, require_tokenizer
@@ -95,6 +104,24 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def embeddings(body: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
         """One vector per input, from a model served with ``--runner pooling``."""
         return await create_embedding(body, raw_request, ctx)
+
+    errors = error_responses(400, 401, 404, 408, 413, 503)
+
+    @app.post("/score", response_model=ScoreResponse, responses=errors)
+    async def score(body: ScoreRequest, raw_request: Request) -> ScoreResponse:
+        """vLLM's: scores of text pairs, from a classifier (cross-encoder) or an embedding model's cosine."""
+        return await create_score(body, raw_request, ctx)
+
+    @app.post("/rerank", response_model=RerankResponse, responses=errors)
+    @app.post("/v1/rerank", response_model=RerankResponse, responses=errors)
+    async def rerank(body: RerankRequest, raw_request: Request) -> RerankResponse:
+        """Jina's and Cohere's: a query's documents, most relevant first."""
+        return await create_rerank(body, raw_request, ctx)
+
+    @app.post("/pooling", response_model=PoolingResponse, responses=errors)
+    async def pooling(body: PoolingRequest, raw_request: Request) -> PoolingResponse:
+        """vLLM's: each input's pooled output (an embedding, or a classifier's logits)."""
+        return await create_pooling(body, raw_request, ctx)
 
     @app.post("/invocations", response_model=None, responses=INVOCATION_RESPONSES,
               openapi_extra={"requestBody": {"content": {"application/json": {"schema": {"oneOf": [

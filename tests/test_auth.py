@@ -185,8 +185,8 @@ def test_unknown_routes_and_methods_reveal_nothing_without_the_key(prefixed, bas
         assert_error_shape(client.get("/v1/completions"), 401)
         assert_error_shape(client.get("/v1/completions", headers=auth), 405)
         # No such route: a 404 that names only the path asked for.
-        missing = client.post("/v1/embeddings", json={"input": "x"})
-        assert "/v1/embeddings" in assert_error_shape(missing, 404)["message"]
+        missing = client.post("/v1/audio/transcriptions", json={"input": "x"})
+        assert "/v1/audio/transcriptions" in assert_error_shape(missing, 404)["message"]
         assert TINY_MODEL_NAME not in missing.text
         assert "/llm/llm" not in missing.text
 
@@ -209,7 +209,8 @@ def test_a_streamed_completion_through_the_proxy(proxy):
     assert chunks and chunks[-1].choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("request_line, status", [("POST /v1/embeddings", 404), ("POST /llm/no/such/route", 404),
+@pytest.mark.parametrize("request_line, status", [("POST /v1/audio/transcriptions", 404),
+                                                  ("POST /llm/no/such/route", 404),
                                                   ("PUT /v1/completions", 405), ("DELETE /llm/tokenize", 405)])
 def test_unknown_routes_and_methods_are_answered_without_reading_the_body(prefixed, request_line, status):
     """A body announced and never sent: the 404 or 405 comes at once. A server that buffered the body

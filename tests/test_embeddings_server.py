@@ -1,8 +1,12 @@
-"""``POST /v1/embeddings`` on a real server started with ``--runner pooling``: the default model's embeddings (its
-last token's final hidden state, normalised) equal transformers' for text and token ids, through the openai SDK
-(which asks for base64) and LangChain's ``OpenAIEmbeddings``; what it cannot serve is a 400 in OpenAI's shape."""
+"""``POST /v1/embeddings``, ``/score``, ``/rerank`` and ``/pooling`` on real servers started with ``--runner pooling``:
+the default model's embeddings (its last token's final hidden state, normalised) equal transformers' for text and
+token ids, through the openai SDK (which asks for base64) and LangChain's ``OpenAIEmbeddings``, and score pairs by
+their cosine; a tiny cross-encoder reranks as transformers scores; what a server cannot serve is a 400 in OpenAI's
+shape."""
 
 from __future__ import annotations
+
+import math
 
 import httpx
 import openai
@@ -12,6 +16,7 @@ import torch.nn.functional as F
 import transformers
 
 from tests.server_helpers import assert_error_shape, start_server
+from tests.test_cross_encoder import classifier  # noqa: F401  (the tiny reranker, a fixture)
 
 TEXTS = ["The capital of France is Paris.", "Bonjour", "A paged KV cache holds every request's keys and values."]
 
@@ -76,3 +81,49 @@ def test_what_it_cannot_serve_is_a_400(embedding_server):
     error = assert_error_shape(httpx.post(f"{url}/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}]}), 400)
     assert "served for embeddings" in error["message"]
+
+
+def test_score_rerank_and_pooling_with_an_embedding_model(embedding_server, reference):
+    """An embedding model scores a pair by the cosine of the two texts' embeddings (vLLM's /score), reranks by it
+    and answers /pooling with the embedding itself."""
+    tokenizer, embed = reference
+    url = embedding_server.url
+    query, documents = TEXTS[0], TEXTS[1:]
+    expected = [float(embed(tokenizer.encode(query)) @ embed(tokenizer.encode(d))) for d in documents]
+    score = httpx.post(f"{url}/score", json={"text_1": query, "text_2": documents}).json()
+    assert [d["score"] for d in score["data"]] == pytest.approx(expected, abs=1e-4)
+    assert score["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(t)) for t in TEXTS)
+    rerank = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": documents, "top_n": 1}).json()
+    best = max(range(len(expected)), key=expected.__getitem__)
+    assert [(r["index"], r["document"]["text"]) for r in rerank["results"]] == [(best, documents[best])]
+    assert rerank["results"][0]["relevance_score"] == pytest.approx(expected[best], abs=1e-4)
+    pooled = httpx.post(f"{url}/pooling", json={"input": [query]}).json()
+    torch.testing.assert_close(torch.tensor(pooled["data"][0]["data"]), embed(tokenizer.encode(query)),
+                               rtol=1e-4, atol=1e-4)
+    assert_error_shape(httpx.post(f"{url}/score", json={"text_1": [query] * 3, "text_2": documents}), 400)
+    assert_error_shape(httpx.post(f"{url}/rerank", json={"query": query, "documents": []}), 400)
+
+
+def test_a_cross_encoder_reranks_over_http(classifier, tmp_path):
+    """A classifier served with --runner pooling: /rerank orders the documents by transformers' sigmoid of the
+    pair's logit; it embeds nothing (400) and generates nothing (400)."""
+    path, model, tokenizer = classifier
+    server = start_server(tmp_path, "reranker", ["--model", str(path), "--runner", "pooling",
+                                                 "--num-kvcache-blocks", "64", "--max-model-len", "256"])
+    try:
+        query, documents = "What is the capital of France?", ["Berlin is in Germany.", "Paris is in France."]
+        with torch.no_grad():
+            logits = [model(torch.tensor([tokenizer(query, d)["input_ids"]])).logits[0, 0].item() for d in documents]
+        expected = [1 / (1 + math.exp(-x)) for x in logits]
+        rerank = httpx.post(f"{server.url}/rerank", json={"query": query, "documents": documents,
+                                                          "return_documents": False}).json()
+        order = sorted(range(2), key=lambda i: -expected[i])
+        assert [r["index"] for r in rerank["results"]] == order
+        assert [r["relevance_score"] for r in rerank["results"]] == pytest.approx([expected[i] for i in order],
+                                                                                  rel=1e-4)
+        assert all(r["document"] is None for r in rerank["results"])
+        assert "classifier" in assert_error_shape(httpx.post(f"{server.url}/v1/embeddings", json={"input": "x"}),
+                                                  400)["message"]
+        assert_error_shape(httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}), 400)
+    finally:
+        server.stop()

@@ -73,6 +73,9 @@ class LLMEngine:
         self.model_path = resolve_model_path(config)
         self.model_config = ModelConfig.from_pretrained(self.model_path, config.trust_remote_code)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
+        if self.model_config.num_labels and config.runner != "pooling":
+            raise ConfigError(f"{self.model_config.architecture} is a classifier, which scores and does not "
+                              "generate: serve it with --runner pooling")
         if config.tensor_parallel_size > 1:
             self._start_tensor_parallel()
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path, config.trust_remote_code)
@@ -186,7 +189,7 @@ class LLMEngine:
             image_token_id=self.model_config.multimodal.image_token_id if images else None,
             max_tokens_per_image=max_encoder_tokens or None,
             structured_outputs_max_bytes=config.structured_outputs_max_bytes,
-            runner=config.runner, hidden_size=self.model_config.hidden_size,
+            runner=config.runner, hidden_size=self.model_config.hidden_size, num_labels=self.model_config.num_labels,
             matryoshka_dimensions=matryoshka_dimensions(self.model_path),
         )
 

@@ -32,6 +32,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.errors import RequestError
 from engine.frontend.output_processor import ChoiceDelta, OutputProcessor
+from engine.frontend.scores import classifier_score, cosine, pair_token_ids, pairs
 from engine.outputs import FinishReason, Logprobs
 from engine.sampling_params import PoolingParams, SamplingParams
 
@@ -84,6 +85,21 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s result for one pair, as vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
     finished: bool = True
 
 
@@ -217,6 +233,24 @@ class LLM:
                   else SamplingParams(pooling=pooling))
         results = self._generate([self._tokenize(prompt) for prompt in prompts], params, use_tqdm)
         return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.pooled)) for r in results]
+
+    def score(self, text_1: str | list[str], text_2: str | list[str],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """One score per pair (``text_1`` against each ``text_2``, or paired in order), as vLLM's: a classifier
+        (cross-encoder) reads each pair as one prompt, an embedding model compares the texts' embeddings
+        (``engine.frontend.scores``)."""
+        self._check_not_shut_down()
+        text_pairs = pairs(text_1, text_2)
+        if self.engine.model_info.num_labels:
+            prompts = [{"prompt_token_ids": pair_token_ids(self.tokenizer, a, b)} for a, b in text_pairs]
+            outs = self.embed(prompts, use_tqdm=use_tqdm)
+            return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
+                                         ScoringOutput(classifier_score(o.outputs.embedding))) for o in outs]
+        texts = [text for pair in text_pairs for text in pair]
+        outs = self.embed(texts, use_tqdm=use_tqdm)
+        return [ScoringRequestOutput(a.request_id, a.prompt_token_ids + b.prompt_token_ids,
+                                     ScoringOutput(cosine(a.outputs.embedding, b.outputs.embedding)))
+                for a, b in zip(outs[::2], outs[1::2])]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation-config defaults (see ``generation_config``)."""

@@ -112,6 +112,9 @@ class ModelConfig:
     # M-RoPE (Qwen2.5-VL): positions are [3, num_tokens] (temporal, height, width), and the head_dim // 2 rotary
     # frequencies split into runs of these lengths, one per position row. None: one position per token.
     mrope_section: tuple[int, int, int] | None = None
+    # A sequence classifier (``*ForSequenceClassification``: a cross-encoder reranker): its labels, which its
+    # ``score`` head gives a logit each in place of the LM head's vocabulary; 0 for a causal LM.
+    num_labels: int = 0
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path, trust_remote_code: bool = False) -> ModelConfig:
@@ -170,6 +173,7 @@ class ModelConfig:
             gemma=_read_gemma(hf_config, model_type, local_rope),
             multimodal=multimodal,
             mrope_section=mrope_section,
+            num_labels=int(hf_config.num_labels) if architectures[0].endswith("ForSequenceClassification") else 0,
         )
         config.layer_windows = _layer_windows(hf_config, config)
         _check_unsupported_features(hf_config)

@@ -45,6 +45,7 @@ class ModelInfo:
     # "generate", or "pooling" (--runner pooling: requests are pooling requests, SamplingParams.pooling).
     runner: str = "generate"
     hidden_size: int = 0  # a pooling request's output size
+    num_labels: int = 0  # a sequence classifier's (a pooling request's output: its logits); 0 for other models
     # A Matryoshka model's output sizes (a request's ``dimensions`` must be one; () any up to hidden_size); None:
     # not a Matryoshka model, whose outputs are not cut.
     matryoshka_dimensions: tuple[int, ...] | None = None
@@ -63,6 +64,9 @@ class ModelInfo:
                                if params.pooling is None else "this model is served for generation: --runner "
                                "pooling serves embeddings", param="model")
         if params.pooling is not None and params.pooling.dimensions is not None:
+            if self.num_labels:
+                raise RequestError("dimensions: this model is a classifier: its outputs are its labels' logits",
+                                   param="dimensions")
             self.check_dimensions(params.pooling.dimensions)
         n = len(prompt_token_ids)
         if n == 0:

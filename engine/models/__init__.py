@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.models.classification import sequence_classifier
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration
@@ -26,6 +27,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     # transformers' Qwen2.5-VL vision tower in front of the Qwen2 above, whose rope takes three positions a token.
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    # Cross-encoder rerankers and other classifiers: the decoders above with a score head (--runner pooling).
+    "LlamaForSequenceClassification": sequence_classifier(LlamaForCausalLM),
+    "Qwen2ForSequenceClassification": sequence_classifier(Qwen2ForCausalLM),
+    "Qwen3ForSequenceClassification": sequence_classifier(Qwen3ForCausalLM),
 }
 
 

@@ -374,7 +374,8 @@ class ModelRunner:
         if inputs.prompt_logprobs is not None:
             handle.prompt_logprobs = launch_prompt_logprobs(self.model, hidden, inputs.prompt_logprobs)
         greedy_only = greedy_only and inputs.spec_counts is None  # (a speculative step verifies its logits)
-        handle.pooled = pooled_rows(self.batch, inputs.sampled_rows, hidden[inputs.logits_indices]) if n else None
+        handle.pooled = pooled_rows(self.batch, inputs.sampled_rows, hidden[inputs.logits_indices],
+                                    self.model) if n else None
         return logits_or_greedy_tokens(self.model, hidden[inputs.logits_indices], greedy_only) if n else (None, None)
 
     @torch.inference_mode()
