@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI's routes, Anthropic's Messages API, plus health, version, metrics, (de)tokenization and
-the KV dashboard.
+"""The FastAPI app: OpenAI's routes (the Responses API among them), Anthropic's Messages API, plus health,
+version, metrics, (de)tokenization and the KV dashboard.
 
 The engine client starts receiving outputs with the app, and the engine core process is shut
 down with it (the app's lifespan). Every route defined on the app itself is protected: with an
@@ -54,6 +54,7 @@ from server.protocol.scoring import (
     ScoreRequest,
     ScoreResponse,
 )
+from server.responses import add_responses_routes
 from server.routing import RootPath, guarded_route_class
 from server.scoring import create_pooling, create_rerank, create_score
 from server.serving import ServingContext
@@ -82,6 +83,7 @@ def build_app(ctx: ServingContext, root_path: str = "") -> FastAPI:
     _add_openai_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
     add_anthropic_routes(app, ctx, body_limit)
+    add_responses_routes(app, ctx)
     ops = APIRouter(route_class=guarded_route_class(None, body_limit))
     _add_ops_routes(ops, ctx)
     app.include_router(ops)

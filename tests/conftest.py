@@ -130,6 +130,7 @@ TIER_OF_FILE = {
     "test_triton_attention.py": "kernels",
 
     "test_anthropic_messages.py": "server",
+    "test_responses_api.py": "server",
     "test_auth.py": "server",
     "test_bench_serve.py": "server",
     "test_dashboard.py": "server",
