@@ -3,12 +3,21 @@ default model's session server, so this file starts none of its own."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
 import openai
 import pytest
+
+from server.errors import bad_request
+from server.protocol import ChatCompletionChunk, ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall
+from server.protocol.responses import ResponsesRequest
+from server.response_store import ResponseStore
+from server.response_view import ResponseView, responses_sse
+from server.responses_chat import input_items, responses_locations, to_chat_request
 
 pytest.register_assert_rewrite("tests.server_helpers")
 from tests.server_helpers import wait_until_idle  # noqa: E402
@@ -29,6 +38,98 @@ def client(default_server):
 
 def model_of(client) -> str:
     return client.models.list().data[0].id
+
+
+# ----------------------------------------------------------------------------- without a server
+
+
+def test_items_become_the_chat_conversation_they_amount_to():
+    earlier = input_items(ResponsesRequest.model_validate({"input": "Hi"}))
+    request = ResponsesRequest.model_validate({"instructions": "Be brief.", "tools": [WEATHER], "input": [
+        {"role": "developer", "content": [{"type": "input_text", "text": "Use tools."}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Let me check.", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}', "status": "completed"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}],
+        "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 5,
+        "text": {"format": {"type": "json_object"}}})
+    translation = to_chat_request(request, earlier, stream=False)
+    chat = translation.body
+    assert [m.model_dump(exclude_none=True) for m in chat.messages] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "system", "content": "Use tools."},
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+    assert translation.origins == ["instructions", "previous_response_id", "input.0", "input.1", "input.4"]
+    assert chat.tool_choice.function.name == "get_weather" and chat.max_completion_tokens == 5
+    assert chat.response_format.type == "json_object" and chat.tools[0].function.name == "get_weather"
+    error = bad_request("messages.4.content: too long", param="messages.4.content")
+    assert responses_locations(error, translation.origins).message == "input.4.content: too long"
+
+
+def test_the_store_is_bounded_by_count_size_and_age():
+    now = [0.0]
+    store = ResponseStore(max_responses=2, max_chars=100, ttl_s=10, clock=lambda: now[0])
+    for name in "abc":
+        store.put(name, "{}", [], [], 10)
+    assert store.get("a") is None and store.get("b") is not None  # "a" was the least recently used
+    store.put("d", "{}", [], [], 10)
+    assert store.get("c") is None and store.get("b") is not None  # reading "b" kept it
+    store.put("big", "{}", [], [], 95)
+    assert len(store) == 1 and store.get("big") is not None
+    store.check_invariants()
+    now[0] = 11.0
+    assert store.get("big") is None and len(store) == 0 and not store.delete("big")
+    store.check_invariants()
+
+
+def test_reasoning_and_calls_stream_as_items():
+    """The events for a reasoning model's thinking, its answer and a call, as the chat path's chunks give them."""
+    def chunk(finish=None, **delta):
+        return ChatCompletionChunk(id="resp-1", model="m", choices=[ChatStreamChoice(
+            index=0, delta=DeltaMessage(**delta), finish_reason=finish)])
+
+    async def chunks():
+        for piece in ("Hm", "m."):
+            yield chunk(reasoning=piece)
+        yield chunk(content="Checking.")
+        yield chunk(tool_calls=[DeltaToolCall(index=0, id="call_1", type="function",
+                                              function=DeltaFunctionCall(name="f", arguments=""))])
+        yield chunk(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments="{}"))],
+                    finish="tool_calls")
+
+    usage = SimpleNamespace(prompt_tokens=4, completion_tokens=6, cached_tokens=0)
+    chat = SimpleNamespace(id="resp-1", chunks=chunks, generation=SimpleNamespace(usage=lambda: usage))
+
+    async def in_tokenizer_thread(fn, tokenizer, text, *args):
+        return text.split("m")  # "Hmm." -> 3 "tokens"
+
+    ctx = SimpleNamespace(model=SimpleNamespace(name="m"), tokenizer=None, in_tokenizer_thread=in_tokenizer_thread)
+    view = ResponseView(ctx, ResponsesRequest(input="hi"), chat)
+
+    async def run():
+        return [event async for event in responses_sse(view.events())]
+
+    events = [json.loads(event.split("\n")[1].removeprefix("data: ")) for event in asyncio.run(run())]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    names = [e["type"].removeprefix("response.") for e in events]
+    assert names == ["created", "in_progress", "output_item.added", "content_part.added", "reasoning_text.delta",
+                     "reasoning_text.delta", "reasoning_text.done", "content_part.done", "output_item.done",
+                     "output_item.added", "content_part.added", "output_text.delta", "output_text.done",
+                     "content_part.done", "output_item.done", "output_item.added", "function_call_arguments.delta",
+                     "function_call_arguments.done", "output_item.done", "completed"]
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call"]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "Hmm."}]
+    assert final["output"][2]["arguments"] == "{}" and final["output"][2]["call_id"] == "call_1"
+    assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": 3} and final["status"] == "completed"
+
+
+# ----------------------------------------------------------------------------- against the server
 
 
 def test_create_and_stream_answer_as_the_chat_route_does(client, default_server):
