@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from tests.server_helpers import assert_error_shape, start_server
+from tests.server_helpers import assert_error_shape, scrape_metrics, start_server
 from tests.test_cross_encoder import classifier  # noqa: F401  (the tiny reranker, a fixture)
 
 TEXTS = ["The capital of France is Paris.", "Bonjour", "A paged KV cache holds every request's keys and values."]
@@ -52,6 +52,9 @@ def test_the_sdk_gets_transformers_embeddings_for_text_and_token_ids(embedding_s
     for data, prompt in zip(response.data, ids):
         torch.testing.assert_close(torch.tensor(data.embedding), embed(prompt), rtol=1e-4, atol=1e-4)
     assert response.usage.prompt_tokens == response.usage.total_tokens == sum(map(len, ids))
+    metrics = scrape_metrics(embedding_server.url)
+    assert metrics["minivllm:prompt_tokens_total"] >= sum(map(len, ids))  # the prompts count in /metrics
+    assert metrics["minivllm:generation_tokens_total"] == 0
     by_ids = client.embeddings.create(model="embedder", input=ids[0], encoding_format="float")
     torch.testing.assert_close(torch.tensor(by_ids.data[0].embedding), embed(ids[0]), rtol=1e-4, atol=1e-4)
     models = httpx.get(f"{embedding_server.url}/v1/models").json()["data"]

@@ -303,7 +303,7 @@ def _record_tokens(step: StepMetrics | None, choice: _Choice, out: EngineOutput,
         if step is not None:
             step.queue_times_s.append(out.queue_time_s)
     num_new = len(out.new_token_ids)
-    if num_new == 0:
+    if num_new == 0 and out.pooled is None:  # (a pooling request's output comes without tokens: its prompt counts)
         return
     if step is not None:
         step.num_generation_tokens += num_new
