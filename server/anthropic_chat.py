@@ -191,11 +191,12 @@ def _text(content: str | list, where: str) -> str:
     return "\n".join(block.text for block in content)
 
 
-_CHAT_LOCATION = re.compile(r"messages\.(\d+)(?:\.content\.(\d+))?")
+_CHAT_LOCATION = re.compile(r"messages\.(\d+)(?:\.content\.(\d+)(\.image_url)?)?")
 
 
 def anthropic_locations(error: APIError, origins: list[tuple[str, list[int]]]) -> APIError:
-    """``error`` with the chat messages (and parts) it names said as the Anthropic request's locations."""
+    """``error`` with the chat messages (and parts) it names said as the Anthropic request's locations (an
+    ``image_url`` part's URL is an image block's ``source``)."""
     def located(match: re.Match) -> str:
         index = int(match.group(1))
         if index >= len(origins):
@@ -204,7 +205,9 @@ def anthropic_locations(error: APIError, origins: list[tuple[str, list[int]]]) -
         part = match.group(2)
         if part is None or where == "system":
             return where
-        return f"{where}.content.{blocks[int(part)]}" if int(part) < len(blocks) else f"{where}.content"
+        if int(part) >= len(blocks):
+            return f"{where}.content"
+        return f"{where}.content.{blocks[int(part)]}" + (".source" if match.group(3) else "")
 
     error.message = _CHAT_LOCATION.sub(located, error.message)
     if error.param is not None:

@@ -21,7 +21,8 @@ import openai
 import pytest
 import schemathesis
 
-from server.anthropic_chat import to_chat_request
+from server.anthropic_chat import anthropic_locations, to_chat_request
+from server.errors import bad_request
 from server.protocol.anthropic import CountTokensRequest, MessagesRequest
 
 pytest.register_assert_rewrite("tests.server_helpers")
@@ -106,6 +107,18 @@ def test_a_conversation_becomes_the_chat_request_it_amounts_to():
     chat = to_chat_request(named, "qwen3").body
     assert chat.tool_choice.function.name == "get_weather" and chat.max_tokens is None
     assert chat.chat_template_kwargs == {"enable_thinking": True}
+
+
+def test_errors_name_the_anthropic_requests_locations():
+    """The chat path names its messages and parts; a system prompt and tool results shift them."""
+    request = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 2, "system": "Be kind", "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"},
+                                     {"type": "text", "text": "Look"},
+                                     {"type": "image", "source": {"type": "url", "url": "https://host/cat.png"}}]}]})
+    translation = to_chat_request(request, None)
+    assert [m.role for m in translation.body.messages] == ["system", "tool", "user"]
+    error = bad_request("messages.2.content.1.image_url: not fetched", param="messages.2.content.1.image_url")
+    assert anthropic_locations(error, translation.origins).message == "messages.0.content.2.source: not fetched"
 
 
 # ----------------------------------------------------------------------------- answers
