@@ -7,6 +7,9 @@ shape."""
 from __future__ import annotations
 
 import math
+import re
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -15,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from tests.server_helpers import assert_error_shape, scrape_metrics, start_server
+from tests.server_helpers import REPO_ROOT, assert_error_shape, scrape_metrics, start_server
 from tests.test_cross_encoder import classifier  # noqa: F401  (the tiny reranker, a fixture)
 
 TEXTS = ["The capital of France is Paris.", "Bonjour", "A paged KV cache holds every request's keys and values."]
@@ -130,3 +133,17 @@ def test_a_cross_encoder_reranks_over_http(classifier, tmp_path):
         assert_error_shape(httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}), 400)
     finally:
         server.stop()
+
+
+def test_a_batch_embeds_as_each_input_alone_and_the_readme_example(embedding_server):
+    url = embedding_server.url
+    together = httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS}).json()["data"]
+    for text, vector in zip(TEXTS, together):
+        alone = httpx.post(f"{url}/v1/embeddings", json={"input": text}).json()["data"][0]["embedding"]
+        torch.testing.assert_close(torch.tensor(vector["embedding"]), torch.tensor(alone), rtol=1e-5, atol=1e-6)
+    (script,) = [block for block in re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+                 if "client.embeddings.create(" in block]
+    script = script.replace("http://localhost:8000", url).replace("SmolLM2-135M-Instruct", "embedder")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["2 576", "[1, 0]"]
