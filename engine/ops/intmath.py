@@ -17,3 +17,14 @@ def next_power_of_2(n: int) -> int:
     """The smallest power of two >= ``n`` for ``n`` >= 1; 0 for 0, as Triton's."""
     n = int(n)
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def k_step(k: int, group: int, widest: int, narrowest: int) -> int | None:
+    """The widest step along K, a power of two from ``widest`` down to ``narrowest`` columns, that divides ``k`` and
+    fits groups of ``group`` columns (a multiple of the group or a divisor of it); None if there is none."""
+    block = widest
+    while block >= narrowest:
+        if k % block == 0 and (block % group == 0 or group % block == 0):
+            return block
+        block //= 2
+    return None

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.intmath import cdiv, next_power_of_2
+from engine.ops.intmath import cdiv, k_step, next_power_of_2
 
 GEMV_MAX_ROWS = 1  # token counts the GEMV serves; more go to the tensor-core kernel. On an H100 (Llama-3.1-8B's
 # projections, group 128; bench/RESULTS.md, 2026-12-07) it beat that kernel by 5-20% at one token and lost 2.5-3.2x
@@ -88,14 +88,8 @@ class GemvTiles:
 
 
 def gemv_block_k(k: int, group: int, widest: int = 512) -> int | None:
-    """The widest K step of at most ``widest`` columns (at least 64: eight 32-bit words) that divides ``k`` and
-    fits the groups (a multiple of the group or a divisor of it); None if there is none."""
-    block = widest
-    while block >= 64:
-        if k % block == 0 and (block % group == 0 or group % block == 0):
-            return block
-        block //= 2
-    return None
+    """The GEMV's K step: at most ``widest`` columns and at least 64 (eight 32-bit words) (``k_step``)."""
+    return k_step(k, group, widest, 64)
 
 
 def choose_gemv_tiles(m: int, n: int, k: int, group: int, num_sms: int) -> GemvTiles | None:

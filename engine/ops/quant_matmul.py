@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.fp8 import sum_splits
-from engine.ops.intmath import cdiv, next_power_of_2
+from engine.ops.intmath import cdiv, k_step, next_power_of_2
 from engine.ops.quant_gemv import GemvTiles, choose_gemv_tiles, int4_gemv_parts
 
 
@@ -134,14 +134,8 @@ class Tiles:
 
 
 def block_k_for(k: int, group: int, widest: int = 128) -> int | None:
-    """The widest K step of at most ``widest`` columns (and at least 32) that divides ``k`` and fits the groups
-    (a multiple of the group or a divisor of it); None if there is none."""
-    block = widest
-    while block >= 32:
-        if k % block == 0 and (block % group == 0 or group % block == 0):
-            return block
-        block //= 2
-    return None
+    """The tensor-core kernel's K step: at most ``widest`` columns and at least 32 (``k_step``)."""
+    return k_step(k, group, widest, 32)
 
 
 def choose_tiles(m: int, n: int, k: int, group: int, num_sms: int) -> Tiles | None:

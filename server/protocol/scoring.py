@@ -30,13 +30,18 @@ class ScoreUsage(BaseModel):
     completion_tokens: int = 0
 
 
-class ScoreResponse(BaseModel):
+class _ListResponse(BaseModel):
+    """vLLM's list answers (/score, /pooling): an id, when, the model, the entries, and the prompt tokens."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=unix_now)
     model: str
-    data: list[ScoreData]
     usage: ScoreUsage
+
+
+class ScoreResponse(_ListResponse):
+    data: list[ScoreData]
 
 
 class RerankRequest(RequestModel):
@@ -81,10 +86,5 @@ class PoolingData(BaseModel):
     data: list[float]  # the embedding (normalised), or a classifier's logits
 
 
-class PoolingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=unix_now)
-    model: str
+class PoolingResponse(_ListResponse):
     data: list[PoolingData]
-    usage: ScoreUsage
