@@ -14,6 +14,8 @@ its output items come before the new input (its instructions do not carry over, 
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 from fastapi import FastAPI, Request, Response
 
 from server.chat import start_chat
@@ -110,8 +112,10 @@ async def create_response(body: ResponsesRequest, raw_request: Request, ctx: Ser
 
 
 async def _stored_events(view: ResponseView, store: ResponseStore, items: list):
-    async for event in view.events():
-        yield event
+    """The view's events; the response is stored once the last has been sent (not when the client left)."""
+    async with aclosing(view.events()) as events:  # a client that leaves aborts the generation at once
+        async for event in events:
+            yield event
     _store(store, view.request, view.final, view.final.model_dump_json(), items)
 
 

@@ -151,18 +151,11 @@ def test_create_and_stream_answer_as_the_chat_route_does(client, default_server)
         final = stream.get_final_response()
     assert "".join(deltas) == final.output_text == response.output_text
     assert final.status == "completed" and final.usage.output_tokens == response.usage.output_tokens
-
-    cut = client.responses.create(model=model, input=FRANCE, instructions="Answer briefly.", temperature=0,
-                                  max_output_tokens=3, store=False)
-    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
-    assert cut.output[0].status == "incomplete" and cut.usage.output_tokens == 3 and cut.instructions
-    with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(cut.id)  # store=False: nothing kept
     wait_until_idle(default_server.url)
 
 
 def test_the_events_on_the_wire(default_server):
-    body = {"input": FRANCE, "max_output_tokens": 3, "stream": True}
+    body = {"input": FRANCE, "instructions": "Answer briefly.", "max_output_tokens": 3, "stream": True, "store": False}
     response = httpx.post(f"{default_server.url}/v1/responses", json=body, timeout=60)
     assert response.headers["content-type"].startswith("text/event-stream")
     events = [(event.split("\n")[0].removeprefix("event: "), json.loads(event.split("\n")[1].removeprefix("data: ")))
@@ -175,7 +168,10 @@ def test_the_events_on_the_wire(default_server):
     assert set(names[4:-4]) == {"response.output_text.delta"}
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
     assert all(name == data["type"] for name, data in events)
-    assert events[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    cut = events[-1][1]["response"]
+    assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert cut["output"][0]["status"] == "incomplete" and cut["usage"]["output_tokens"] == 3 and cut["instructions"]
+    assert httpx.get(f"{default_server.url}/v1/responses/{cut['id']}").status_code == 404  # store false: not kept
     wait_until_idle(default_server.url)
 
 
@@ -197,10 +193,10 @@ def test_a_function_call_and_its_output_round_trip(client, default_server):
 
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}
     chained = client.responses.create(model=model, previous_response_id=forced.id, input=[result], tools=[WEATHER],
-                                      temperature=0, max_output_tokens=8)
+                                      temperature=0, max_output_tokens=4)
     items = [{"role": "user", "content": ask}, {"type": "function_call", "call_id": call.call_id,
                                                  "name": call.name, "arguments": call.arguments}, result]
-    resent = client.responses.create(model=model, input=items, tools=[WEATHER], temperature=0, max_output_tokens=8)
+    resent = client.responses.create(model=model, input=items, tools=[WEATHER], temperature=0, max_output_tokens=4)
     assert chained.output_text == resent.output_text and chained.output_text
     assert chained.usage.input_tokens == resent.usage.input_tokens
     assert chained.previous_response_id == forced.id
@@ -208,9 +204,9 @@ def test_a_function_call_and_its_output_round_trip(client, default_server):
 
 
 def test_text_format_json_schema(client, default_server):
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
-              "required": ["city", "country"], "additionalProperties": False}
-    response = client.responses.create(model=model_of(client), input=FRANCE, max_output_tokens=40, text={
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]}},
+              "required": ["capital"], "additionalProperties": False}
+    response = client.responses.create(model=model_of(client), input=FRANCE, max_output_tokens=24, text={
         "format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}})
     jsonschema.validate(json.loads(response.output_text), schema)
     assert response.text.format.type == "json_schema"
@@ -222,8 +218,16 @@ def test_get_and_delete_a_stored_response(client, default_server):
                                        metadata={"run": "1"})
     got = client.responses.retrieve(response.id)
     assert got.id == response.id and got.output_text == response.output_text and got.metadata == {"run": "1"}
+    doc = httpx.get(f"{default_server.url}/openapi.json", timeout=10).json()
+    stored = httpx.get(f"{default_server.url}/v1/responses/{response.id}", timeout=10).json()
     deleted = httpx.delete(f"{default_server.url}/v1/responses/{response.id}", timeout=10)
     assert deleted.json() == {"id": response.id, "object": "response", "deleted": True}
+    for body, name in ((stored, "ResponseObject"), (deleted.json(), "DeletedResponse")):  # the document is true
+        jsonschema.validate(body, {"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
+    post = doc["paths"]["/v1/responses"]["post"]
+    assert set(post["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert {"400", "404"} <= set(post["responses"]) and "404" in doc["paths"]["/v1/responses/{response_id}"]["get"][
+        "responses"]
     for call in (lambda: client.responses.retrieve(response.id), lambda: client.responses.delete(response.id)):
         with pytest.raises(openai.NotFoundError):
             call()
@@ -262,7 +266,7 @@ def test_an_agent_calls_its_tool(client, default_server):
     model = agents.OpenAIResponsesModel(model=model_of(client), openai_client=openai.AsyncOpenAI(
         base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0))
     agent = agents.Agent(name="weather", instructions="You answer briefly.", tools=[get_weather], model=model,
-                         model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=24,
+                         model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=12,
                                                              temperature=0))
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=2)
     assert len(calls) == 1 and isinstance(calls[0], str)
