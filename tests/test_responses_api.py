@@ -241,7 +241,9 @@ def test_errors_in_openais_shape(client, default_server):
                 ({"reasoning": {"effort": "low"}}, "reasoning"), ({"truncation": "auto"}, "truncation"),
                 ({"include": ["reasoning.encrypted_content"]}, "include"), ({"prompt": {"id": "p"}}, "prompt"),
                 ({"frequency_penalty": 1.0}, "frequency_penalty"),
-                ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0"),
+                ({"input": [{"type": "item_reference", "id": "x"}]}, "'item_reference' items"),
+                ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice.type"),
+                ({"text": {"verbosity": "low"}}, "text.verbosity"), ({"conversation": "c"}, "conversation"),
                 ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0")]
     for extra, named in refusals:
         response = httpx.post(f"{default_server.url}/v1/responses", json={"input": "hi", **extra}, timeout=30)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from server.protocol.common import RequestModel
 
@@ -47,10 +47,21 @@ class InputImage(RequestModel):
 InputContentPart = Annotated[Union[InputText, InputImage], Field(discriminator="type")]
 
 
+def _by_value(value: Any) -> str:
+    return "list[]" if isinstance(value, list) else "dict[]" if isinstance(value, dict) else "str"
+
+
+# Unions told apart by the value's own type or by an item's ``type``, so that a bad value is answered by what is
+# wrong with it ("input.0.content.1.type: ...") rather than by another member's complaint. The tags are written as
+# type names (``list[...]``, ``dict[...]``), which error locations leave out (server/errors.py).
+MessageContent = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[InputContentPart], Tag("list[]")]],
+                           Discriminator(_by_value)]
+
+
 class MessageItem(RequestModel):
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputContentPart]
+    content: MessageContent
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
     phase: Literal["commentary", "final_answer"] | None = None
@@ -88,25 +99,37 @@ class ReasoningItem(RequestModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
+class UnservedItem(BaseModel):
+    """An item of another type (item_reference, file_search_call, web_search_call, ...): a 400 that names it."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Any
+
+    @field_validator("type")
+    @classmethod
+    def _refuse(cls, value: Any) -> Any:
+        raise ValueError(f"{value!r} items are not available here (message, function_call, function_call_output "
+                         "and reasoning items are)")
+
+
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
 def _item_kind(value: Any) -> str:
-    """The item's type (none: a message); a type not among the union's tags is a 400 that names it."""
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if isinstance(kind, str) else "message"
+    """The item's type (none: a message)."""
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None) or "message"
+    return f"dict[{kind}]" if kind in _ITEM_TYPES else "dict[]"
 
 
-InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-                            Annotated[ReasoningItem, Tag("reasoning")]], Discriminator(_item_kind)]
+InputItem = Annotated[Union[Annotated[MessageItem, Tag("dict[message]")],
+                            Annotated[FunctionCallItem, Tag("dict[function_call]")],
+                            Annotated[FunctionCallOutputItem, Tag("dict[function_call_output]")],
+                            Annotated[ReasoningItem, Tag("dict[reasoning]")],
+                            Annotated[UnservedItem, Tag("dict[]")]], Discriminator(_item_kind)]
 
 
-def _input_kind(value: Any) -> str:
-    return "list[InputItem]" if isinstance(value, list) else "str"
-
-
-# A string or a list of items, told apart by the value's own type, so a bad item is answered by what is wrong with
-# it ("input.0: ...") rather than by the string branch's "Input should be a valid string".
-Input = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[InputItem], Tag("list[InputItem]")]],
-                  Discriminator(_input_kind)]
+Input = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[InputItem], Tag("list[]")]],
+                  Discriminator(_by_value)]
 
 
 class FunctionTool(RequestModel):
@@ -126,16 +149,20 @@ class BuiltinTool(BaseModel):
 
 def _tool_kind(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "function" if kind == "function" else "builtin"
+    return "dict[function]" if kind == "function" else "dict[builtin]"
 
 
-Tool = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[BuiltinTool, Tag("builtin")]],
+Tool = Annotated[Union[Annotated[FunctionTool, Tag("dict[function]")], Annotated[BuiltinTool, Tag("dict[builtin]")]],
                  Discriminator(_tool_kind)]
 
 
 class FunctionToolChoice(RequestModel):
     type: Literal["function"]
     name: str
+
+
+ToolChoice = Annotated[Union[Annotated[Literal["none", "auto", "required"], Tag("str")],
+                             Annotated[FunctionToolChoice, Tag("dict[]")]], Discriminator(_by_value)]
 
 
 class JSONSchemaTextFormat(RequestModel):
@@ -150,8 +177,15 @@ class PlainTextFormat(RequestModel):
     type: Literal["text", "json_object"]
 
 
+def _format_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "dict[json_schema]" if kind == "json_schema" else "dict[]"
+
+
 class TextConfig(RequestModel):
-    format: Annotated[Union[PlainTextFormat, JSONSchemaTextFormat], Field(discriminator="type")] | None = None
+    format: Annotated[Union[Annotated[PlainTextFormat, Tag("dict[]")],
+                            Annotated[JSONSchemaTextFormat, Tag("dict[json_schema]")]],
+                      Discriminator(_format_kind)] | None = None
 
 
 class ReasoningConfig(RequestModel):
@@ -168,7 +202,7 @@ class ResponsesRequest(RequestModel):
     input: Input = Field(default_factory=list)
     instructions: str | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
