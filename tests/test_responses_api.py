@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import httpx
@@ -20,7 +23,7 @@ from server.response_view import ResponseView, responses_sse
 from server.responses_chat import input_items, responses_locations, to_chat_request
 
 pytest.register_assert_rewrite("tests.server_helpers")
-from tests.server_helpers import wait_until_idle  # noqa: E402
+from tests.server_helpers import REPO_ROOT, wait_until_idle  # noqa: E402
 
 pytest_plugins = ["tests.server_helpers"]
 pytestmark = pytest.mark.usefixtures("server_logs_on_failure")
@@ -210,6 +213,18 @@ def test_text_format_json_schema(client, default_server):
         "format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}})
     jsonschema.validate(json.loads(response.output_text), schema)
     assert response.text.format.type == "json_schema"
+    wait_until_idle(default_server.url)
+
+
+def test_the_readme_example(default_server):
+    """The README's example, as written but for the port: a response, then one that continues it."""
+    (script,) = [block for block in re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+                 if "client.responses.create(" in block]
+    script = script.replace("http://localhost:8000", default_server.url)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    answer, _, again = proc.stdout.partition("\n")
+    assert answer == "The capital of France is Paris." and again.strip()
     wait_until_idle(default_server.url)
 
 
