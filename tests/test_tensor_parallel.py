@@ -188,3 +188,16 @@ def test_fp8_weights_and_kv_cache_at_tp2_generate_what_tp1_does(tmp_path):
                                          [mine.token_ids[at], theirs.token_ids[at]])
         assert top.top_logprobs[0] - top.top_logprobs[1] < 0.02, (at, top)
     assert parted <= 1, f"{parted} of {len(prompts)} prompts generated other tokens at TP=2"
+
+
+def test_speculative_decoding_at_tp2_generates_what_tp1_does_without(checkpoints):
+    """n-gram proposals verified at TP=2: rank 1 runs every verification step rank 0 plans (1 + k tokens a row)
+    and the tokens are TP=1's without speculation (a random model repeats itself: proposals are accepted)."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (12, 30, 21)]
+    common = dict(max_model_len=256, num_kvcache_blocks=48)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    with LLM(str(checkpoints["llama-tied"]), tensor_parallel_size=2, speculative_config=spec, **common) as tp2:
+        got = greedy(tp2, prompts, max_tokens=24)
+        assert tp2.engine.proposer.num_accepted_tokens > 0
+    assert got == greedy(LLM(str(checkpoints["llama-tied"]), **common), prompts, max_tokens=24)
