@@ -905,7 +905,7 @@ def test_write_paged_kv_with_rope_matches_rope_then_write(cache, dtype, head_dim
     rotated queries to a rounding of their sums. Negative slots write nothing, and q's rows past the slots (a
     decode graph's padding) are roped all the same."""
     fp8 = cache != "dense"
-    num_heads, num_kv_heads, n, padding = 4, 2, 21, 3
+    num_heads, num_kv_heads, n, padding = 4, 2, 11, 2
     q, k, v, qkv, pending = _qkv_case(head_dim + len(extra), n + padding, num_heads, num_kv_heads, head_dim, dtype,
                                       extra)
     gen = torch.Generator().manual_seed(head_dim)
