@@ -402,10 +402,10 @@ def test_projections_taking_inputs_quantized_by_norms_and_swiglu_compute_the_sam
     cuBLAS's block-scaled product is stood in for by float32 arithmetic on the same operands, the norm, SwiGLU and
     quantization kernels run in Triton's interpreter."""
     products = stand_in_for_cublas(monkeypatch)
-    # The tiles from 64 tokens on rather than 256, so that a 67-token prefill crosses over (the interpreter runs
+    # The tiles from 32 tokens on rather than 256, so that a 35-token prefill crosses over (the interpreter runs
     # the norm, rope and quantization kernels a program per token).
-    monkeypatch.setattr(fp8, "BLOCK_SCALES_MIN_ROWS", 64)
-    assert fp8.block_scales_min_rows(512) == 64
+    monkeypatch.setattr(fp8, "BLOCK_SCALES_MIN_ROWS", 32)
+    assert fp8.block_scales_min_rows(512) == 32
     if arch == "llama":
         config = transformers.LlamaConfig(**{**BLOCK_CONFIG, "intermediate_size": 384})
     else:  # layer 0 routes to experts (which stay unquantized), layer 1 is dense
@@ -424,14 +424,14 @@ def test_projections_taking_inputs_quantized_by_norms_and_swiglu_compute_the_sam
 
     monkeypatch.setattr(RMSNorm, "forward", spy)
     model_dir = save_checkpoint(config, tmp_path)
-    prompts = make_prompts(config.vocab_size, lens=[48, 12, 7])
+    prompts = make_prompts(config.vocab_size, lens=[24, 6, 5])
     got = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=True)
     fused_products = list(products)
-    # In the 67-token prefill: o's scales to both layers' post-attention norms, down's (layer 1) to the final norm.
+    # In the 35-token prefill: o's scales to both layers' post-attention norms, down's (layer 1) to the final norm.
     assert sum(norms_given_scales) == (4 if arch == "llama" else 3)
     products.clear()
     want = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=False)
-    assert fused_products == products and (67, True) in products and (3, False) in products
+    assert fused_products == products and (35, True) in products and (3, False) in products
     assert got == want
 
 
