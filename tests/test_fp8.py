@@ -455,10 +455,13 @@ def test_o_proj_takes_its_input_quantized_by_the_decode_kernels(tmp_path, monkey
     config = transformers.LlamaConfig(**{**BLOCK_CONFIG, "hidden_size": 256, "num_attention_heads": 2,
                                          "num_key_value_heads": 1, "head_dim": 128, "intermediate_size": 256})
     model_dir = save_checkpoint(config, tmp_path)
-    prompts = make_prompts(config.vocab_size, lens=[130, 12])  # a context long enough to split
-    got = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=True, attention_backend="triton")
+    # Contexts split by the capacity of their block tables: with 64-token blocks a 67-token context has two blocks,
+    # 128 keys, and splits in two, both pieces holding keys.
+    prompts = make_prompts(config.vocab_size, lens=[66, 12])
+    options = dict(attention_backend="triton", kvcache_block_size=64)
+    got = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=True, **options)
     assert any(quantized_outputs) and not all(quantized_outputs)  # decode-only steps, not the prefill
     quantized_outputs.clear()
-    want = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=False, attention_backend="triton")
+    want = run_with_fp8_inputs(monkeypatch, model_dir, prompts, fused=False, **options)
     assert quantized_outputs and not any(quantized_outputs)
     assert got == want
