@@ -23,9 +23,11 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def float32_default_server(tmp_path_factory, default_model_path):
-    """The default model with ``--quantization none``, otherwise as the shared default server."""
+    """The default model with ``--quantization none``, otherwise as the shared default server but for
+    ``--max-logprobs -1`` (no bound on the logprobs a request may ask for)."""
     server = start_server(tmp_path_factory.mktemp("servers"), "default-float32",
-                          ["--num-kvcache-blocks", "256", "--max-model-len", "1024", "--quantization", "none"])
+                          ["--num-kvcache-blocks", "256", "--max-model-len", "1024", "--quantization", "none",
+                           "--max-logprobs", "-1"])
     yield server
     server.stop()
 
@@ -133,20 +135,15 @@ def test_logprob_requests_the_server_cannot_honour_are_400s(tiny_server, path, b
     assert assert_error_shape(response, 400)["param"] == param
 
 
-def test_the_whole_vocabulary_with_max_logprobs_unlimited(tmp_path, tiny_model_path):
+def test_the_whole_vocabulary_with_max_logprobs_unlimited(float32_default_server):
     """--max-logprobs -1 lets -1 ask for every token's logprob, as vLLM's."""
-    from tests.server_helpers import tiny_server_args
-
-    server = start_server(tmp_path, "all-logprobs", tiny_server_args(tiny_model_path) + ["--max-logprobs", "-1"])
-    try:
-        vocab = httpx.get(f"{server.url}/tokenizer_info").json()["vocab_size"]
-        ids = tokenize(server.url, prompt="The capital")
-        reply = httpx.post(f"{server.url}/v1/completions", json={
-            "model": TINY_MODEL_NAME, "prompt": ids, "max_tokens": 1, "prompt_logprobs": -1}, timeout=60).json()
-        assert [len(e) for e in reply["choices"][0]["prompt_logprobs"][1:]] == [vocab] * (len(ids) - 1)
-        chat = httpx.post(f"{server.url}/v1/chat/completions", json={
-            "model": TINY_MODEL_NAME, "messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": -1},
-            timeout=60).json()
-        assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == vocab
-    finally:
-        server.stop()
+    url = float32_default_server.url
+    vocab = httpx.get(f"{url}/tokenizer_info").json()["vocab_size"]
+    ids = tokenize(url, prompt="The capital")
+    reply = httpx.post(f"{url}/v1/completions", json={
+        "model": DEFAULT_MODEL_NAME, "prompt": ids, "max_tokens": 1, "prompt_logprobs": -1}, timeout=60).json()
+    assert [len(e) for e in reply["choices"][0]["prompt_logprobs"][1:]] == [vocab] * (len(ids) - 1)
+    chat = httpx.post(f"{url}/v1/chat/completions", json={
+        "model": DEFAULT_MODEL_NAME, "messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": -1},
+        timeout=60).json()
+    assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == vocab
