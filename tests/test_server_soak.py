@@ -1,4 +1,4 @@
-"""A bounded soak: a few hundred mixed requests, many dropped at random points, against one server.
+"""A bounded soak: a few hundred mixed requests, many dropped at random points, against the shared tiny server.
 Afterwards nothing runs or waits, every KV block is free, and the server's memory has not grown past a bound."""
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from tests.server_helpers import (  # noqa: E402
     TINY_MODEL_NAME,
     engine_core_pid,
     scrape_metrics,
-    start_server,
-    tiny_server_args,
     wait_until_idle,
 )
 
@@ -92,21 +90,18 @@ async def soak(url: str, num: int, seed: int) -> list[str]:
         return await asyncio.gather(*(limited(r) for r in requests))
 
 
-def test_soak_with_random_disconnects_leaves_nothing_behind(tmp_path, tiny_model_path):
-    server = start_server(tmp_path, "soak", tiny_server_args(tiny_model_path))
-    try:
-        pids = (server.proc.pid, engine_core_pid(server))
-        asyncio.run(soak(server.url, NUM_REQUESTS, seed=1))  # warm-up: allocator pools and caches reach their size
-        wait_until_idle(server.url)
-        before_mb = sum(rss_mb(pid) for pid in pids)
-        outcomes = asyncio.run(soak(server.url, NUM_REQUESTS, seed=2))
-        assert outcomes.count("dropped") > 33 and outcomes.count("done") > 66
-        metrics = wait_until_idle(server.url, timeout_s=30)
-        assert metrics["minivllm:num_requests_running"] == 0 and metrics["minivllm:num_requests_waiting"] == 0
-        assert metrics["minivllm:kv_cache_blocks_used"] == 0
-        assert metrics["minivllm:kv_cache_blocks_free"] == metrics["minivllm:kv_cache_blocks_total"]
-        growth_mb = sum(rss_mb(pid) for pid in pids) - before_mb
-        assert growth_mb < RSS_GROWTH_BOUND_MB, f"RSS grew {growth_mb:.0f} MB"
-        assert scrape_metrics(server.url)["minivllm:engine_up"] == 1
-    finally:
-        server.stop()
+def test_soak_with_random_disconnects_leaves_nothing_behind(tiny_server):
+    server = tiny_server
+    pids = (server.proc.pid, engine_core_pid(server))
+    asyncio.run(soak(server.url, NUM_REQUESTS, seed=1))  # warm-up: allocator pools and caches reach their size
+    wait_until_idle(server.url)
+    before_mb = sum(rss_mb(pid) for pid in pids)
+    outcomes = asyncio.run(soak(server.url, NUM_REQUESTS, seed=2))
+    assert outcomes.count("dropped") > 33 and outcomes.count("done") > 66
+    metrics = wait_until_idle(server.url, timeout_s=30)
+    assert metrics["minivllm:num_requests_running"] == 0 and metrics["minivllm:num_requests_waiting"] == 0
+    assert metrics["minivllm:kv_cache_blocks_used"] == 0
+    assert metrics["minivllm:kv_cache_blocks_free"] == metrics["minivllm:kv_cache_blocks_total"]
+    growth_mb = sum(rss_mb(pid) for pid in pids) - before_mb
+    assert growth_mb < RSS_GROWTH_BOUND_MB, f"RSS grew {growth_mb:.0f} MB"
+    assert scrape_metrics(server.url)["minivllm:engine_up"] == 1
