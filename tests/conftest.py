@@ -19,10 +19,11 @@ def pytest_configure(config):
         # It is chosen when a kernel is defined, so this must happen before any kernel module is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ.get("TRITON_INTERPRET") == "1":
-        from tests.triton_interpreter import masks_as_truth_values, skip_nested_repatching
+        from tests.triton_interpreter import masks_as_truth_values, no_overflow_checks, skip_nested_repatching
 
         skip_nested_repatching()
         masks_as_truth_values()
+        no_overflow_checks()
 
 
 _deselected_gpu_tests = []

@@ -1,5 +1,5 @@
-"""Triton's interpreter for the kernel tests: without its per-call re-patching of ``triton.language``, and with
-masks read as truth values.
+"""Triton's interpreter for the kernel tests: without its per-call re-patching of ``triton.language``, with masks
+read as truth values, and without its integer overflow checks.
 
 Under ``TRITON_INTERPRET=1`` a kernel launch patches ``triton.language`` (every builtin, every tensor method) so that
 the kernel's Python runs on NumPy, and restores it when the launch ends. Triton 3.x also patches it again at every
@@ -17,6 +17,13 @@ outside a kernel's scope).
 scalar one (``offs < n & (row < num_rows)``) holds int32 values, which its masked loads and stores refuse ("mask has
 unsupported dtype"); compiled kernels take such masks, and so does the interpreter of Triton 3.6-3.8. A mask is a
 truth value per lane, so the loads and stores get it as booleans.
+
+``no_overflow_checks()`` turns off the interpreter's ``sanitize_overflow`` option, under which every add, subtract
+and multiply of 32-bit integers in a kernel is computed again in 64 bits and compared with the 32-bit range for a
+device assert: about a fifth of the kernel tests' interpreted time. That assert is never made: ``tl.device_assert``
+does nothing unless the options' ``debug`` is on, and the interpreter's options have it off (Triton 3.8; an
+overflowing product wraps, as in a compiled kernel). The comparisons are computed and thrown away; nothing that is
+checked now was checked before.
 """
 
 from __future__ import annotations
@@ -88,3 +95,15 @@ def masks_as_truth_values() -> None:
 
     create_masked_load.casts_masks = True
     builder.create_masked_load, builder.create_masked_store = create_masked_load, create_masked_store
+
+
+def no_overflow_checks() -> None:
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is None or not getattr(options, "sanitize_overflow", False):
+        return  # another Triton than the one this was written against, or already done
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
