@@ -22,8 +22,8 @@ truth value per lane, so the loads and stores get it as booleans.
 and multiply of 32-bit integers in a kernel is computed again in 64 bits and compared with the 32-bit range for a
 device assert: about a fifth of the kernel tests' interpreted time. That assert is never made: ``tl.device_assert``
 does nothing unless the options' ``debug`` is on, and the interpreter's options have it off (Triton 3.8; an
-overflowing product wraps, as in a compiled kernel). The comparisons are computed and thrown away; nothing that is
-checked now was checked before.
+overflowing product wraps, as in a compiled kernel). The comparisons are computed and thrown away: nothing that was
+checked before goes unchecked now.
 """
 
 from __future__ import annotations
