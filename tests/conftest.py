@@ -68,6 +68,22 @@ def tokenizer_dir() -> Path:
     return ensure_default_model()
 
 
+@pytest.fixture(scope="session")
+def float32_license_perplexity(default_model_path) -> float:
+    """The perplexity of the Apache License 2.0 (``tests/data/apache-2.0.txt``, one 2,224-token prompt) under the
+    default model dequantized to float32 (``quantization="none"``): the reference that FP8 (test_fp8_accuracy.py)
+    and the model's own int4 blocks (test_gguf_quantized.py) are held to, computed once for both."""
+    from engine import LLM
+    from tests.helpers import LICENSE_TEXT, prompt_perplexity
+
+    llm = LLM(str(default_model_path), quantization="none", max_model_len=4096, max_num_batched_tokens=4096,
+              num_kvcache_blocks=400)
+    try:
+        return prompt_perplexity(llm, LICENSE_TEXT.read_text())
+    finally:
+        llm.engine.close()
+
+
 # ------------------------------------------------------------------------------ tiers
 
 # unit: one module in pure Python or small tensors (`make test-fast`); engine: LLM/LLMEngine and models against

@@ -13,6 +13,17 @@ from torch import nn
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 
+LICENSE_TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"  # the Apache License 2.0: 2,224 tokens
+
+
+def prompt_perplexity(llm, text: str) -> float:
+    """The perplexity of ``text`` as one prompt, from the engine's prompt logprobs (every token after the first)."""
+    from engine import SamplingParams
+
+    scored = llm.generate([text], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    logprobs = [entry.logprob for entry in scored.prompt_logprobs[1:]]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
 
 class PagedRunner:
     """Runs steps of one flat batch through ``model`` with per-request block tables.

@@ -9,14 +9,12 @@ The README's table of options quotes them.
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.helpers import LICENSE_TEXT, prompt_perplexity
 
-TEXT = (Path(__file__).parent / "data" / "apache-2.0.txt").read_text()
+TEXT = LICENSE_TEXT.read_text()
 PROMPTS = [
     "What is the capital of France?",
     "Write a short poem about the sea.",
@@ -46,15 +44,12 @@ VARIANTS = {
 PERPLEXITY_BUDGET = {"fp8 KV cache": 0.02, "fp8 weights": 0.03, "fp8 weights + KV cache": 0.05}
 
 
-def measure(llm: LLM) -> tuple[float, list[list[int]]]:
-    scored = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    logprobs = [entry.logprob for entry in scored.prompt_logprobs[1:]]
-    perplexity = math.exp(-sum(logprobs) / len(logprobs))
+def greedy_tokens(llm: LLM) -> list[list[int]]:
     greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     outs = llm.generate([llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                            add_generation_prompt=True) for p in PROMPTS],
                         greedy, use_tqdm=False)
-    return perplexity, [o.outputs[0].token_ids for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def agreement(ours: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:
@@ -70,12 +65,15 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> tuple[float,
 
 
 @pytest.fixture(scope="module")
-def results(default_model_path):
+def results(default_model_path, float32_license_perplexity):
+    """{variant: (perplexity of TEXT, greedy tokens of PROMPTS)}; float32's perplexity is the session's (conftest),
+    computed by an LLM with the same options."""
     out = {}
     for name, options in VARIANTS.items():
         llm = LLM(str(default_model_path), max_model_len=4096, max_num_batched_tokens=4096, num_kvcache_blocks=400,
                   **options)
-        out[name] = measure(llm)
+        perplexity = float32_license_perplexity if name == "float32" else prompt_perplexity(llm, TEXT)
+        out[name] = (perplexity, greedy_tokens(llm))
         llm.engine.close()
     return out
 
@@ -97,4 +95,5 @@ def test_fp8_perplexity_and_greedy_agreement(results):
         assert ppl <= base_ppl * (1 + budget), f"{name}: perplexity {ppl:.4f} is more than {budget:.0%} over " \
                                                f"float32's {base_ppl:.4f}"
         same, prefix = agreement(tokens, base_tokens)
-        assert prefix >= 0.1, f"{name}: greedy continuations keep only {prefix:.0%} of float32's tokens before they differ"
+        assert prefix >= 0.1, (f"{name}: greedy continuations keep only {prefix:.0%} of float32's tokens before "
+                               "they differ")

@@ -24,7 +24,6 @@ GGUF loader dequantizes every tensor with ``gguf``), in float32.
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,6 +41,7 @@ from engine.models.linear import (
     UnquantizedLinearMethod,
     linear_layers,
 )
+from tests.helpers import LICENSE_TEXT, prompt_perplexity
 from tests.test_gguf_models import (  # noqa: F401  (default_tokenizer, vocabulary: fixtures)
     MODELS,
     TinyModel,
@@ -101,7 +101,7 @@ LOGGED = {
 FLOAT32_TOLERANCE = 2e-5
 BFLOAT16_TOLERANCE = 0.05  # logprobs of a tiny random model with its int4 products in bfloat16
 
-TEXT = (Path(__file__).parent / "data" / "apache-2.0.txt").read_text()
+TEXT = LICENSE_TEXT.read_text()
 # Perplexity of the text, dequantized float32 vs --quantization gguf (int4 products in bfloat16 on the CPU):
 # 12.53805 vs 12.54353 (+0.044%; in float32, 12.53805 both), measured on one CPU host. The bar is the issue's.
 PERPLEXITY_BUDGET = 0.001
@@ -282,12 +282,6 @@ def default_models(default_model_path):
     return SimpleNamespace(dequantized=LLM(quantization="none", **kwargs), quantized=LLM(**kwargs))
 
 
-def _perplexity(llm: LLM) -> float:
-    scored = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    logprobs = [entry.logprob for entry in scored.prompt_logprobs[1:]]
-    return math.exp(-sum(logprobs) / len(logprobs))
-
-
 def test_the_default_model_answers_from_its_blocks(default_models):
     """By default SmolLM2-135M-Instruct's Q4_1 linear weights are served as int4 (every one of its 120 linear
     layers); with quantization="none" as float32 weights. Both answer the same."""
@@ -323,8 +317,10 @@ def test_the_default_models_greedy_tokens_come_from_its_heads_blocks(default_mod
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in dense]
 
 
-def test_the_default_models_perplexity_stays_within_the_bar(default_models):
-    dequantized, quantized = _perplexity(default_models.dequantized), _perplexity(default_models.quantized)
+def test_the_default_models_perplexity_stays_within_the_bar(default_models, float32_license_perplexity):
+    """The dequantized model's perplexity is the session's (conftest: ``quantization="none"``, the text whole in one
+    step, as here)."""
+    dequantized, quantized = float32_license_perplexity, prompt_perplexity(default_models.quantized, TEXT)
     assert abs(quantized / dequantized - 1) <= PERPLEXITY_BUDGET, (dequantized, quantized)
 
 
