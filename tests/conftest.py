@@ -84,6 +84,20 @@ def float32_license_perplexity(default_model_path) -> float:
         llm.engine.close()
 
 
+@pytest.fixture
+def one_thread_per_rank(monkeypatch):
+    """Tensor-parallel ranks on the CPU with one torch thread each, for the test: this process's (rank 0's) and, by
+    ``OMP_NUM_THREADS``, the processes it starts. With a thread per core each, two ranks spin against each other at
+    every collective (on a 2-core machine about a third of a TP=2 test's time)."""
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ------------------------------------------------------------------------------ tiers
 
 # unit: one module in pure Python or small tensors (`make test-fast`); engine: LLM/LLMEngine and models against

@@ -324,7 +324,7 @@ def test_the_default_models_perplexity_stays_within_the_bar(default_models, floa
     assert abs(quantized / dequantized - 1) <= PERPLEXITY_BUDGET, (dequantized, quantized)
 
 
-def test_two_ranks_serve_the_blocks_as_one(tiny):
+def test_two_ranks_serve_the_blocks_as_one(tiny, one_thread_per_rank):
     """At tensor_parallel_size=2 each rank loads its rows (q|k|v, gate|up) or its whole groups of columns (o, down)
     of the codes, scales and zeros: greedy tokens and their logprobs are one rank's (the int4 products in bfloat16,
     as the ranks' processes run them, summed in another order), up to a near-tie."""

@@ -332,7 +332,7 @@ def test_greedy_tokens_equal_transformers(served):
 
 
 @pytest.mark.parametrize("case", ["awq-g64-qwen2", "gptq-g32-sym-qwen3", "ct-w4a16-asym-channel-qwen2"])
-def test_two_ranks_serve_the_checkpoint_as_one(case, tmp_path):
+def test_two_ranks_serve_the_checkpoint_as_one(case, tmp_path, one_thread_per_rank):
     """At tensor_parallel_size=2 each rank loads its rows (q|k|v, gate|up: whole words of AWQ's packed channels and
     of the zero points) or its whole groups of columns (o, down; a scale per channel is every rank's): the same
     logprobs and greedy tokens as transformers."""

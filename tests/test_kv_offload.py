@@ -160,7 +160,7 @@ def test_aborts_while_swapped_out_or_loading_leave_both_tiers_clean(checkpoint, 
         assert manager.host.num_evictable_blocks == manager.host.num_used_blocks  # nothing pinned or owned
 
 
-def test_tensor_parallel_ranks_each_move_their_share_of_the_heads(checkpoint, reference):
+def test_tensor_parallel_ranks_each_move_their_share_of_the_heads(checkpoint, reference, one_thread_per_rank):
     """Rank 1 (a process of its own, over gloo) makes the copies rank 0 plans, on its half of the KV heads."""
     tokens, gib = reference
     with LLM(checkpoint, tensor_parallel_size=2, kv_offloading_size_gib=gib, preemption_mode="swap", **COMMON) as llm:

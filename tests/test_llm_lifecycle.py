@@ -142,7 +142,8 @@ def scripts(model_dir, tmp_path_factory):
 
 
 def python(script: str, *args: str, **popen) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    # One torch thread a process: the scripts' ranks (two scripts at once) would otherwise spin against each other.
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *args], cwd=REPO_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 

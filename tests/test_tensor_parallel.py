@@ -21,6 +21,8 @@ from engine.loading.loader import load_model
 from engine.loading.model_config import ModelConfig
 from tests.helpers import SMALL_CONFIG, TINY_CONFIGS, VOCAB, PagedRunner, save_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
+
 CONFIGS = {
     "llama-untied": TINY_CONFIGS["llama-llama3-rope"],
     "llama-tied": TINY_CONFIGS["llama-tied-linear-rope"],

@@ -3,6 +3,7 @@ on one machine, and a rank killed mid-generation ending the engine cleanly."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -28,6 +29,8 @@ pytest_plugins = ["tests.server_helpers"]
 pytestmark = pytest.mark.usefixtures("server_logs_on_failure")
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+# One torch thread a rank: with a thread per core each, two ranks spin against each other at every collective.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def answers(url: str) -> tuple[str, str]:
@@ -46,9 +49,9 @@ def test_two_nodes_on_one_machine(tmp_path, tiny_server, tiny_model_path):
     model = tiny_server_args(tiny_model_path)
     with open(tmp_path / "node1.log", "wb") as log:
         node1 = subprocess.Popen([sys.executable, "-m", "server.cli", "worker", *model, *parallel, "--node-rank", "1"],
-                                 cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+                                 cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ONE_THREAD})
     try:
-        server = start_server(tmp_path, "node0", model + parallel + ["--node-rank", "0"])
+        server = start_server(tmp_path, "node0", model + parallel + ["--node-rank", "0"], env=ONE_THREAD)
         try:
             assert answers(server.url) == answers(tiny_server.url)
         finally:
@@ -63,7 +66,8 @@ def test_two_nodes_on_one_machine(tmp_path, tiny_server, tiny_model_path):
 def test_serve_at_tp2_answers_as_tp1_and_a_rank_killed_mid_generation_ends_it(tmp_path, tiny_server, tiny_model_path):
     """The SDK gets TP=1's text; then rank 1 is killed while a stream runs: the stream fails, /health says
     503 within seconds, and neither the engine core nor any rank is left running."""
-    server = start_server(tmp_path, "tp2", tiny_server_args(tiny_model_path) + ["--tensor-parallel-size", "2"])
+    server = start_server(tmp_path, "tp2", tiny_server_args(tiny_model_path) + ["--tensor-parallel-size", "2"],
+                          env=ONE_THREAD)
     try:
         assert answers(server.url) == answers(tiny_server.url)
         [worker] = rank_pids(server)
@@ -72,8 +76,6 @@ def test_serve_at_tp2_answers_as_tp1_and_a_rank_killed_mid_generation_ends_it(tm
         stream = client.completions.create(model=TINY_MODEL_NAME, prompt="Once upon a time", max_tokens=3000,
                                            stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))  # generating
-        import os
-
         os.kill(worker, signal.SIGKILL)
         killed = time.monotonic()
         with pytest.raises(Exception):  # the stream ends in an error event (the SDK raises) or a cut connection
