@@ -18,6 +18,7 @@ _EXPORTS = {
     "ConfigError": "engine.config",
     "EngineConfig": "engine.config",
     "LLMEngine": "engine.core.llm_engine",
+    "LoRARequest": "engine.lora.request",
     "RequestError": "engine.errors",
     "SamplingParams": "engine.sampling_params",
     "SamplingParamsError": "engine.sampling_params",
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
     from engine.errors import RequestError
     from engine.frontend.llm import LLM, CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from engine.lora.request import LoRARequest
     from engine.sampling_params import PoolingParams, SamplingParams, SamplingParamsError
 
 

@@ -43,7 +43,8 @@ MODEL = "model"
 KV_CACHE = "KV cache"
 SCHEDULING = "scheduling and execution"
 PARALLEL = "tensor parallelism"
-OPTION_GROUPS = (MODEL, KV_CACHE, SCHEDULING, PARALLEL)
+LORA = "LoRA adapters"
+OPTION_GROUPS = (MODEL, KV_CACHE, SCHEDULING, PARALLEL, LORA)
 
 
 class ConfigError(ValueError):
@@ -179,6 +180,13 @@ class EngineConfig:
         "127.0.0.1", "address of node 0, where the ranks meet (torch.distributed's rendezvous)", group=PARALLEL)
     master_port: int = option(
         0, "port on node 0 where the ranks meet; 0: a free one (one machine only)", group=PARALLEL)
+    # LoRA adapters (engine/lora): requests name an adapter (LoRARequest); up to max_loras of them run in one step,
+    # from as many slots on the device, fed from a host cache of max_cpu_loras adapters.
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT's format) on top of the model", group=LORA)
+    max_loras: int = option(1, "most adapters in one step (their slots on the device)", group=LORA)
+    max_lora_rank: int = option(16, "largest adapter rank served (the slots' size)", group=LORA)
+    max_cpu_loras: int | None = option(
+        None, "adapters kept in host memory, least recently used out first; default: max-loras", group=LORA)
     distributed_timeout_s: float = option(
         60.0, "seconds a collective may wait before the engine fails (a rank died or hangs)", group=PARALLEL,
         flag="--distributed-timeout")
@@ -242,6 +250,11 @@ class EngineConfig:
                                                             f"got {self.structured_outputs_compile_timeout_s}")
         need(self.xgrammar_cache_mb >= 0, f"xgrammar_cache_mb must be at least 0, got {self.xgrammar_cache_mb}")
         need(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be at least 1, got {self.max_model_len}")
+        need(self.max_loras >= 1, f"max_loras must be at least 1, got {self.max_loras}")
+        need(1 <= self.max_lora_rank <= 512,
+             f"max_lora_rank must be in 1..512, got {self.max_lora_rank}")
+        need(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+             f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len,
                  f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "

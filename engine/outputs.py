@@ -180,6 +180,17 @@ class SpecDecodeStats:
     accepted_per_position: list[int]  # [k]: proposals accepted at each position
 
 
+@dataclass
+class LoRAStats:
+    """LoRA adapters (``enable_lora``): requests by adapter name, and the device slots' traffic."""
+
+    max_loras: int
+    running: dict[str, int] = field(default_factory=dict)  # adapter name -> running requests
+    waiting: dict[str, int] = field(default_factory=dict)  # adapter name -> waiting requests
+    num_loads: int = 0  # adapters copied into a device slot
+    num_evictions: int = 0  # adapters that left a device slot for another
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot for metrics: queue sizes, counters, and the KV pool."""
@@ -202,3 +213,4 @@ class EngineStats:
     # int8 [host blocks], HostBlockPool.block_states() (0 free, 1 cached, 2 held), when the host tier is on.
     host_block_states: np.ndarray | None = field(default=None, compare=False, repr=False)
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
+    lora: LoRAStats | None = None  # with LoRA adapters on

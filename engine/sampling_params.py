@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.lora.request import LoRARequest
+
 _GREEDY_EPS = 1e-5
 MAX_LOGPROB_TOKEN_IDS = 128  # as vLLM: the most tokens logprob_token_ids may name
 
@@ -109,6 +111,9 @@ class SamplingParams:
     length_penalty: float = 1.0
     # A pooling request: its prompt runs, and its output is the pooled hidden state, not tokens (nothing sampled).
     pooling: PoolingParams | None = None
+    # The LoRA adapter the request runs under (``LLM.generate``'s ``lora_request``, a request's ``model``); None:
+    # the base model. It travels with the request's other parameters to the scheduler and the model runner.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
