@@ -25,7 +25,8 @@ are planned here and handed out with each step (``take_transfers``); the model r
 
 A prompt with images passes ``mm_spans``, (offset, length, key) per image: a block
 holding any of an image's placeholder tokens hashes the image's key too, so the same
-placeholders with another image are another prefix.
+placeholders with another image are another prefix. A request under a LoRA adapter passes a span of its first
+token keyed by the adapter (``ADAPTER_KEY_PREFIX``), so that its blocks, chained from that one, are its adapter's.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from kvcache.metrics import KVCacheStats
 
 # (offset, length, key) of each image in a request's tokens, by offset: see the module docstring.
 MMSpans = Sequence[tuple[int, int, bytes]]
+# A span whose key starts so is no image but the LoRA adapter a request runs under: a key of its first block.
+ADAPTER_KEY_PREFIX = b"lora-adapter:"
 
 
 # Slots may be allocated for one token not known yet: the token a step in flight is sampling,
@@ -263,7 +266,8 @@ class KVCacheManager:
         table.num_tokens = max(table.num_tokens, num_tokens)
         if mm_spans:
             bs = self.block_size
-            self.pool.mark_visual(table.block_ids[i] for offset, n, _ in mm_spans
+            self.pool.mark_visual(table.block_ids[i] for offset, n, key in mm_spans
+                                  if not key.startswith(ADAPTER_KEY_PREFIX)
                                   for i in range(offset // bs, min(-(-(offset + n) // bs), len(table.block_ids))))
         if self.enable_prefix_caching:
             self._cache_full_blocks(request_id, table, token_ids, mm_spans)

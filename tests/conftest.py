@@ -126,6 +126,7 @@ TIER_OF_FILE = {
     "test_roofline.py": "unit",
     "test_sampler.py": "unit",
     "test_pooling.py": "engine",
+    "test_lora.py": "engine",
     "test_cross_encoder.py": "engine",
     "test_speculative.py": "unit",
     "test_speculative_draft.py": "engine",

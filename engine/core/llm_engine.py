@@ -30,6 +30,7 @@ from engine.loading.model_config import ModelConfig, check_tensor_parallel, reso
 from engine.loading.model_info import ModelInfo, matryoshka_dimensions
 from engine.loading.mrope import MRopePositions, mrope_positions
 from engine.loading.tokenizer import load_tokenizer
+from engine.lora.checks import AdapterChecks
 from engine.outputs import EngineOutput, EngineStats, FinishReason
 from engine.sampling_params import SamplingParams
 from engine.speculative.proposer import SpeculationProposer
@@ -111,7 +112,9 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_num_encoder_tokens=max_encoder_tokens,
             preemption_mode=config.preemption_mode or ("auto" if self.runner.num_host_blocks else "recompute"),
+            max_loras=config.max_loras if config.enable_lora else None,
         )
+        self.adapters = AdapterChecks(config, self.model_config, self.runner.lora)
         self.beams = BeamSearch(self.scheduler, self.eos_token_ids, self.max_model_len)
         on_cuda = self.runner.device.type == "cuda"
         self.proposer = SpeculationProposer.from_config(config.speculative_config)
@@ -210,6 +213,8 @@ class LLMEngine:
         elif mm_inputs:
             self._check_image_sizes(mm_inputs)
         mrope = self._mrope_positions(mm_inputs)
+        if params.lora_request is not None:
+            self.adapters.check(params.lora_request, params)
         if params.use_beam_search:
             return self.beams.add(request_id, prompt_token_ids, params, arrival_time, mm_inputs, mrope)
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time, mm_inputs, mrope)
@@ -361,6 +366,7 @@ class LLMEngine:
                           else None),
             host_block_states=self.kv_manager.host.block_states() if self.kv_manager.host is not None else None,
             spec_decode=self.proposer.stats() if self.proposer is not None else None,
+            lora=self.adapters.stats(self.scheduler, self.runner.lora),
         )
 
 

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from engine.loading.mrope import MRopePositions
 from engine.loading.multimodal import image_spans
+from engine.outputs import EngineOutput, FinishReason
 from engine.sampling_params import SamplingParams
+from kvcache.manager import ADAPTER_KEY_PREFIX
 
 
 class RequestStatus(enum.Enum):
@@ -80,6 +82,8 @@ class Request:
         self.resend = False  # its tokens changed other than by a sampled token: the runner gets it anew
         self.grammar = None  # a RequestGrammar (engine/core/structured_output.py) when the output is constrained
         self.set_images(mm_inputs)
+        lora = sampling_params.lora_request
+        self.lora_id = 0 if lora is None else lora.lora_int_id  # its LoRA adapter's id; 0: the base model
         # M-RoPE models: the prompt's three positions per token (engine/loading/mrope.py); None when every token's
         # position is its index (a text model, or a prompt without images).
         self.mrope = mrope
@@ -88,6 +92,9 @@ class Request:
         """The prompt's images (``engine.loading.multimodal.ImageInput``s, by offset), and what follows from them."""
         self.mm_inputs = list(mm_inputs) if mm_inputs else []
         self.mm_spans = image_spans(self.mm_inputs)  # for the KV blocks' hashes
+        lora = self.sampling_params.lora_request
+        if lora is not None:  # the adapter keys the first block, and so every block after it: its own prefixes
+            self.mm_spans = (*(self.mm_spans or ()), (0, 1, ADAPTER_KEY_PREFIX + str(lora.lora_int_id).encode()))
         self.mm_end = max((mm.end for mm in self.mm_inputs), default=0)  # prefill past it: no image ahead
         self.held_images: set[str] = set()  # content hashes it holds in the encoder cache
 
@@ -162,3 +169,23 @@ class Request:
         if self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def engine_output(self, new_token_ids: list[int], finished: bool = False, new_logprobs=None) -> EngineOutput:
+        """What a step (or an abort) reports of this request: its new tokens, and how it ended."""
+        prompt_logprobs = None
+        if new_token_ids and self.prompt_logprobs is not None:
+            prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        return EngineOutput(
+            request_id=self.request_id,
+            new_token_ids=new_token_ids,
+            finished=finished,
+            finish_reason=FinishReason(self.status.value) if finished else None,
+            stop_token_id=self.stop_token_id,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
+            new_logprobs=new_logprobs or [],
+            queue_time_s=(None if self.first_scheduled_time is None
+                          else self.first_scheduled_time - self.arrival_time),
+            prompt_logprobs=prompt_logprobs,
+            num_preemptions=self.num_preemptions,
+        )

@@ -33,7 +33,6 @@ from engine.core.step_images import StepImages
 from engine.outputs import (
     CachedRequestData,
     EngineOutput,
-    FinishReason,
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
@@ -53,12 +52,14 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         max_num_encoder_tokens: int = 0,
         preemption_mode: str = "recompute",
+        max_loras: int | None = None,
     ):
         self.kv = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_loras = max_loras  # LoRA: most adapters among the running requests (their device slots)
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -108,7 +109,7 @@ class Scheduler:
         outputs = []
         for request in aborted:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
-            outputs.append(self._output(request, [], finished=True))
+            outputs.append(request.engine_output([], finished=True))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -227,12 +228,12 @@ class Scheduler:
             logprobs = runner_out.logprobs.get(rid)
             new_logprobs = [logprobs] if logprobs is not None else []
             if status is None:
-                outputs.append(self._output(request, new_token_ids, new_logprobs=new_logprobs))
+                outputs.append(request.engine_output(new_token_ids, new_logprobs=new_logprobs))
                 continue
             # A request preempted while this token was in flight is already back in the queue.
             (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
             self._finish(request, status)
-            outputs.append(self._output(request, new_token_ids, finished=True, new_logprobs=new_logprobs))
+            outputs.append(request.engine_output(new_token_ids, finished=True, new_logprobs=new_logprobs))
         return outputs
 
     # ------------------------------------------------------------------ helpers
@@ -263,9 +264,15 @@ class Scheduler:
         return budget
 
     def _first_ready_waiting(self) -> Request | None:
-        if self.waiting[0].ready:  # the usual case, in O(1)
-            return self.waiting[0]
-        return next((r for r in self.waiting if r.ready), None)
+        """The first waiting request that can start: its grammar is compiled, and its LoRA adapter is one the
+        running requests use or has a free slot (a request waiting for a slot lets those behind it go first)."""
+        if self.max_loras is None:
+            if self.waiting[0].ready:  # the usual case, in O(1)
+                return self.waiting[0]
+            return next((r for r in self.waiting if r.ready), None)
+        adapters = {r.lora_id for r in self.running} - {0}
+        return next((r for r in self.waiting if r.ready and (r.lora_id in adapters or r.lora_id == 0
+                                                             or len(adapters) < self.max_loras)), None)
 
     @staticmethod
     def _follow_grammar(request: Request, token_id: int) -> RequestStatus | None:
@@ -477,23 +484,3 @@ class Scheduler:
             group.num_requests -= 1
             if group.num_requests == 0:  # the group is over: its seats are free
                 self._groups.pop(group.request_id, None)
-
-    @staticmethod
-    def _output(request: Request, new_token_ids: list[int], finished: bool = False, new_logprobs=None) -> EngineOutput:
-        prompt_logprobs = None
-        if new_token_ids and request.prompt_logprobs is not None:
-            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
-        return EngineOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            finished=finished,
-            finish_reason=FinishReason(request.status.value) if finished else None,
-            stop_token_id=request.stop_token_id,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            new_logprobs=new_logprobs or [],
-            queue_time_s=(None if request.first_scheduled_time is None
-                          else request.first_scheduled_time - request.arrival_time),
-            prompt_logprobs=prompt_logprobs,
-            num_preemptions=request.num_preemptions,
-        )

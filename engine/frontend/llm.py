@@ -18,6 +18,7 @@ to it) and interpreter exit all release them, so another ``LLM`` can be made in 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import time
@@ -33,6 +34,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.errors import RequestError
 from engine.frontend.output_processor import ChoiceDelta, OutputProcessor
 from engine.frontend.scores import classifier_score, cosine, pair_token_ids, pairs
+from engine.lora.request import LoRARequest
 from engine.outputs import FinishReason, Logprobs
 from engine.sampling_params import PoolingParams, SamplingParams
 
@@ -159,16 +161,20 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in order.
 
         Prompts are strings, ``{"prompt_token_ids": [...]}`` or ``{"prompt": text}``; with a model that takes
         images, either dict may have ``"multi_modal_data": {"image": image or [images]}`` (PIL images or data
-        URLs), one ``<image>`` placeholder per image in the prompt, in order.
+        URLs), one ``<image>`` placeholder per image in the prompt, in order. ``lora_request``: the LoRA adapter
+        (an engine made with ``enable_lora=True``) of every prompt, or one per prompt (None: the base model).
         """
         self._check_not_shut_down()  # before any work
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        sampling_params = _with_adapters(sampling_params or self.get_default_sampling_params(), lora_request,
+                                         len(prompts))
         return self._generate([self._tokenize(prompt) for prompt in prompts], sampling_params, use_tqdm)
 
     def _generate(self, prompts: list[tuple[str | None, list[int], list | None]],
@@ -368,3 +374,16 @@ class _ResultBuilder:
             completion.text = "".join(self._texts[delta.index])
             completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
             self.bar.update(1)
+
+
+def _with_adapters(params: SamplingParams | Sequence[SamplingParams],
+                   lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                   num_prompts: int) -> SamplingParams | list[SamplingParams]:
+    """Sampling parameters carrying each prompt's LoRA adapter (``SamplingParams.lora_request``)."""
+    if lora_request is None:
+        return params
+    adapters = [lora_request] * num_prompts if isinstance(lora_request, LoRARequest) else list(lora_request)
+    if len(adapters) != num_prompts:
+        raise ValueError(f"got {num_prompts} prompts but {len(adapters)} LoRA requests")
+    params_list = [params] * num_prompts if isinstance(params, SamplingParams) else list(params)
+    return [p if a is None else dataclasses.replace(p, lora_request=a) for p, a in zip(params_list, adapters)]

@@ -12,6 +12,7 @@ vectorised numpy gathers over the scheduled rows, instead of per-token Python wo
     mrope_delta[r], mrope_tables[request id]  M-RoPE models: the position delta of every token past the
                                               last image, and the [3, n] positions up to it (engine/loading/mrope.py)
                                               of a request whose prefill has not passed it
+    lora[r]                                   the LoRA adapter a row runs under (rows without one: none)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.lora.request import LoRARequest
 from engine.outputs import CachedRequestData, NewRequestData
 from engine.sampling_params import PoolingParams
 
@@ -58,6 +60,7 @@ class InputBatch:
         self.logprob_token_ids: dict[int, np.ndarray] = {}
         self.generators: dict[int, torch.Generator] = {}
         self.pooling: dict[int, PoolingParams] = {}  # row -> how a pooling request's output is made
+        self.lora: dict[int, LoRARequest] = {}  # row -> its LoRA adapter (engine/lora), if any
         # Requests with images still ahead of their prefill: their ImageInputs (engine/loading/multimodal.py), by offset.
         self.mm_inputs: dict[str, list] = {}
         self.mrope_delta = np.zeros(max_num_reqs, dtype=np.int64)  # 0 for a prompt without images
@@ -86,6 +89,8 @@ class InputBatch:
         if data.mrope is not None and data.num_computed_tokens < data.mrope.end:
             self.mrope_tables[data.request_id] = data.mrope.table
         p = data.sampling_params
+        if p.lora_request is not None:
+            self.lora[row] = p.lora_request
         self.temperature[row] = p.temperature
         self.top_p[row] = p.top_p
         self.top_k[row] = p.top_k
@@ -149,6 +154,7 @@ class InputBatch:
         self.allowed.pop(row, None)
         self.logprob_token_ids.pop(row, None)
         self.pooling.pop(row, None)
+        self.lora.pop(row, None)
         self._free_rows.append(row)
 
     def set_proposals(self, spec_token_ids: dict[str, list[int]]) -> None:

@@ -24,6 +24,7 @@ delta from there, which is every decode token. Decode graphs read the same buffe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention import make_attention_backend
 from engine.config import ConfigError, EngineConfig
 from engine.distributed import (
     broadcast_from_rank0,
@@ -42,6 +43,7 @@ from engine.distributed import (
 )
 from engine.loading.loader import load_model
 from engine.loading.model_config import ModelConfig
+from engine.lora.worker import LoRAWorker
 from engine.models.linear import (
     DECODE_KSPLIT_MAX_ROWS,
     LinearBase,
@@ -108,16 +110,6 @@ class StepHandle:
         return self.inputs.sampled_request_ids if self.inputs is not None else []
 
 
-def make_attention_backend(name: str):
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "triton":
-        from engine.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ConfigError(f"unknown attention backend {name!r}")
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  eos_token_ids: frozenset[int] = frozenset()):
@@ -155,8 +147,10 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         # Encoded images, by content hash: [image tokens, hidden] each (the scheduler decides what stays).
         self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.lora = LoRAWorker(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, max_tokens,
+                               self.dtype, self.device) if config.enable_lora else None
         self.input_preparer = StepInputPreparer(self.batch, self.buffers, self.block_size, self.device,
-                                                self.encoder_cache)
+                                                self.encoder_cache, self.lora)
         self.images = ImageEncoder(self.model, self.dtype, self.device, self.encoder_cache)
         self.dummy_steps = DummySteps(self.model, config, max_model_len, self.device, self.dtype)
         pin = self.device.type == "cuda"
@@ -261,6 +255,10 @@ class ModelRunner:
             logger.info("CUDA graphs off: %s's experts run eagerly (the torch reference)", self.model_config.architecture)
             return
         greedy = argmax_in_graphs() and tp_rank() == 0
+        with self.lora.capturing() if self.lora is not None else contextlib.nullcontext():
+            self._capture_graphs(greedy)
+
+    def _capture_graphs(self, greedy: bool) -> None:
         pool = torch.cuda.graph_pool_handle()
         token_sizes = self.config.graph_token_sizes()
         if token_sizes:  # the larger graphs first, so that the decode graphs reuse their memory
@@ -300,7 +298,8 @@ class ModelRunner:
     def profile_run(self) -> None:
         """The largest step the engine can schedule, and sampling of ``max_num_seqs`` rows, over dummy tokens
         whose every slot is in the null block: it writes nothing that matters."""
-        self.dummy_steps.profile_run(self.sampler)
+        with self.lora.capturing() if self.lora is not None else contextlib.nullcontext():
+            self.dummy_steps.profile_run(self.sampler)
 
     # --------------------------------------------------------------- one step
 
@@ -476,7 +475,7 @@ class ModelRunner:
         if self.followers is not None:  # the other tensor-parallel ranks run the same step
             plan = inputs.prompt_logprobs
             self.followers.send(inputs.shape, self.buffers, plan.token_indices_host if plan is not None else None,
-                                BlockCopies(sched.block_copies, sched.kv_loads, sched.kv_saves))
+                                BlockCopies(sched.block_copies, sched.kv_loads, sched.kv_saves), self.lora)
         inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices = self.device_inputs(inputs.shape)
         return inputs
 

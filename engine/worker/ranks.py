@@ -44,7 +44,7 @@ def follow(runner) -> None:
     with torch.inference_mode():
         while True:
             runner.wait_for_input_copies()  # the last step's copies read the host buffers recv rewrites
-            step = channel.recv(buf)
+            step = channel.recv(buf, runner.lora)
             if step is None:
                 return
             shape, prompt_lp_indices, copies = step

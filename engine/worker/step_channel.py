@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import logging
 from dataclasses import dataclass
 
@@ -50,8 +51,10 @@ class BlockCopies:
 
 
 _STEP, _STOP = 1, 2
-_HEADER_LEN = 16
-_COUNTS = 5  # the header's message kind, then the counts: prompt-logprob indices, forks, loads, saves
+_HEADER_LEN = 20
+# The header's message kind, then the counts: prompt-logprob indices, forks, loads, saves, LoRA token slots and the
+# words of the LoRA adapters loaded this step.
+_COUNTS = 7
 
 
 class StepChannel:
@@ -63,12 +66,14 @@ class StepChannel:
 
     # rank 0 ------------------------------------------------------------------------------------------
 
-    def send(self, shape, buf, prompt_lp_indices: np.ndarray | None, copies: BlockCopies) -> None:
+    def send(self, shape, buf, prompt_lp_indices: np.ndarray | None, copies: BlockCopies, lora=None) -> None:
+        """One step to the other ranks; ``lora`` (a ``LoRAWorker``): its token slots and adapter loads too."""
         header = np.zeros(_HEADER_LEN, dtype=np.int64)
         fields = [getattr(shape, f.name) for f in dataclasses.fields(StepShape)]
         num_lp = 0 if prompt_lp_indices is None else len(prompt_lp_indices)
+        lora_loads = _encode_loads(lora.loads) if lora is not None else np.zeros(0, dtype=np.int64)
         header[: _COUNTS + len(fields)] = [_STEP, num_lp, len(copies.forks), len(copies.loads), len(copies.saves),
-                                           *fields]
+                                           shape.padded_tokens if lora is not None else 0, len(lora_loads), *fields]
         parts = [buf.positions.np[: shape.padded_tokens], buf.slot_mapping.np[: shape.padded_tokens],
                  buf.seq_lens.np[: shape.padded], buf.query_start_loc.np[: shape.padded + 1],
                  buf.block_tables.np[: shape.padded, : shape.width].reshape(-1),
@@ -78,6 +83,8 @@ class StepChannel:
         for pairs in (copies.forks, copies.loads, copies.saves):
             if pairs:
                 parts.append(np.asarray(pairs, dtype=np.int64).reshape(-1))
+        if lora is not None:
+            parts += [lora.token_slots.np[: shape.padded_tokens], lora_loads]
         payload = torch.from_numpy(np.concatenate([p.astype(np.int64, copy=False) for p in parts]))
         dist.broadcast(torch.from_numpy(header), src=0, group=self.group)
         dist.broadcast(payload, src=0, group=self.group)
@@ -97,18 +104,19 @@ class StepChannel:
 
     # the other ranks ---------------------------------------------------------------------------------
 
-    def recv(self, buf):
+    def recv(self, buf, lora=None):
         """The next step into ``buf``'s host side: (StepShape, prompt-logprob token indices, BlockCopies), or None
-        when rank 0 stops."""
+        when rank 0 stops. ``lora`` (a ``LoRAWorker``) takes the step's adapter loads and token slots."""
         dist.broadcast(self._header, src=0, group=self.group)
         header = self._header.tolist()
         if header[0] == _STOP:
             return None
-        num_lp, num_forks, num_loads, num_saves = header[1:_COUNTS]
+        num_lp, num_forks, num_loads, num_saves, num_lora_slots, num_lora_words = header[1:_COUNTS]
         n = len(dataclasses.fields(StepShape))
         shape = StepShape(*header[_COUNTS : _COUNTS + n])
         sizes = [shape.padded_tokens, shape.padded_tokens, shape.padded, shape.padded + 1,
-                 shape.padded * shape.width, shape.num_logits, num_lp, 2 * num_forks, 2 * num_loads, 2 * num_saves]
+                 shape.padded * shape.width, shape.num_logits, num_lp, 2 * num_forks, 2 * num_loads, 2 * num_saves,
+                 num_lora_slots, num_lora_words]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         dist.broadcast(payload, src=0, group=self.group)
         values = np.split(payload.numpy(), np.cumsum(sizes)[:-1])
@@ -119,4 +127,30 @@ class StepChannel:
         buf.block_tables.np[: shape.padded, : shape.width] = values[4].reshape(shape.padded, shape.width)
         buf.logits_indices.np[: shape.num_logits] = values[5]
         forks, loads, saves = ([tuple(pair) for pair in v.reshape(-1, 2).tolist()] for v in values[7:10])
+        if lora is not None:
+            lora.receive(values[10], _decode_loads(values[11]))
         return shape, values[6], BlockCopies(forks, loads, saves)
+
+
+def _encode_loads(loads: list) -> np.ndarray:
+    """LoRA adapter loads, [(slot, LoRARequest)], as int64 words: per load its slot, its id, and the length in bytes
+    and the UTF-8 bytes (zero-padded to whole words) of its name and path as JSON."""
+    words = []
+    for slot, request in loads:
+        text = json.dumps([request.lora_name, request.lora_path]).encode()
+        padded = text + b"\0" * (-len(text) % 8)
+        words += [np.array([slot, request.lora_int_id, len(text)], dtype=np.int64), np.frombuffer(padded, np.int64)]
+    return np.concatenate(words) if words else np.zeros(0, dtype=np.int64)
+
+
+def _decode_loads(words: np.ndarray) -> list:
+    from engine.lora.request import LoRARequest
+
+    loads, i = [], 0
+    while i < len(words):
+        slot, adapter, length = (int(v) for v in words[i : i + 3])
+        num_words = -(-length // 8)
+        name, path = json.loads(words[i + 3 : i + 3 + num_words].tobytes()[:length])
+        loads.append((slot, LoRARequest(name, adapter, path)))
+        i += 3 + num_words
+    return loads

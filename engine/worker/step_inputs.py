@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.lora.worker import LoRAWorker
 from engine.outputs import SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from engine.worker.graph_selection import select_step_shape
@@ -62,8 +63,9 @@ class StepInputPreparer:
     """Builds each step's inputs into the step buffers, and copies them to the device."""
 
     def __init__(self, batch: InputBatch, buffers: StepBuffers, block_size: int, device: torch.device,
-                 encoder_cache: dict[str, torch.Tensor]):
+                 encoder_cache: dict[str, torch.Tensor], lora: LoRAWorker | None = None):
         self.batch = batch
+        self.lora = lora  # LoRA adapters: each token's slot (engine/lora/worker.py)
         self.buffers = buffers
         self.block_size = block_size
         self.device = device
@@ -98,6 +100,8 @@ class StepInputPreparer:
             int(np.count_nonzero(counts == 1)), num_tokens, len(sampled), -(-max_seq_len // self.block_size),
             int(counts.max()), max_seq_len)
         self._fill_buffers(shape, rows, seq_lens, ends, positions, token_rows, sampled)
+        if self.lora is not None:
+            self.lora.prepare(b.lora, token_rows, shape.padded_tokens)
         if spec_counts is not None:  # verification: every proposal's logits too, each row's 1 + k last tokens
             verified = np.repeat(ends[sampled] - 1 - spec_counts, spec_counts + 1)
             verified += np.arange(len(verified)) - np.repeat(np.cumsum(spec_counts + 1) - spec_counts - 1,
@@ -150,6 +154,8 @@ class StepInputPreparer:
         input_ids = buf.input_ids.copy_to_device(padded_tokens)
         positions = buf.model_positions_to_device(padded_tokens)
         logits_indices = buf.logits_indices.copy_to_device(shape.num_logits)
+        if self.lora is not None:
+            self.lora.to_device(padded_tokens)
         if self.device.type == "cuda":
             self._inputs_copied = torch.cuda.Event()
             self._inputs_copied.record()
