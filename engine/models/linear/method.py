@@ -32,15 +32,12 @@ groups do not straddle a shard and repacks for the kernel; ``apply`` calls the i
 stays False (the GEMM reads x in the model dtype). The loader's method choice maps the checkpoint's
 ``quantization_config`` to it.
 
-**A LoRA adapter** wraps the layer's method: ``LoRALinearMethod(base)`` delegates ``create_weights``,
-``load_weight`` and ``process_after_loading`` to ``base`` and adds ``lora_a`` [rank, in] and ``lora_b``
-[out, rank] (layouts ``WeightLayout(None, 1)`` and ``WeightLayout(0, None)``, so that a column-parallel layer
-splits B's rows and a row-parallel one A's columns, as it splits W's; the parts of a fused layer, q|k|v or
-gate|up, each bring their own A, stacked on a leading dim that its ``load_weight`` indexes by the part). Its
-``apply`` is ``base.apply(layer, x, bias) + (x A^T) B^T * scaling`` (a batched kernel for many adapters takes the
-same place); it keeps the default ``apply_deferred`` (the finished product) and ``takes_fp8_input`` False, since
-the adapter reads x whole. ``layer.set_method(LoRALinearMethod(layer.method))`` installs it, the base's
-parameters kept as they are (tests/test_linear_methods.py wraps a method so).
+**LoRA adapters** (``engine.lora.layers``) wrap a layer's method once it is loaded: ``LoRALinearMethod(base)``
+keeps the base method's parameters and product and adds each token's adapter product from the layer's slots of
+stacked A and B (device buffers, not checkpoint parameters: the adapters come and go at run time). Its
+``apply_deferred`` is the whole product and ``takes_fp8_input`` is False, since the adapter reads x whole. A
+column-parallel layer holds every column of A and its rows of B, a row-parallel one its columns of A and all of B,
+as it holds W.
 """
 
 from __future__ import annotations
