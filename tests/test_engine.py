@@ -228,14 +228,14 @@ def test_decode_rows_reach_the_model_longest_context_first(llama_dir):
     llm = LLM(str(llama_dir), max_model_len=256, max_num_batched_tokens=64, num_kvcache_blocks=128)
     runner = llm.engine.runner
     steps = []
-    device_inputs = runner.device_inputs
+    device_inputs = runner.input_preparer.device_inputs
 
     def recording(shape):
         lens = runner.buffers.seq_lens.np[: shape.num_reqs].tolist()
         steps.append((lens[: shape.num_decodes], lens[shape.num_decodes :]))
         return device_inputs(shape)
 
-    runner.device_inputs = recording
+    runner.input_preparer.device_inputs = recording
     assert run(llm, prompts, greedy(16)) == hf_greedy(llama_dir, prompts, 16)
     assert all(decodes == sorted(decodes, reverse=True) for decodes, _ in steps)
     # Steps where the order had something to do: mixed lengths, and decodes next to a prefill chunk.
@@ -270,13 +270,13 @@ def test_steps_laid_out_as_a_mixed_step_graph_give_hf_tokens(llama_dir, planned_
     runner.mixed_graphs = MixedGraphs(runner.model, runner.buffers, config.graph_token_sizes(), config.max_num_seqs,
                                       runner.block_size, runner.max_model_len)
     shapes = []
-    device_inputs = runner.device_inputs
+    device_inputs = runner.input_preparer.device_inputs
 
     def recording(shape):
         shapes.append((shape, int(runner.buffers.query_start_loc.np[shape.num_reqs])))
         return device_inputs(shape)
 
-    runner.device_inputs = recording
+    runner.input_preparer.device_inputs = recording
     assert run(llm, prompts, greedy(24)) == hf_greedy(llama_dir, prompts, 24)
     assert llm.engine.stats().num_preemptions > 0
     assert runner.mixed_graphs.replays == len(shapes) and all(s.mixed_size for s, _ in shapes)

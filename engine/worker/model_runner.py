@@ -66,7 +66,7 @@ from engine.worker.sampler import Sampler, logits_or_greedy_tokens, takes_greedy
 from engine.worker.sampling_tensors import SamplingTensors, build_sampling_tensors
 from engine.worker.speculation import record_accepted, verify_step
 from engine.worker.step_buffers import StepBuffers, upload
-from engine.worker.step_channel import BlockCopies, StepChannel, StepShape
+from engine.worker.step_channel import BlockCopies, StepChannel
 from engine.worker.step_inputs import StepInputPreparer, StepInputs
 from kvcache.paged_cache import PagedKVCache
 
@@ -242,7 +242,8 @@ class ModelRunner:
         if self.model_config.moe is not None:
             warm_up_experts(self.model, self.model_config.moe.top_k, self.config.max_num_batched_tokens)
         if self.device.type == "cuda":
-            self.dummy_steps.warm_up_step_sizes()
+            with self._all_lora_products():  # their kernels compile before the first request too
+                self.dummy_steps.warm_up_step_sizes()
 
     def capture_cuda_graphs(self) -> None:
         """Capture mixed-step and decode graphs (CUDA with a graph-safe backend, unless ``enforce_eager``), into one
@@ -255,7 +256,7 @@ class ModelRunner:
             logger.info("CUDA graphs off: %s's experts run eagerly (the torch reference)", self.model_config.architecture)
             return
         greedy = argmax_in_graphs() and tp_rank() == 0
-        with self.lora.capturing() if self.lora is not None else contextlib.nullcontext():
+        with self._all_lora_products():
             self._capture_graphs(greedy)
 
     def _capture_graphs(self, greedy: bool) -> None:
@@ -268,6 +269,10 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.buffers, self.config.graph_batch_sizes(), self.block_size,
                                    self.max_model_len, greedy=greedy)
         self.graphs.capture(pool)
+
+    def _all_lora_products(self):
+        """Warm-up, profiling and capture run the LoRA products whatever the step maps (``LoRAWorker.capturing``)."""
+        return self.lora.capturing() if self.lora is not None else contextlib.nullcontext()
 
     def _profile_cuda_budget(self) -> int:
         """Run the largest step with a scratch cache; return the bytes left for the KV pool."""
@@ -298,7 +303,7 @@ class ModelRunner:
     def profile_run(self) -> None:
         """The largest step the engine can schedule, and sampling of ``max_num_seqs`` rows, over dummy tokens
         whose every slot is in the null block: it writes nothing that matters."""
-        with self.lora.capturing() if self.lora is not None else contextlib.nullcontext():
+        with self._all_lora_products():
             self.dummy_steps.profile_run(self.sampler)
 
     # --------------------------------------------------------------- one step
@@ -439,15 +444,6 @@ class ModelRunner:
             output.logprobs = handle.logprobs.entries(token_ids, sampled_ids)
         return output
 
-    def device_inputs(self, shape: StepShape):
-        """The step's inputs on the device from the host buffers: (input ids, positions, attention metadata,
-        logits indices). Rank 0 fills the buffers from its batch; the other ranks from rank 0's message."""
-        return self.input_preparer.device_inputs(shape)
-
-    def wait_for_input_copies(self) -> None:
-        """Wait until the last step's host-to-device input copies have read the pinned host buffers."""
-        self.input_preparer.wait_for_input_copies()
-
     def copy_blocks(self, copies: BlockCopies) -> None:
         """A step's block copies, before anything it runs writes to the blocks: the host tier's (saved blocks read
         before loaded ones are written), then forked beams' partial blocks (whose destinations may have just been
@@ -476,7 +472,8 @@ class ModelRunner:
             plan = inputs.prompt_logprobs
             self.followers.send(inputs.shape, self.buffers, plan.token_indices_host if plan is not None else None,
                                 BlockCopies(sched.block_copies, sched.kv_loads, sched.kv_saves), self.lora)
-        inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices = self.device_inputs(inputs.shape)
+        inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices = \
+            self.input_preparer.device_inputs(inputs.shape)
         return inputs
 
     def _feed_in_flight_tokens(self, inputs: StepInputs, in_flight: StepHandle | None) -> None:

@@ -43,13 +43,14 @@ def follow(runner) -> None:
     buf = runner.buffers
     with torch.inference_mode():
         while True:
-            runner.wait_for_input_copies()  # the last step's copies read the host buffers recv rewrites
+            # The last step's copies read the host buffers recv rewrites.
+            runner.input_preparer.wait_for_input_copies()
             step = channel.recv(buf, runner.lora)
             if step is None:
                 return
             shape, prompt_lp_indices, copies = step
             runner.copy_blocks(copies)
-            input_ids, positions, meta, logits_indices = runner.device_inputs(shape)
+            input_ids, positions, meta, logits_indices = runner.input_preparer.device_inputs(shape)
             distributed.broadcast_from_rank0(input_ids)
             if shape.graph_size:
                 runner.graphs.replay(shape.graph_size)
