@@ -1,6 +1,7 @@
 """Every ``MINIVLLM_*`` environment variable minivllm reads, and the one module that reads them.
 
     variable                 default              values                                   used by
+    MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING  false; true or 1: on                             server.app (serve)
     MINIVLLM_API_KEY         (none)               a key clients must send                  server.cli (serve)
     MINIVLLM_CACHE           ~/.cache/minivllm    a directory                              engine.loading.default_model
     MINIVLLM_DECODE_KSPLIT   auto                 auto, 0-16, or product=count,...         engine.models.linear.ksplit
@@ -28,6 +29,7 @@ import json
 import os
 from pathlib import Path
 
+ALLOW_RUNTIME_LORA_UPDATING = "MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING"
 API_KEY = "MINIVLLM_API_KEY"
 CACHE = "MINIVLLM_CACHE"
 DECODE_KSPLIT = "MINIVLLM_DECODE_KSPLIT"
@@ -35,7 +37,16 @@ DECODE_TILES = "MINIVLLM_DECODE_TILES"
 GREEDY_ARGMAX = "MINIVLLM_GREEDY_ARGMAX"
 MOE_BACKEND = "MINIVLLM_MOE_BACKEND"
 WORKER_CONFIG = "MINIVLLM_WORKER_CONFIG"
-VARIABLES = (API_KEY, CACHE, DECODE_KSPLIT, DECODE_TILES, GREEDY_ARGMAX, MOE_BACKEND, WORKER_CONFIG)
+VARIABLES = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CACHE, DECODE_KSPLIT, DECODE_TILES, GREEDY_ARGMAX, MOE_BACKEND,
+             WORKER_CONFIG)
+
+
+def allow_runtime_lora_updating() -> bool:
+    """``MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING``: whether the server has ``POST /v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), read when the app is built. ``true``
+    (any case) or ``1``: it has them; anything else, or unset: they are a 404, and the adapters are those of
+    ``--lora-modules``."""
+    return os.environ.get(ALLOW_RUNTIME_LORA_UPDATING, "").strip().lower() in ("true", "1")
 
 
 def api_key() -> str | None:

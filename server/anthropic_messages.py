@@ -115,7 +115,7 @@ class MessageView:
 
     def _message(self, content: list[ContentBlock], stop_reason=None, stop_sequence=None) -> AnthropicMessage:
         usage = self.chat.generation.usage()
-        return AnthropicMessage(id=self.id, model=self.ctx.model.name, content=content, stop_reason=stop_reason,
+        return AnthropicMessage(id=self.id, model=self.chat.generation.model, content=content, stop_reason=stop_reason,
                                 stop_sequence=stop_sequence, usage=MessageUsage(
                                     input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens))
 

@@ -7,12 +7,15 @@ API key it needs ``Authorization: Bearer <key>``, checked by the route (server/r
 its body is read, whatever prefix or proxy the request came through. The Anthropic routes
 (server/anthropic_messages.py) are protected too, and also take the key as ``x-api-key``.
 ``/health``, ``/version``, ``/load`` and ``/metrics`` (the ops router), ``/dashboard`` and the
-OpenAPI document stay open for probes, scrapers and people.
+OpenAPI document stay open for probes, scrapers and people. The routes that load and unload LoRA
+adapters exist only with ``MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING`` (as vLLM's), and are protected too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -20,6 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
 
+from engine import settings
+from engine.lora.adapter import LoRAAdapterError
+from engine.lora.request import LoRARequest
 from server import __version__
 from server.anthropic_messages import add_anthropic_routes
 from server.chat import create_chat_completion, render_chat_request
@@ -28,6 +34,7 @@ from server.dashboard import dashboard_router
 from server.embeddings import create_embedding
 from server.errors import SERVER_ERROR, APIError, bad_request, install_error_handlers
 from server.limits import BodyLimit
+from server.lora import LoRANameError, UnknownAdapterError
 from server.openapi import (
     CHAT_RESPONSES,
     COMPLETION_RESPONSES,
@@ -46,6 +53,7 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
+from server.protocol.models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from server.protocol.scoring import (
     PoolingRequest,
     PoolingResponse,
@@ -60,6 +68,8 @@ from server.scoring import create_pooling, create_rerank, create_score
 from server.serving import ServingContext
 from server.streaming import ClientDisconnected, client_closed_response
 from server.tokenization import ChatTemplateOptions, check_token_ids, decode, encode, require_tokenizer
+
+logger = logging.getLogger("minivllm.server")
 
 
 def build_app(ctx: ServingContext, root_path: str = "") -> FastAPI:
@@ -84,6 +94,8 @@ def build_app(ctx: ServingContext, root_path: str = "") -> FastAPI:
     _add_tokenizer_routes(app, ctx)
     add_anthropic_routes(app, ctx, body_limit)
     add_responses_routes(app, ctx)
+    if settings.allow_runtime_lora_updating():
+        _add_lora_routes(app, ctx)
     ops = APIRouter(route_class=guarded_route_class(None, body_limit))
     _add_ops_routes(ops, ctx)
     app.include_router(ops)
@@ -148,20 +160,61 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
             raise RequestValidationError(exc.errors()) from None
         raise bad_request("give 'messages' (a chat completion) or 'prompt' (a completion)", param="messages")
 
-    def card() -> ModelCard:
+    def card(adapter: LoRARequest | None = None) -> ModelCard:
         # vLLM's root is the model it was given, a Hugging Face name; here that is a local directory, whose path
-        # would tell every client how the host is laid out, so the root is the name clients use.
-        return ModelCard(id=ctx.model.name, root=ctx.model.name, max_model_len=ctx.model.max_model_len,
+        # would tell every client how the host is laid out, so the root is the name clients use. An adapter's
+        # root is its path, as vLLM's (the operator or a client chose it), and its parent the model it adapts.
+        base = ModelCard(id=ctx.model.name, root=ctx.model.name, max_model_len=ctx.model.max_model_len,
                          input_modalities=list(ctx.model.input_modalities), runner=ctx.model.info.runner)
+        if adapter is None:
+            return base
+        return base.model_copy(update={"id": adapter.lora_name, "root": adapter.lora_path,
+                                       "parent": adapter.base_model_name or ctx.model.name})
 
     @app.get("/v1/models", responses=error_responses(401))
     async def models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(), *(card(adapter) for adapter in ctx.loras)])
 
     @app.get("/v1/models/{model_id:path}", responses=error_responses(401, 404))
     async def model(model_id: str) -> ModelCard:
-        ctx.check_model(model_id)
-        return card()
+        return card(ctx.check_model(model_id))
+
+
+def _add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """vLLM's routes that load and unload LoRA adapters while serving, answered in plain text as vLLM's. Defined on
+    the app, so that they check the API key as its other routes (and the OpenAPI document says so)."""
+    text = {200: {"description": "What was done, in plain text.", "content": {"text/plain": {"schema": {
+        "type": "string"}}}}}
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+              responses={**text, **error_responses(400, 401, 408, 413)})
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        """Serve the PEFT adapter at ``lora_path`` (a directory on the server's host) as model ``lora_name``,
+        once its files are checked (a 400 says what is wrong with them)."""
+        if not ctx.loras.enabled:
+            raise bad_request("LoRA adapters are not enabled on this server: start it with --enable-lora",
+                              param="lora_name", code="lora_not_enabled")
+        try:
+            adapter = await asyncio.to_thread(ctx.loras.add, body.lora_name, body.lora_path)  # reads files
+        except LoRAAdapterError as exc:
+            param = "lora_name" if isinstance(exc, LoRANameError) else "lora_path"
+            raise bad_request(str(exc), param=param, code="invalid_lora_adapter") from None
+        logger.info("loaded LoRA adapter %r (lora_int_id %d) from %s", adapter.lora_name, adapter.lora_int_id,
+                    adapter.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{adapter.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+              responses={**text, **error_responses(400, 401, 404, 408, 413)})
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        """Stop serving an adapter: new requests that name it are a 404, those running finish under it."""
+        try:
+            adapter = ctx.loras.remove(body.lora_name, body.lora_int_id)
+        except LoRAAdapterError as exc:
+            raise bad_request(str(exc), param="lora_name") from None
+        except UnknownAdapterError as exc:
+            raise APIError(404, str(exc), param="lora_name", code="lora_adapter_not_found") from None
+        logger.info("unloaded LoRA adapter %r (lora_int_id %d)", adapter.lora_name, adapter.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{adapter.lora_name}' removed successfully.")
 
 
 def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:

@@ -106,7 +106,7 @@ async def start_chat(body: ChatCompletionRequest, raw_request: Request, ctx: Ser
                                       ctx.model.info.structured_outputs_max_bytes)
     prompt = truncate_prompt(TokenizedPrompt(prompt_ids), body.truncate_prompt_tokens, ctx.model.max_model_len,
                              body.truncation_side)
-    generation = ctx.start_generation(id_prefix, [prompt], params, mm_inputs)
+    generation = ctx.start_generation(id_prefix, [prompt], params, mm_inputs, model=body.model)
     return ChatView(ctx, body, generation, tools, thinking)
 
 
@@ -219,7 +219,7 @@ class ChatView:
                prompt_logprobs: list[Logprobs] | None = None, metrics=None) -> ChatCompletionChunk:
         if usage is None and choices and self.continuous_usage:
             usage = usage_info(self.generation.usage())
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.ctx.model.name,
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.generation.model,
                                    choices=choices, usage=usage, prompt_token_ids=self._prompt_ids() if first
                                    else None, prompt_logprobs=self._prompt_logprobs(prompt_logprobs), metrics=metrics)
 
@@ -238,7 +238,7 @@ class ChatView:
             choices.append(ChatChoice(index=index, message=message, logprobs=self._logprobs(result.logprobs),
                                       finish_reason=finish_reason, stop_reason=result.stop_reason,
                                       token_ids=result.token_ids if self.body.return_token_ids else None))
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name, choices=choices,
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.generation.model, choices=choices,
                                       usage=usage_info(self.generation.usage(), self.ctx.prompt_tokens_details),
                                       prompt_token_ids=self._prompt_ids(),
                                       prompt_logprobs=self._prompt_logprobs(results[0].prompt_logprobs),

@@ -74,7 +74,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
         prompts = encode_completion_prompts(ctx.tokenizer, body.prompt)
     prompts = [truncate_prompt(p, body.truncate_prompt_tokens, ctx.model.max_model_len, body.truncation_side)
                for p in prompts]
-    generation = ctx.start_generation("cmpl", prompts, params)
+    generation = ctx.start_generation("cmpl", prompts, params, model=body.model)
     view = _CompletionView(ctx, body, generation)
     return await respond(raw_request, bool(body.stream), view.chunks, view.response, headers)
 
@@ -161,7 +161,7 @@ class _CompletionView:
                 choice.prompt_token_ids = self._prompt_ids(index)
                 choice.token_ids = result.token_ids
             choices.append(choice)
-        return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model.name, choices=choices,
+        return CompletionResponse(id=self.id, created=self.created, model=self.generation.model, choices=choices,
                                   usage=usage_info(self.generation.usage(), self.ctx.prompt_tokens_details),
                                   metrics=request_metrics(self.ctx, self.generation))
 
@@ -178,7 +178,7 @@ class _CompletionView:
                             chunk.usage = usage_info(self.generation.usage())
                         yield chunk
         if self.body.include_usage or self.ctx.force_include_usage:
-            yield CompletionChunk(id=self.id, created=self.created, model=self.ctx.model.name, choices=[],
+            yield CompletionChunk(id=self.id, created=self.created, model=self.generation.model, choices=[],
                                   usage=usage_info(self.generation.usage(), self.ctx.prompt_tokens_details),
                                   metrics=request_metrics(self.ctx, self.generation))
 
@@ -202,4 +202,4 @@ class _CompletionView:
             choice.token_ids = list(delta.token_ids)
             if first:
                 choice.prompt_token_ids = self._prompt_ids(delta.index)
-        return CompletionChunk(id=self.id, created=self.created, model=self.ctx.model.name, choices=[choice])
+        return CompletionChunk(id=self.id, created=self.created, model=self.generation.model, choices=[choice])

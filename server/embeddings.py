@@ -21,7 +21,7 @@ from server.tokenization import TokenizedPrompt, admit_prompt_text, encode_compl
 
 
 async def create_embedding(body: EmbeddingRequest, raw_request: Request, ctx: ServingContext) -> EmbeddingResponse:
-    ctx.check_model(body.model)
+    ctx.check_model(body.model, pooling=True)
     if ctx.model.info.num_labels:
         raise bad_request("this model is a classifier: it scores text pairs (/score, /rerank), it does not embed",
                           param="model")
@@ -45,8 +45,8 @@ async def input_prompts(given, ctx: ServingContext) -> list[TokenizedPrompt]:
 
 async def pool(ctx: ServingContext, prefix: str, prompts: list[TokenizedPrompt],
                pooling: PoolingParams) -> list[list[float]]:
-    """Each prompt's pooled output, in order, through the engine."""
-    generation = ctx.start_generation(prefix, prompts, SamplingParams(pooling=pooling))
+    """Each prompt's pooled output, in order, through the engine (the base model's: the routes refuse adapters)."""
+    generation = ctx.start_generation(prefix, prompts, SamplingParams(pooling=pooling), model=None)
     vectors: list[list[float] | None] = [None] * len(prompts)
     async with aclosing(generation.updates()) as updates:
         async for batch in updates:

@@ -26,6 +26,7 @@ class Generation:
     prompts: list[TokenizedPrompt]
     params: SamplingParams
     stream: RequestStream
+    model: str  # what responses name as their model: the served model's name, or the LoRA adapter's
 
     @property
     def num_choices(self) -> int:

@@ -11,6 +11,8 @@ latency histograms are recorded by the output processor as it handles each step.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -94,6 +96,8 @@ class EngineStatsCollector(Collector):
         yield from _host_tier_metrics(PREFIX, kv.host, stats.kv_transfers)
         if stats.spec_decode is not None:
             yield from _spec_decode_metrics(PREFIX, stats.spec_decode)
+        if stats.lora is not None:
+            yield from _lora_metrics(PREFIX, stats.lora)
         steps = CounterMetricFamily(PREFIX + "engine_steps", "Forward passes, by how they ran: a captured decode "
                                     "graph, a captured mixed-step graph (decodes with prefill chunks), or eagerly "
                                     "(larger steps, steps with images or prompt logprobs, the CPU, --enforce-eager).",
@@ -130,6 +134,24 @@ def _spec_decode_metrics(prefix: str, spec):
     for position, value in enumerate(spec.accepted_per_position):
         per_position.add_metric([str(position)], value)
     yield per_position
+
+
+def _lora_metrics(prefix: str, lora):
+    """LoRA adapters (``--enable-lora``). vLLM's ``lora_requests_info``: the adapters of running and of waiting
+    requests as comma-separated labels (sorted), its value the time of the scrape (dashboards take the latest
+    series); then the device slots' traffic."""
+    info = GaugeMetricFamily(prefix + "lora_requests_info", "Running stats on LoRA requests: the adapters of running "
+                             "and of waiting requests, and the most adapters in one step.",
+                             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    def names(counts: dict[str, int]) -> str:
+        return ",".join(sorted(name for name, n in counts.items() if n))
+
+    info.add_metric([names(lora.running), names(lora.waiting), str(lora.max_loras)], time.time())
+    yield info
+    yield CounterMetricFamily(prefix + "lora_adapter_loads", "LoRA adapters copied into a device slot.",
+                              value=lora.num_loads)
+    yield CounterMetricFamily(prefix + "lora_adapter_evictions", "LoRA adapters that left a device slot for another "
+                              "adapter.", value=lora.num_evictions)
 
 
 def _host_tier_metrics(prefix: str, host, transfers):

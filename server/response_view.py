@@ -68,8 +68,9 @@ class ResponseView:
             request.text.format is not None else {"format": {"type": "text"}}
         effort = request.reasoning.effort if request.reasoning is not None else None
         incomplete = IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
+        model = request.model or self.ctx.model.name  # a LoRA adapter's name when the request named one
         return ResponseObject(
-            id=self.id, created_at=self.created_at, status=status, model=self.ctx.model.name, output=output,
+            id=self.id, created_at=self.created_at, status=status, model=model, output=output,
             incomplete_details=incomplete, usage=usage, instructions=request.instructions,
             tools=[tool for tool in request.tools or [] if isinstance(tool, FunctionTool)],
             tool_choice=request.tool_choice or ("auto" if request.tools else "none"),

@@ -54,7 +54,7 @@ async def _scores(ctx: ServingContext, text_pairs: list[tuple[str, str]]) -> tup
 
 
 async def create_score(body: ScoreRequest, raw_request: Request, ctx: ServingContext) -> ScoreResponse:
-    ctx.check_model(body.model)
+    ctx.check_model(body.model, pooling=True)
     try:
         text_pairs = pairs(body.text_1, body.text_2)
     except RequestError as exc:
@@ -66,7 +66,7 @@ async def create_score(body: ScoreRequest, raw_request: Request, ctx: ServingCon
 
 
 async def create_rerank(body: RerankRequest, raw_request: Request, ctx: ServingContext) -> RerankResponse:
-    ctx.check_model(body.model)
+    ctx.check_model(body.model, pooling=True)
     if not body.documents:
         raise bad_request("documents must not be empty", param="documents")
     scores, num_tokens = await _scores(ctx, [(body.query, d) for d in body.documents])
@@ -79,7 +79,7 @@ async def create_rerank(body: RerankRequest, raw_request: Request, ctx: ServingC
 
 
 async def create_pooling(body: PoolingRequest, raw_request: Request, ctx: ServingContext) -> PoolingResponse:
-    ctx.check_model(body.model)
+    ctx.check_model(body.model, pooling=True)
     prompts = await input_prompts(body.input, ctx)
     vectors = await pool(ctx, "pool", prompts, PoolingParams())
     num_tokens = sum(len(p.token_ids) for p in prompts)

@@ -3,6 +3,9 @@
     request ─> check model ─> tokenize ─> SamplingParams ─> admit (check every prompt
     against the model before anything starts) ─> Generation ─┬─> collect() ─> one JSON body
                                                               └─> chunks ─> sse_stream() ─> SSE
+
+A request's ``model`` names the served model or one of its LoRA adapters (server/lora.py); admission sets the
+adapter it runs under (``SamplingParams.lora_request``), and its responses name that model back.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from pydantic import BaseModel
 from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.output_processor import Usage
 from engine.loading.model_info import ModelInfo
+from engine.lora.request import LoRARequest
 from engine.outputs import FinishReason, Logprobs
 from engine.sampling_params import SamplingParams
 from server.chat_templates import TemplateRunner
 from server.errors import INVALID_REQUEST, APIError, as_api_error, bad_request
 from server.generation import Generation
 from server.limits import ServerLimits
+from server.lora import LoRARegistry
 from server.media import MediaLimits
 from server.metrics import ServerMetrics
 from server.protocol import PerRequestMetrics, PromptLogprob, PromptLogprobs, PromptTokensDetails, UsageInfo
@@ -91,13 +96,14 @@ class ServedModel:
 
 @dataclass
 class ServingContext:
-    """Everything a handler needs: the engine, the served model, metrics, and the API key."""
+    """Everything a handler needs: the engine, the served model and its LoRA adapters, metrics, and the API key."""
 
     engine: AsyncEngine
     model: ServedModel
     metrics: ServerMetrics
     limits: ServerLimits = field(default_factory=ServerLimits)
     media: MediaLimits = field(default_factory=MediaLimits)  # what images may be, and where they may come from
+    loras: LoRARegistry | None = None  # the adapters requests may name (None: none, LoRA off)
     api_key: str | None = None
     force_include_usage: bool = False  # --enable-force-include-usage: usage on every chunk and a usage chunk last
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
@@ -118,6 +124,8 @@ class ServingContext:
 
     def __post_init__(self) -> None:
         self.text_bound = TextBound.of(self.tokenizer, self.model.max_model_len)
+        if self.loras is None:
+            self.loras = LoRARegistry(self.model.name)
 
     @property
     def tokenizer(self):
@@ -153,16 +161,34 @@ class ServingContext:
         else ``--return-tokens-as-token-ids`` (as vLLM decides it)."""
         return self.return_tokens_as_token_ids if requested is None else requested
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model.name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model.name!r}",
+    def check_model(self, model: str | None, pooling: bool = False) -> LoRARequest | None:
+        """What a request's ``model`` names: None for the served model (or no name), else the LoRA adapter of
+        that name. An unknown name is a 404; an adapter on a pooling route (``pooling``) a 400, as adapters serve
+        generation only."""
+        if model is None or model == self.model.name:
+            return None
+        adapter = self.loras.get(model)
+        if adapter is None:
+            served = repr(self.model.name)
+            names = [repr(a.lora_name) for a in self.loras]
+            if names:
+                served += f" and the LoRA adapter{'s' if len(names) > 1 else ''} " + ", ".join(names[:8])
+                served += f" (and {len(names) - 8} more)" if len(names) > 8 else ""
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
                            INVALID_REQUEST, param="model", code="model_not_found")
+        if pooling:
+            raise bad_request(f"{model!r} is a LoRA adapter, and adapters serve generation only (completions, chat, "
+                              f"responses, messages); name the model {self.model.name!r} here", param="model")
+        return adapter
 
     def start_generation(self, prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams,
-                         mm_inputs: list[list] | None = None) -> Generation:
+                         mm_inputs: list[list] | None = None, *, model: str | None) -> Generation:
         """Admit a request: every prompt is checked before anything reaches the engine, so a bad
         prompt (or a full queue) answers a plain error instead of a half-started stream. ``mm_inputs``: per
-        prompt, its images (``engine.loading.multimodal.ImageInput``s)."""
+        prompt, its images (``engine.loading.multimodal.ImageInput``s). ``model``: the request's, which sets the
+        LoRA adapter it runs under (checked here, the one place every request passes, so that no route can leave
+        it out)."""
+        params.lora_request = self.check_model(model, pooling=params.pooling is not None)
         if params.stop and self.tokenizer is None:
             raise bad_request("stop strings need a tokenizer, and this model has none", param="stop")
         self.limits.check(len(prompts), params)
@@ -173,7 +199,8 @@ class ServingContext:
             self.model.info.check_request(prompt.token_ids, params, mm_inputs[i] if mm_inputs else None)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         stream = self.engine.generate(request_id, [p.token_ids for p in prompts], params, mm_inputs=mm_inputs)
-        return Generation(request_id, prompts, params, stream)
+        name = self.model.name if params.lora_request is None else params.lora_request.lora_name
+        return Generation(request_id, prompts, params, stream, name)
 
 
 def check_params_for_engine(params: SamplingParams, vocab_size: int) -> None:

@@ -169,6 +169,7 @@ TIER_OF_FILE = {
     "test_deploy.py": "server",
     "test_grammar_limits.py": "server",
     "test_langchain.py": "server",
+    "test_lora_server.py": "server",
     "test_openapi.py": "server",
     "test_readme.py": "server",
     "test_request_bounds.py": "server",

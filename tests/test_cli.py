@@ -30,7 +30,7 @@ ENGINE_FLAGS = [
     "--no-overlap-steps", "--async-scheduling", "--no-async-scheduling", "--structured-outputs-max-bytes",
     "--structured-outputs-compile-timeout", "--xgrammar-cache-mb", "--speculative-config",
     "--tensor-parallel-size", "-tp", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-    "--distributed-timeout",
+    "--distributed-timeout", "--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
 ]
 SERVER_FLAGS = [
     "--tool-call-parser", "--reasoning-parser", "--host", "--port", "--uds", "--root-path", "--api-key",
@@ -40,7 +40,7 @@ SERVER_FLAGS = [
     "--max-tokens-limit", "--max-logprob-entries", "--request-header-timeout", "--request-body-timeout",
     "--timeout-keep-alive", "--allowed-media-domains", "--allow-private-media-addresses", "--max-image-mb",
     "--max-image-megapixels", "--max-request-megapixels", "--max-images-per-request", "--media-fetch-timeout",
-    "--shutdown-timeout", "--log-level",
+    "--shutdown-timeout", "--log-level", "--lora-modules",
 ]
 
 

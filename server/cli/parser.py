@@ -6,6 +6,7 @@
     KV cache                    EngineConfig's                              the same
     scheduling and execution    EngineConfig's                              the same
     tensor parallelism          EngineConfig's                              the same
+    LoRA adapters               EngineConfig's + --lora-modules             EngineConfig's
     HTTP server                 server_options.add_server_options           --log-level only
 
 A worker takes the same model, KV cache, scheduling and parallel options as the server it joins, so one command
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import MODEL, OPTION_GROUPS
+from engine.config import LORA, MODEL, OPTION_GROUPS
 from server import __version__
 from server.cli.engine_options import add_engine_options
-from server.cli.server_options import LOG_LEVELS, add_model_server_options, add_server_options
+from server.cli.server_options import LOG_LEVELS, add_lora_server_options, add_model_server_options, add_server_options
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "/v1/models, /tokenize, /detokenize, /health, /version, /metrics).",
         formatter_class=_HelpFormatter,
     )
-    _add_engine_groups(serve)
+    add_lora_server_options(_add_engine_groups(serve)[LORA])
     add_server_options(serve.add_argument_group("HTTP server"))
     worker = commands.add_parser(
         "worker", help="run this machine's tensor-parallel ranks of an engine served from another machine",
@@ -54,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_engine_groups(command: argparse.ArgumentParser) -> None:
+def _add_engine_groups(command: argparse.ArgumentParser) -> dict:
     groups = {heading: command.add_argument_group(heading) for heading in OPTION_GROUPS}
     add_engine_options(groups)
     add_model_server_options(groups[MODEL])
+    return groups

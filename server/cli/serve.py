@@ -19,7 +19,12 @@ from engine.frontend.async_engine import AsyncEngine, EngineStartupError
 from engine.loading.default_model import default_cache_dir
 from server.cli.draining_server import DrainingServer
 from server.cli.engine_options import engine_config_from_args, served_model_name
-from server.cli.server_options import check_media_args, limits_from_args, media_limits_from_args
+from server.cli.server_options import (
+    check_media_args,
+    limits_from_args,
+    lora_registry_from_args,
+    media_limits_from_args,
+)
 from server.limits import guarded_http_protocol
 from server.listeners import bind_tcp, bind_unix, close_all, remove_unix_socket
 from server.tool_parsers import parser_for_template
@@ -44,9 +49,11 @@ def serve(args: argparse.Namespace) -> int:
                               "or token ids")
         limits = limits_from_args(args)
         check_media_args(args)
+        config = engine_config_from_args(args)
+        loras = lora_registry_from_args(args)  # the adapters' files checked before the model loads
         # Listening before the model loads: a port in use is an error now, not once the model is loaded.
         sockets = bind_unix(args.uds) if args.uds else bind_tcp(args.host, args.port)
-        engine = AsyncEngine.launch(engine_config_from_args(args), args.max_waiting_requests, args.log_level,
+        engine = AsyncEngine.launch(config, args.max_waiting_requests, args.log_level,
                                     while_loading=_import_server_modules)
     except (ConfigError, EngineStartupError, OSError, ValueError) as exc:  # a bad flag or model: say so, no traceback
         logger.debug("the engine could not start", exc_info=True)
@@ -73,7 +80,7 @@ def serve(args: argparse.Namespace) -> int:
                             image_processor=image_processor)
         metrics = ServerMetrics(engine, prefix=args.metrics_prefix)
         engine.attach_metrics(metrics)
-        ctx = ServingContext(engine, model, metrics, limits, media=media_limits_from_args(args),
+        ctx = ServingContext(engine, model, metrics, limits, loras=loras, media=media_limits_from_args(args),
                              force_include_usage=args.enable_force_include_usage,
                              trust_request_chat_template=args.trust_request_chat_template,
                              prompt_tokens_details=args.enable_prompt_tokens_details,

@@ -1,13 +1,18 @@
-"""The HTTP server's flags (listening, authentication, response options, request limits, images) and the checks
-and limit objects built from them. The engine's flags come from EngineConfig (``engine_options.py``)."""
+"""The HTTP server's flags (listening, authentication, response options, request limits, images, LoRA adapters) and
+the checks and objects built from them. The engine's flags come from EngineConfig (``engine_options.py``)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from dataclasses import dataclass
 
 from engine.config import ConfigError
+from engine.lora.adapter import LoRAAdapterError
+from server.cli.engine_options import served_model_name
 from server.limits import ServerLimits
+from server.lora import LoRARegistry
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tool_parsers import PARSERS
 
@@ -21,6 +26,58 @@ def add_model_server_options(group) -> None:
                             "(hermes when it names no format)")
     group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="split a reasoning model's <think>...</think> off into reasoning_content")
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One ``--lora-modules`` entry (vLLM's ``LoRAModulePath``): the adapter at ``path``, served as model ``name``."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def add_lora_server_options(group) -> None:
+    """The adapters served from the start: listed with the engine's LoRA options (``minivllm serve`` only)."""
+    group.add_argument("--lora-modules", nargs="+", action="extend", type=_lora_module, default=None,
+                       metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT's format) to serve, each as name=path or as JSON {\"name\": ..., "
+                            "\"path\": ..., \"base_model_name\": ...}; a request names one as its model. Needs "
+                            "--enable-lora; each adapter is checked at start-up")
+
+
+def lora_registry_from_args(args: argparse.Namespace) -> LoRARegistry:
+    """The adapters of ``--lora-modules``, each checked now, before the model loads: a bad one fails the start-up
+    with the reason."""
+    modules = args.lora_modules or []
+    if modules and not args.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora (the engine serves adapters only with it)")
+    registry = LoRARegistry(served_model_name(args), enabled=args.enable_lora, max_rank=args.max_lora_rank)
+    for module in modules:
+        try:
+            registry.add(module.name, module.path, module.base_model_name)
+        except LoRAAdapterError as exc:
+            raise ConfigError(f"--lora-modules {module.name}: {exc}") from None
+    return registry
+
+
+def _lora_module(text: str) -> LoRAModule:
+    if text.lstrip().startswith("{"):
+        try:
+            fields = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {exc}") from None
+        known = {"name", "path", "base_model_name"}
+        if not isinstance(fields, dict) or not {"name", "path"} <= set(fields) or set(fields) - known:
+            raise argparse.ArgumentTypeError(f"{text!r}: give an object with \"name\" and \"path\" (and optionally "
+                                             "\"base_model_name\"), and nothing else")
+        if not all(isinstance(value, str) and value for value in fields.values()):
+            raise argparse.ArgumentTypeError(f"{text!r}: name, path and base_model_name must be non-empty strings")
+        return LoRAModule(**fields)
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not name=path (or a JSON object)")
+    return LoRAModule(name, path)
 
 
 def add_server_options(group) -> None:
