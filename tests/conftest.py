@@ -188,6 +188,7 @@ TIER_OF_FILE = {
 
     "test_gpu.py": "gpu",
     "test_gpu_tp.py": "gpu",
+    "test_lora_gpu.py": "gpu",
 }
 
 

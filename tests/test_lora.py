@@ -212,3 +212,44 @@ def test_the_adapter_config_is_read_as_peft_writes_it(llama):
     assert set(rs.modules.values()) == {(4, 4.0)}
     assert json.loads((adapters[3] / "adapter_config.json").read_text())["r"] == 8
     assert {m.rsplit(".", 1)[-1] for m in read_adapter_config(adapters[3]).modules} == {"q_proj", "v_proj"}
+
+
+def write_adapter(path, config, rank: int, scale: float, seed: int = 0):
+    """A PEFT adapter written directly (every projection of every layer of the model at ``config``), B times
+    ``scale``."""
+    from safetensors.torch import save_file
+
+    from engine.loading.model_config import ModelConfig
+    from engine.lora.checks import module_shapes
+
+    shapes = module_shapes(ModelConfig.from_pretrained(str(config)))
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    num_layers = json.loads((config / "config.json").read_text())["num_hidden_layers"]
+    for layer in range(num_layers):
+        for name, (n_in, n_out) in shapes.items():
+            block = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) / n_in**0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * scale
+    path.mkdir()
+    save_file(tensors, path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+                                                          "target_modules": list(shapes), "bias": "none"}))
+    return path
+
+
+def test_adapters_on_the_default_models_quantized_blocks(default_model_path, tmp_path):
+    """The default model served from its Q4_1 blocks (int4 weight methods under the adapters): an adapter whose B is
+    zero, as PEFT initialises one, leaves the answer as it was; a trained-like one changes it."""
+    zero = write_adapter(tmp_path / "zero", default_model_path, rank=8, scale=0.0)
+    strong = write_adapter(tmp_path / "strong", default_model_path, rank=8, scale=0.5)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    with LLM(enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=256) as llm:
+        def answer(adapter):
+            return llm.chat(chat, params, use_tqdm=False, lora_request=adapter)[0].outputs[0].text
+
+        assert answer(None) == "The capital of France is Paris."
+        assert answer(LoRARequest("zero", 1, str(zero))) == "The capital of France is Paris."
+        assert answer(LoRARequest("strong", 2, str(strong))) != "The capital of France is Paris."

@@ -300,7 +300,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template and generate the replies, as vLLM's
         ``LLM.chat``: ``messages`` is one conversation (a list of message dicts) or a list of conversations, and the
         result is one ``RequestOutput`` per conversation, in order (a list either way); ``sampling_params`` as in
@@ -308,6 +309,7 @@ class LLM:
 
         With images (content parts ``{"type": "image", "image": PIL image}`` or ``{"type": "image_url",
         "image_url": {"url": "data:..."}}``), the model's processor renders a conversation with its own chat template.
+        ``lora_request`` as in ``generate``.
         """
         self._check_not_shut_down()  # before any work
         if not messages:
@@ -328,6 +330,8 @@ class LLM:
             if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
                 ids = list(ids["input_ids"])
             prompts.append((None, ids, None))
+        sampling_params = _with_adapters(sampling_params or self.get_default_sampling_params(), lora_request,
+                                         len(prompts))
         return self._generate(prompts, sampling_params, use_tqdm)
 
 
