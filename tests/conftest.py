@@ -157,6 +157,7 @@ TIER_OF_FILE = {
 
     "test_fused_ops.py": "kernels",
     "test_greedy.py": "kernels",
+    "test_lora_kernels.py": "kernels",
     "test_moe_kernels.py": "kernels",
     "test_quant_matmul.py": "kernels",
     "test_triton_attention.py": "kernels",
