@@ -253,3 +253,25 @@ def test_adapters_on_the_default_models_quantized_blocks(default_model_path, tmp
         assert answer(None) == "The capital of France is Paris."
         assert answer(LoRARequest("zero", 1, str(zero))) == "The capital of France is Paris."
         assert answer(LoRARequest("strong", 2, str(strong))) != "The capital of France is Paris."
+
+
+def test_a_request_waiting_for_a_slot_lets_others_pass(llama):
+    """One slot: a request under a second adapter waits, and the base-model request queued behind it starts in the
+    first step beside the first adapter's."""
+    base, adapters = llama
+    a, b = requests(adapters)[:2]
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(VOCAB, lens=[10, 11, 12])]
+    with LLM(str(base), enable_lora=True, max_loras=1, max_lora_rank=16, **COMMON) as llm:
+        steps = []
+        original = llm.engine.scheduler.schedule
+
+        def schedule():
+            out = original()
+            steps.append(sorted(r.lora_id for r in llm.engine.scheduler.running))
+            return out
+
+        llm.engine.scheduler.schedule = schedule
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[a, b, None])
+    assert steps[0] == [0, a.lora_int_id]
+    assert [b.lora_int_id] in steps  # its turn came once the first adapter's request finished
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
