@@ -22,15 +22,15 @@ read by every layer): per token (``token_slots``, -1 for none) and grouped by sl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
 from engine.models.linear.layer import FusedLinear, LinearBase, linear_layers
 from engine.models.linear.method import LinearMethod
 from engine.models.linear.output import LinearOutput
+from engine.ops.lora_reference import lora_expand_reference, lora_shrink_reference
 
 # Steps of at most this many tokens read each token's slot (BGMV); larger ones go slot by slot (SGMV).
 BGMV_MAX_TOKENS = 16
@@ -43,38 +43,28 @@ class LoRAMapping:
     token_slots: torch.Tensor  # [max tokens] int32, -1: no adapter
     token_order: torch.Tensor  # [max tokens] int32: token indices grouped by slot
     slot_starts: torch.Tensor  # [max_loras + 1] int32: slot s's tokens are token_order[slot_starts[s]:...[s + 1]]
-    # This step, on the host: whether any token has an adapter (False: the layers skip their products), and the
-    # slots it reads (the torch path visits only those). A CUDA graph is captured with ``active`` on.
+    # This step, on the host: whether any token has an adapter (False: the layers skip their products). A CUDA
+    # graph is captured with ``active`` on.
     active: bool = False
-    slots: list[int] = field(default_factory=list)
     use_triton: bool | None = None  # None: the kernels for CUDA tensors, the torch reference elsewhere
 
     def add_products(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """y += (x A[slot]^T) B[slot]^T for each token under an adapter, in place."""
         num_tokens = x.shape[0]
         h = torch.empty(num_tokens, a.shape[1], dtype=torch.float32, device=x.device)
-        triton_path = (x.is_cuda if self.use_triton is None else self.use_triton)
-        if not triton_path:
-            _reference_products(y, x, a, b, self.token_slots[:num_tokens], self.slots)
+        slots = self.token_slots[:num_tokens]
+        if not (x.is_cuda if self.use_triton is None else self.use_triton):
+            lora_shrink_reference(x, a, slots, h)
+            lora_expand_reference(h, b, slots, y)
             return
         from engine.ops import lora as ops
 
-        slots = self.token_slots[:num_tokens]
         if num_tokens <= BGMV_MAX_TOKENS:
             ops.lora_shrink_bgmv(x, a, slots, h)
             ops.lora_expand_bgmv(h, b, slots, y)
         else:
             ops.lora_shrink(x, a, self.token_order, self.slot_starts, h)
             ops.lora_expand(h, b, self.token_order, self.slot_starts, y)
-
-
-def _reference_products(y, x, a, b, token_slots, slots: list[int]) -> None:
-    """The torch path: one gather, product and scatter-add per slot the step reads."""
-    for slot in slots:
-        rows = torch.nonzero(token_slots == slot).flatten()
-        if len(rows):
-            h = x.index_select(0, rows).float() @ a[slot].float().T
-            y.index_add_(0, rows, (h @ b[slot].float().T).to(y.dtype))
 
 
 class LoRALinearMethod(LinearMethod):
@@ -161,13 +151,3 @@ def attach_lora(model: nn.Module, mapping: LoRAMapping, max_loras: int, max_rank
         for module in modules:
             by_module[module] = entry
     return by_module
-
-
-def fill_segments(token_slots: np.ndarray, num_slots: int, order_out: np.ndarray, starts_out: np.ndarray) -> None:
-    """``token_order`` and ``slot_starts`` from per-token slots (-1: none), into the host buffers: the tokens of
-    slot 0 in order, then slot 1's, ...; tokens of no adapter are left out."""
-    under = np.nonzero(token_slots >= 0)[0]
-    order = under[np.argsort(token_slots[under], kind="stable")]
-    order_out[: len(order)] = order
-    starts_out[0] = 0
-    starts_out[1 : num_slots + 1] = np.cumsum(np.bincount(token_slots[under], minlength=num_slots))

@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from engine.lora.adapter import AdapterWeights, load_adapter
-from engine.lora.layers import LoRALayer, LoRAMapping, attach_lora, fill_segments
+from engine.lora.layers import LoRALayer, LoRAMapping, attach_lora
 from engine.lora.request import LoRARequest
+from engine.ops.lora_reference import segments
 from engine.worker.step_buffers import HostDeviceBuffer
 
 logger = logging.getLogger("minivllm")
@@ -109,9 +110,8 @@ class LoRAWorker:
     def _fill(self, slots: np.ndarray) -> None:
         n = len(slots)
         self.token_slots.np[:n] = slots
-        fill_segments(slots, self.max_loras, self.token_order.np, self.slot_starts.np)
+        self.token_order.np[:n], self.slot_starts.np[:] = segments(slots, self.max_loras)
         self.mapping.active = bool((slots >= 0).any())
-        self.mapping.slots = sorted(set(np.unique(slots).tolist()) - {-1})
 
     def to_device(self, padded_tokens: int) -> None:
         """The step's map on the device (behind the copies of its other inputs)."""

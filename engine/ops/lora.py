@@ -18,10 +18,10 @@ Which token runs under which slot is given in one of two forms, each held on the
   wasted on one token). This suits small decode steps, where most adapters have one or two tokens; the weights
   read again for each token come mostly from L2.
 
-``segments`` builds the segmented form from the per-token one on the host. Tokens under no adapter appear in no
-segment (-1 in ``token_slots``): their rows of ``h`` are not written and their rows of ``y`` not touched. The
-buffers may be longer than the batch (T rows of x): only the first ``slot_starts[S] <= T`` entries of
-``token_order`` and the first T of ``token_slots`` are read.
+``segments`` (``engine.ops.lora_reference``, with the torch references) builds the segmented form from the
+per-token one on the host. Tokens under no adapter appear in no segment (-1 in ``token_slots``): their rows of ``h``
+are not written and their rows of ``y`` not touched. The buffers may be longer than the batch (T rows of x): only
+the first ``slot_starts[S] <= T`` entries of ``token_order`` and the first T of ``token_slots`` are read.
 
 CUDA graphs. Nothing here reads the mapping on the host: there is no ``.item()``, and every grid and compile-time
 constant comes from shapes alone, so a step captured once replays with new mappings written into the same buffers.
@@ -64,12 +64,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from engine.ops.intmath import cdiv, next_power_of_2
+from engine.ops.lora_reference import lora_expand_reference, lora_shrink_reference, segments  # noqa: F401
 from engine.ops.triton_helpers import jit_without_specializing
 
 
@@ -386,36 +386,3 @@ def lora_expand_bgmv(h: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor
     _bgmv_expand_kernel[(t, cdiv(n, tiles.block_n))](h, b, token_slots, y, n, r, h.stride(0), b.stride(0),
                                                      b.stride(1), y.stride(0), BLOCK_N=tiles.block_n,
                                                      BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
-
-
-def _slot_rows(token_slots: torch.Tensor, t: int):
-    """(slot, its tokens' indices) for each slot present among the first ``t`` tokens (reads them on the host)."""
-    slots = token_slots[:t].long()
-    for slot in torch.unique(slots[slots >= 0]).tolist():
-        yield slot, torch.nonzero(slots == slot).squeeze(1)
-
-
-def lora_shrink_reference(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor) -> None:
-    """``lora_shrink_bgmv`` in torch: one float32 matmul per slot present."""
-    for slot, rows in _slot_rows(token_slots, x.shape[0]):
-        out.index_copy_(0, rows, x.index_select(0, rows).float() @ a[slot].float().t())
-
-
-def lora_expand_reference(h: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor) -> None:
-    """``lora_expand_bgmv`` in torch: one float32 matmul per slot present, rounded into ``y`` once."""
-    for slot, rows in _slot_rows(token_slots, h.shape[0]):
-        total = y.index_select(0, rows).float() + h.index_select(0, rows).float() @ b[slot].float().t()
-        y.index_copy_(0, rows, total.to(y.dtype))
-
-
-def segments(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """The segmented mapping of per-token slots (-1: none): ``token_order`` [T] int32, the tokens grouped by slot in
-    their order within each slot and the unmapped ones last, and ``slot_starts`` [num_slots + 1] int32."""
-    slots = np.asarray(token_slots).astype(np.int64).reshape(-1)
-    if slots.size and (slots.min() < -1 or slots.max() >= num_slots):
-        raise ValueError(f"segments: slots must lie in -1 .. {num_slots - 1}")
-    mapped = slots >= 0
-    order = np.argsort(np.where(mapped, slots, num_slots), kind="stable").astype(np.int32)
-    slot_starts = np.zeros(num_slots + 1, dtype=np.int32)
-    np.cumsum(np.bincount(slots[mapped], minlength=num_slots), out=slot_starts[1:])
-    return order, slot_starts
