@@ -275,3 +275,20 @@ def test_a_request_waiting_for_a_slot_lets_others_pass(llama):
     assert steps[0] == [0, a.lora_int_id]
     assert [b.lora_int_id] in steps  # its turn came once the first adapter's request finished
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+
+
+def test_the_kernels_give_the_tokens_of_the_torch_path(llama):
+    """The engine on the Triton kernels (interpreted on the CPU: per token in steps of up to 16 tokens, by slot in
+    the prefill steps past that) gives the tokens of its torch path, for a batch mixing two adapters and the base
+    model."""
+    pytest.importorskip("triton")
+    base, adapters = llama
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(VOCAB, lens=[30, 9, 21])]
+    lora = [requests(adapters)[0], None, requests(adapters)[2]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=16, enable_prefix_caching=False,
+             **COMMON) as llm:
+        torch_path = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
+        llm.engine.runner.lora.mapping.use_triton = True
+        kernels = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
+    assert kernels == torch_path
