@@ -80,8 +80,9 @@ def test_stop_strings_max_tokens_and_eos_cut_where_they_would_without(engines):
 
 
 def test_requests_that_cannot_take_proposals_decode_as_without(engines):
-    """Requests with a grammar, logprobs or a penalty take no proposals, and neither does the batch while they are
-    in it: every request's output is what it is without speculation, logprobs and grammar included."""
+    """Requests with logprobs or a penalty take no proposals, and neither does the batch while they are in it;
+    one with a grammar takes the proposals its grammar allows: every request's output is what it is without
+    speculation, logprobs and grammar included."""
     plain, spec = engines
     schema = {"type": "object", "properties": {"fruit": {"type": "string"}}, "required": ["fruit"]}
     params = [SamplingParams(temperature=0.0, max_tokens=30,
@@ -94,6 +95,26 @@ def test_requests_that_cannot_take_proposals_decode_as_without(engines):
     assert len(b[1].outputs[0].logprobs) == len(b[1].outputs[0].token_ids)
     assert [lp.logprob for lp in b[1].outputs[0].logprobs] == \
         pytest.approx([lp.logprob for lp in a[1].outputs[0].logprobs], abs=1e-5)
+
+
+def test_a_grammar_takes_the_proposals_it_allows(engines):
+    """JSON schemas whose keys repeat: n-gram proposals cut where the grammar refuses them, verified against each
+    position's mask, are accepted, and the output is the same JSON as without speculation."""
+    plain, spec = engines
+    city = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+            "required": ["city", "country"]}
+    schema = {"type": "array", "items": city, "minItems": 5, "maxItems": 5}
+    params = SamplingParams(temperature=0.0, max_tokens=120,
+                            structured_outputs=StructuredOutputsParams(json=json.dumps(schema)))
+    prompts = ["List five cities of France as JSON objects with their city and country.",
+               "Give five cities of Italy as JSON: city and country of each."]
+    proposer = spec.engine.proposer
+    before = proposer.num_accepted_tokens
+    a, b = plain.generate(prompts, params, use_tqdm=False), spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in b] == [o.outputs[0].token_ids for o in a]
+    assert all(len(json.loads(o.outputs[0].text)) == 5 for o in b)
+    assert proposer.num_accepted_tokens > before + 20
+    _assert_blocks_all_free(spec)
 
 
 def _run_with_a_late_request(llm: LLM, late: SamplingParams, join_at: int | None) -> tuple[dict, int]:

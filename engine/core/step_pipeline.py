@@ -106,7 +106,9 @@ class StepPipeline:
         if out.timing is not None:
             self._record_timing(step, out.timing)
         if self._constrained:
-            self.grammars.advance(self._scheduler.grammars_of(out.request_ids), out.sampled_token_ids)
+            accepted = ([out.accepted_token_ids.get(rid, []) for rid in out.request_ids] if out.accepted_token_ids
+                        else None)
+            self.grammars.advance(self._scheduler.grammars_of(out.request_ids), out.sampled_token_ids, accepted)
             ahead = self._ahead
             if ahead is not None and ahead.handle.awaits_sampling:
                 ahead.masks = self.grammars.fill_bitmask_async(
@@ -126,8 +128,11 @@ class StepPipeline:
         for its masks."""
         step = self._launch_step()
         if step.handle.awaits_sampling:
-            grammars = self._scheduler.grammars_of(step.handle.sampled_request_ids)
-            self._runner.launch_sampling(step.handle, self.grammars.fill_bitmask(grammars))
+            ids = step.handle.sampled_request_ids
+            proposals = ([step.sched.spec_token_ids.get(rid, []) for rid in ids]
+                         if step.handle.inputs.spec_counts is not None else None)  # verified: masks per position
+            masks = self.grammars.fill_bitmask(self._scheduler.grammars_of(ids), proposals)
+            self._runner.launch_sampling(step.handle, masks)
         return step
 
     def _launch_step(self, in_flight: StepHandle | None = None) -> InflightStep:

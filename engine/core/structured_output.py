@@ -215,6 +215,20 @@ class RequestGrammar:
         accepted = self.matcher is not None and self.matcher.accept_token(token_id)
         self.ended = not accepted or self.matcher.is_terminated()
 
+    def allowed_prefix(self, proposals: list[int]) -> list[int]:
+        """The proposed tokens the grammar takes, from the first up to the first it refuses (speculative decoding:
+        the rest could not be accepted); the matcher is left as it was."""
+        if self.matcher is None or self.ended:
+            return []
+        taken = 0
+        for token_id in proposals:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+                break
+            taken += 1
+        if taken:
+            self.matcher.rollback(taken)
+        return proposals[:taken]
+
 
 class GrammarManager:
     """The engine's grammars: one compiler (its cache bounded by ``cache_limit_mb``; 0: no cache), compiles
@@ -336,19 +350,47 @@ class GrammarManager:
             compiled = self.compiler.compile_grammar(_grammar(spec))
         self.compile_seconds.append(time.perf_counter() - start)
         return compiled
-    def fill_bitmask(self, grammars: list[RequestGrammar | None]) -> tuple[torch.Tensor, list[int]] | None:
+    def fill_bitmask(self, grammars: list[RequestGrammar | None],
+                     proposals: list[list[int]] | None = None) -> tuple[torch.Tensor, list[int]] | None:
         """The allowed tokens of one step's sampled rows, in their order: a [rows, vocab/32] int32 bitmask
         (host memory) of which only the constrained rows (the list returned beside it) are filled and
-        meant; None when no row has a grammar."""
+        meant; None when no row has a grammar. ``proposals``: a speculative step's proposed tokens per sampled
+        row, whose logits rows are each row's 1 + k positions: position j's mask is the grammar's after the row's
+        first j proposals (which it takes: ``allowed_prefix``)."""
+        if proposals is not None:
+            return self._fill_verification(grammars, proposals)
         job = self._fill_job(grammars)
         return None if job is None else job()
 
-    def advance(self, grammars: list[RequestGrammar | None], token_ids: list[int]) -> None:
-        """One step's tokens into their grammars (``RequestGrammar.advance``; None: a request without one), timed
-        for benchmarks."""
+    def _fill_verification(self, grammars: list[RequestGrammar | None],
+                           proposals: list[list[int]]) -> tuple[torch.Tensor, list[int]] | None:
         start = time.perf_counter()
-        for grammar, token_id in zip(grammars, token_ids):
+        num_rows = sum(1 + len(p) for p in proposals)
+        bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        rows, first = [], 0
+        for grammar, tokens in zip(grammars, proposals):
+            if grammar is not None and grammar.matcher is not None and not grammar.ended:
+                matcher = grammar.matcher
+                for j in range(len(tokens) + 1):
+                    matcher.fill_next_token_bitmask(bitmask, first + j)
+                    rows.append(first + j)
+                    if j < len(tokens) and not matcher.accept_token(tokens[j]):
+                        raise RuntimeError(f"a proposal the grammar refuses was verified: {tokens}")
+                if tokens:
+                    matcher.rollback(len(tokens))
+            first += 1 + len(tokens)
+        self.fill_seconds.append(time.perf_counter() - start)
+        return (bitmask, rows) if rows else None
+
+    def advance(self, grammars: list[RequestGrammar | None], token_ids: list[int],
+                accepted: list[list[int]] | None = None) -> None:
+        """One step's tokens into their grammars (``RequestGrammar.advance``; None: a request without one), timed
+        for benchmarks; ``accepted``: a speculative step's accepted proposals per row, which come first."""
+        start = time.perf_counter()
+        for i, (grammar, token_id) in enumerate(zip(grammars, token_ids)):
             if grammar is not None:
+                for proposal in accepted[i] if accepted is not None else ():
+                    grammar.advance(proposal)
                 grammar.advance(token_id)
         self.accept_seconds.append(time.perf_counter() - start)
 

@@ -2,8 +2,11 @@
 them (``SpeculationProposer.propose``); the scheduler gives a request with proposals 1 + k tokens in its next step
 and the runner verifies them (``engine.worker.speculation``).
 
-A request speculates when its next tokens depend on nothing but the model's distribution: no grammar, logprobs,
-penalties, min_tokens, logit_bias or allowed_token_ids, and no beam search. A step that samples any other request
+A request speculates when its next tokens depend on nothing but the model's distribution, or a grammar's part of it:
+no logprobs, penalties, min_tokens, logit_bias or allowed_token_ids, and no beam search. A constrained request's
+n-gram proposals are cut at the first token its grammar refuses (``RequestGrammar.allowed_prefix``), and the
+verification masks each position by the grammar's state there; a draft model proposes nothing for one (its
+proposals are made on the device, where no grammar checks them). A step that samples any other request
 has no proposals: the batch decodes one token a step, as without speculation, while such a request is in it.
 ``disable_by_batch_size``: no proposals while at least that many requests run, where a step of many requests is
 busy enough without them.
@@ -67,7 +70,7 @@ class Acceptance:
 def speculates(request: Request) -> bool:
     """Whether the request's sampling takes proposals (the module's rule)."""
     p = request.sampling_params
-    return (request.grammar is None and request.group is None and p.logprobs is None and not p.has_penalties
+    return (request.group is None and p.logprobs is None and not p.has_penalties
             and not p.min_tokens and not p.logit_bias and p.allowed_token_ids is None and not p.use_beam_search
             and p.pooling is None)
 
@@ -151,8 +154,11 @@ class SpeculationProposer:
             if off or not decoding or not speculates(request) or (acceptance is not None and not acceptance.proposes()):
                 request.spec_token_ids = []
                 continue
-            if self.ngram is None:
-                request.spec_token_ids = [TO_DRAFT] * self.config.num_speculative_tokens
+            if self.ngram is None:  # a draft model's proposals are unknown here: a grammar could not check them
+                request.spec_token_ids = [] if request.grammar is not None else \
+                    [TO_DRAFT] * self.config.num_speculative_tokens
                 continue
             tokens = np.asarray(request.all_token_ids, dtype=np.int64)
             request.spec_token_ids = self.ngram.propose(tokens).tolist()
+            if request.grammar is not None:
+                request.spec_token_ids = request.grammar.allowed_prefix(request.spec_token_ids)

@@ -3,8 +3,10 @@
 The step's logits are each sampled row's 1 + k last tokens' (``StepInputs.spec_counts``), row after row; the target's
 distributions there (temperature, top-k, top-p and min-p applied as the sampler applies them) and its argmax verify
 the proposals (``engine.speculative.rejection``). Every row of such a step samples from the model's distribution
-alone (``engine.speculative.proposer.speculates``; the scheduler plans no proposals beside a row that would not); a
-row without proposals is verified with k = 0, which is plain sampling from its distribution.
+alone, or a grammar's part of it (``engine.speculative.proposer.speculates``; the scheduler plans no proposals beside
+a row that would not): a constrained row's logits at each verified position are masked by its grammar's state there
+(its earlier proposals taken). A row without proposals is verified with k = 0, which is plain sampling from its
+distribution.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ def verify_proposals(logits: torch.Tensor, st: SamplingTensors, spec_counts: np.
     """``logits`` [sum(1 + k), vocab] of the sampled ``rows`` (InputBatch rows) with ``spec_counts`` proposals each.
     Returns each row's last token [rows] and (its output tokens [rows, kmax + 1], its accepted count [rows])."""
     device = logits.device
+    if st.bitmask is not None:  # constrained rows: each position's logits masked by the grammar's state there
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, st.bitmask, vocab_size=logits.shape[-1], indices=st.bitmask_rows)
     num_rows, kmax = len(rows), int(spec_counts.max())
     counts = torch.from_numpy(spec_counts).to(device)
     starts = torch.cumsum(counts + 1, 0) - counts - 1  # each row's first logits row
