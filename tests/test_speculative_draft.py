@@ -89,3 +89,27 @@ def test_drafts_that_cannot_serve_are_refused(models, tmp_path):
         LLM(str(target), max_model_len=256, num_kvcache_blocks=64, speculative_config=_spec(other_vocab))
     with pytest.raises(ConfigError, match="draft_tensor_parallel_size"):
         LLM(str(target), max_model_len=256, speculative_config={**_spec(target), "draft_tensor_parallel_size": 2})
+
+
+def test_a_constrained_request_beside_drafted_ones(default_model_path):
+    """The default model as its own draft: a request with a JSON schema takes no proposals (the draft's are made
+    on the device, where no grammar checks them) but is verified, masked, in the same steps as requests whose
+    proposals are drafted; every output is the one it gets without speculation."""
+    import json
+
+    from engine.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    prompts = ["Name the capital of France as JSON.", "Count from one to twenty: one, two, three,"]
+    params = [SamplingParams(temperature=0.0, max_tokens=24,
+                             structured_outputs=StructuredOutputsParams(json=json.dumps(schema))),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    with LLM(max_model_len=256, quantization="none") as plain:
+        expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = {"model": str(default_model_path), "num_speculative_tokens": 3}
+    with LLM(max_model_len=256, quantization="none", speculative_config=spec) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert "city" in json.loads(outs[0].outputs[0].text)
+        assert llm.engine.proposer.num_accepted_tokens > 0
+        _assert_blocks_all_free(llm)
