@@ -13,6 +13,7 @@ others fail instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 from dataclasses import dataclass
@@ -73,6 +74,18 @@ def destroy_tensor_parallel() -> None:
     if _state.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
     _state = ParallelState()
+
+
+@contextlib.contextmanager
+def single_rank():
+    """Build or run a model unsharded on this rank alone, whatever the group: inside, this process is rank 0 of 1
+    (every layer whole, every collective the identity). Rank 0's draft model beside a sharded target runs so."""
+    global _state
+    saved, _state = _state, ParallelState()
+    try:
+        yield
+    finally:
+        _state = saved
 
 
 def control_group():

@@ -89,6 +89,7 @@ def test_drafts_that_cannot_serve_are_refused(models, tmp_path):
         LLM(str(target), max_model_len=256, num_kvcache_blocks=64, speculative_config=_spec(other_vocab))
     with pytest.raises(ConfigError, match="draft_tensor_parallel_size"):
         LLM(str(target), max_model_len=256, speculative_config={**_spec(target), "draft_tensor_parallel_size": 2})
+    # (a draft of one rank beside a sharded target is served: tests/test_tensor_parallel.py)
 
 
 def test_a_constrained_request_beside_drafted_ones(default_model_path):

@@ -203,3 +203,21 @@ def test_speculative_decoding_at_tp2_generates_what_tp1_does_without(checkpoints
         got = greedy(tp2, prompts, max_tokens=24)
         assert tp2.engine.proposer.num_accepted_tokens > 0
     assert got == greedy(LLM(str(checkpoints["llama-tied"]), **common), prompts, max_tokens=24)
+
+
+def test_a_draft_model_on_rank_0_beside_a_tp2_target(checkpoints):
+    """A draft model at TP=2 runs unsharded on rank 0 (the target as its own draft: its proposals are the
+    argmaxes the verification computes, bar near-ties); rank 1 verifies them with the step's input ids, and the
+    tokens are TP=1's without speculation."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (12, 30, 21)]
+    common = dict(max_model_len=256, num_kvcache_blocks=48)
+    target = str(checkpoints["llama-untied"])
+    spec = {"model": target, "num_speculative_tokens": 3}
+    with LLM(target, tensor_parallel_size=2, speculative_config=spec, **common) as tp2:
+        got = greedy(tp2, prompts, max_tokens=16)
+        proposer = tp2.engine.proposer
+        assert proposer.num_accepted_tokens >= 0.9 * proposer.num_draft_tokens > 0
+        drafter = tp2.engine.runner.drafter
+        assert drafter.model.attention_layers()[0].num_heads == drafter.model_config.num_attention_heads  # whole
+    assert got == greedy(LLM(target, **common), prompts, max_tokens=16)

@@ -6,10 +6,13 @@ Served:
   one of the two given sets the other, neither means 5 and 5);
 * a draft model: ``model`` (a Hugging Face model directory with the target's vocabulary) with ``method``
   ``"draft_model"`` or none, ``num_speculative_tokens``, and ``draft_tensor_parallel_size`` 1 (the draft runs
-  unsharded beside a target of one GPU);
-* for both, ``disable_by_batch_size``: no proposals in a step while at least that many requests run.
+  unsharded, on rank 0 beside a sharded target);
+* an EAGLE-3 head: ``method: "eagle3"``, ``model`` (the head's directory, in EAGLE's or speculators' layout:
+  ``engine.loading.eagle3``), ``num_speculative_tokens`` and ``draft_tensor_parallel_size`` 1; the head reads the
+  hidden states of a Llama-family target of one GPU, which then runs eagerly (``engine.worker.eagle3``);
+* for all, ``disable_by_batch_size``: no proposals in a step while at least that many requests run.
 
-``eagle``, ``eagle3``, ``medusa`` and ``mtp`` are refused by name, as is any other key.
+``eagle``, ``medusa`` and ``mtp`` are refused by name, as is any other key.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ SERVED_KEYS = {
     "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"),
     "draft_model": ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
                     "disable_by_batch_size"),
+    "eagle3": ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "disable_by_batch_size"),
 }
 
 
@@ -45,7 +49,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 0
     disable_by_batch_size: int | None = None  # no proposals while at least this many requests run
     method: str = "ngram"
-    model: str | None = None  # the draft model's directory (method "draft_model")
+    model: str | None = None  # the draft model's or the EAGLE-3 head's directory (method "draft_model", "eagle3")
 
     @classmethod
     def parse(cls, given: dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -66,8 +70,8 @@ class SpeculativeConfig:
             known = ", ".join(KNOWN_METHODS)
             raise SpeculativeConfigError(f'speculative_config: unknown method "{method}"; known: {known}')
         if method not in SERVED_KEYS:
-            raise SpeculativeConfigError(f'speculative_config: method "{method}" is not served yet; "ngram" and '
-                                         'draft models ("draft_model") are')
+            raise SpeculativeConfigError(f'speculative_config: method "{method}" is not served yet; "ngram", '
+                                         'draft models ("draft_model") and "eagle3" are')
         unknown = sorted(set(given) - set(SERVED_KEYS[method]))
         if unknown:
             raise SpeculativeConfigError(f"speculative_config: {', '.join(unknown)} not served with method {method}")
@@ -75,8 +79,8 @@ class SpeculativeConfig:
         by_batch = given.get("disable_by_batch_size")
         if by_batch is not None:
             _positive("disable_by_batch_size", by_batch)
-        if method == "draft_model":
-            return cls(k, disable_by_batch_size=by_batch, method=method, model=_draft_directory(given))
+        if method in ("draft_model", "eagle3"):
+            return cls(k, disable_by_batch_size=by_batch, method=method, model=_draft_directory(given, method))
         lo, hi = given.get("prompt_lookup_min"), given.get("prompt_lookup_max")
         lo, hi = (lo if lo is not None else hi or 5), (hi if hi is not None else lo or 5)
         _positive("prompt_lookup_min", lo), _positive("prompt_lookup_max", hi)
@@ -86,12 +90,13 @@ class SpeculativeConfig:
         return cls(k, lo, hi, by_batch)
 
 
-def _draft_directory(given: dict[str, Any]) -> str:
+def _draft_directory(given: dict[str, Any], method: str) -> str:
     model = given.get("model")
     if not isinstance(model, str) or not model:
-        raise SpeculativeConfigError('speculative_config: method "draft_model" needs a "model" directory')
+        raise SpeculativeConfigError(f'speculative_config: method "{method}" needs a "model" directory')
     if not (Path(model) / "config.json").is_file():
-        raise SpeculativeConfigError(f"speculative_config: the draft model {model} is not a Hugging Face model "
+        what = "EAGLE-3 head" if method == "eagle3" else "draft model"
+        raise SpeculativeConfigError(f"speculative_config: the {what} {model} is not a Hugging Face model "
                                      "directory (no config.json)")
     tp = given.get("draft_tensor_parallel_size", 1)
     if tp != 1:

@@ -23,6 +23,10 @@ Prefix-cache hits and preemption: the draft keeps, per request, how many of its 
 when the request (re)joins the batch, so a block the target found in the prefix cache is filled by the draft too (the
 same tokens at the same positions give the same K/V). With the host KV tier only the target's blocks travel: a
 request swapped back in rejoins the batch, and the draft computes its tokens again.
+
+Tensor parallelism: the draft runs unsharded on rank 0 (``draft_tensor_parallel_size`` 1, as vLLM's), built and run
+as if this process were alone (``engine.distributed.single_rank``); its proposals reach the other ranks with the
+step's input ids, which rank 0 broadcasts, and only rank 0's KV budget gives the draft's cache its share.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.config import ConfigError, EngineConfig
-from engine.distributed import tp_size
+from engine.distributed import single_rank, tp_rank
 from engine.loading.loader import load_model
 from engine.loading.model_config import ModelConfig
 from engine.speculative.config import SpeculativeConfig
@@ -45,6 +49,8 @@ logger = logging.getLogger("minivllm")
 
 
 class DraftModel:
+    aux_layers: tuple[int, ...] = ()  # it reads no hidden states of the target (an EAGLE-3 head does)
+
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
                  block_size: int, backend, load_format: str, seed: int):
         self.model_config = model_config
@@ -63,11 +69,10 @@ class DraftModel:
                     device: torch.device, block_size: int, backend) -> DraftModel | None:
         """The draft model ``config.speculative_config`` names, or None where it names none."""
         spec = SpeculativeConfig.parse(config.speculative_config)
-        if spec is None or spec.model is None:
+        if spec is None or spec.method != "draft_model":
             return None
-        if tp_size() > 1:
-            raise ConfigError("a draft model with tensor_parallel_size > 1 is not served: the draft would have to "
-                              "run unsharded on one rank beside the sharded target")
+        if tp_rank() > 0:  # rank 0 drafts, unsharded; the other ranks verify what it proposes
+            return None
         draft = ModelConfig.from_pretrained(spec.model, config.trust_remote_code)
         if draft.vocab_size != target.vocab_size:
             raise ConfigError(f"the draft model's vocabulary ({draft.vocab_size} tokens, {spec.model}) is not the "
@@ -76,7 +81,8 @@ class DraftModel:
             raise ConfigError(f"the draft model {spec.model} takes M-RoPE positions, which drafts do not get")
         logger.info("speculative decoding: draft model %s (%s, %d layers), %d proposals a step", spec.model,
                     draft.architecture, draft.num_hidden_layers, spec.num_speculative_tokens)
-        return cls(draft, dtype, kv_dtype, device, block_size, backend, config.load_format, config.seed)
+        with single_rank():
+            return cls(draft, dtype, kv_dtype, device, block_size, backend, config.load_format, config.seed)
 
     def bytes_per_block(self) -> int:
         mc = self.model_config
@@ -101,6 +107,10 @@ class DraftModel:
         """Write each request's proposals over its placeholders in ``batch.token_ids`` (after its known tokens)."""
         if not spec_token_ids:
             return
+        with single_rank():
+            self._draft(batch, spec_token_ids)
+
+    def _draft(self, batch: InputBatch, spec_token_ids: dict[str, list[int]]) -> None:
         rids = list(spec_token_ids)
         rows = np.asarray([batch.row_of[rid] for rid in rids], dtype=np.int64)
         counts = np.asarray([len(spec_token_ids[rid]) for rid in rids], dtype=np.int64)
@@ -125,24 +135,31 @@ class DraftModel:
               tokens: np.ndarray) -> np.ndarray:
         """One forward pass of the draft over tokens [start, end) of each row (``tokens`` concatenated); returns
         its argmax after each row's last token."""
-        lens = ends - starts
-        positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)])
-        row_of_token = np.repeat(rows, lens)
-        blocks = batch.block_table[row_of_token, positions // self.block_size].astype(np.int64)
-        slots = blocks * self.block_size + positions % self.block_size
-        qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
-        seq_lens = torch.from_numpy(ends.astype(np.int32))
-        max_blocks = -(-int(ends.max()) // self.block_size)
-        decodes = len(rows) if int(lens.max()) == 1 else 0
-        device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(device), query_start_loc=qsl.to(device),
-            seq_lens=seq_lens.to(device),
-            block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_table[rows, :max_blocks])).to(device),
-            num_reqs=len(rows), num_decodes=decodes, num_decode_tokens=decodes, max_query_len=int(lens.max()),
-            max_seq_len=int(ends.max()), block_size=self.block_size, query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-        hidden = self.model(torch.from_numpy(tokens).to(device), torch.from_numpy(positions).to(device), meta)
-        last = torch.from_numpy(np.cumsum(lens) - 1).to(device)
+        meta, positions = pass_metadata(batch, rows, starts, ends, self.block_size, self.device)
+        hidden = self.model(torch.from_numpy(tokens).to(self.device), positions, meta)
+        last = torch.from_numpy(np.cumsum(ends - starts) - 1).to(self.device)
         logits = self.model.compute_logits(hidden[last])[:, : self.model_config.vocab_size]
         self.num_passes += 1
         return logits.argmax(dim=-1).cpu().numpy()
+
+
+def pass_metadata(batch: InputBatch, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, block_size: int,
+                  device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+    """A drafter's pass over positions [start, end) of each of ``rows`` (InputBatch rows), its K/V in its own cache
+    at the rows' block ids: (the attention metadata, the positions [sum(end - start)] int64, on ``device``)."""
+    lens = ends - starts
+    positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)])
+    row_of_token = np.repeat(rows, lens)
+    blocks = batch.block_table[row_of_token, positions // block_size].astype(np.int64)
+    slots = blocks * block_size + positions % block_size
+    qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    seq_lens = torch.from_numpy(ends.astype(np.int32))
+    max_blocks = -(-int(ends.max()) // block_size)
+    decodes = len(rows) if int(lens.max()) == 1 else 0
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device), query_start_loc=qsl.to(device),
+        seq_lens=seq_lens.to(device),
+        block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_table[rows, :max_blocks])).to(device),
+        num_reqs=len(rows), num_decodes=decodes, num_decode_tokens=decodes, max_query_len=int(lens.max()),
+        max_seq_len=int(ends.max()), block_size=block_size, query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+    return meta, torch.from_numpy(positions).to(device)
