@@ -175,3 +175,27 @@ def test_the_cli_takes_the_config_as_json():
     assert args.speculative_config == NGRAM
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", "[1, 2]"])
+
+
+def test_aborts_while_a_verification_step_runs_leave_no_block_held(engines):
+    """With overlapped steps the next step is launched before ``step`` returns: requests aborted then are aborted
+    in the middle of a verification step of their proposals. Their blocks (proposal slots included) go back to the
+    pool, and the requests beside them get the tokens they get without speculation."""
+    plain, _ = engines
+    expected = _tokens(plain, PROMPTS[:2], GREEDY)
+    with LLM(max_model_len=1024, quantization="none", speculative_config=NGRAM, overlap_steps=True) as llm:
+        engine, tokenizer = llm.engine, llm.tokenizer
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", tokenizer.encode(prompt), GREEDY)
+        tokens: dict[str, list[int]] = {}
+        aborted = False
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            in_flight = engine.pipeline._ahead
+            if not aborted and in_flight is not None and in_flight.sched.spec_token_ids.keys() >= {"r2", "r3"}:
+                engine.abort_requests(["r2", "r3"])  # both have proposals in the step now running
+                aborted = True
+        assert aborted
+        assert [tokens["r0"], tokens["r1"]] == expected
+        _assert_blocks_all_free(llm)
