@@ -130,6 +130,7 @@ TIER_OF_FILE = {
     "test_cross_encoder.py": "engine",
     "test_speculative.py": "unit",
     "test_speculative_draft.py": "engine",
+    "test_speculative_eagle3.py": "engine",
     "test_speculative_engine.py": "engine",
     "test_speculative_server.py": "server",
     "test_embeddings_server.py": "server",

@@ -152,7 +152,8 @@ def test_a_request_joining_a_speculating_batch_gets_what_it_asks(engines):
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"method": "eagle3", "model": "some/head"}, 'method "eagle3" is not served yet'),
+    ({"method": "eagle", "model": "some/head"}, 'method "eagle" is not served yet'),
+    ({"method": "eagle3", "model": "some/head", "num_speculative_tokens": 3}, "EAGLE-3 head some/head is not a"),
     ({"model": "some/draft", "num_speculative_tokens": 3}, "not a Hugging Face model directory"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, 'needs a "model" directory'),
     ({"method": "draft_model", "model": ".", "num_speculative_tokens": 3, "prompt_lookup_max": 2},

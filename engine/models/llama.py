@@ -158,14 +158,21 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None,
+                aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final-normed hidden states [num_tokens, hidden_size]; with ``aux_layers`` (ascending layer indices)
+        also the residual stream entering each of those layers, side by side: [num_tokens, len * hidden_size]
+        (an EAGLE-3 head reads them, ``engine.models.llama_eagle3``)."""
         # [num_tokens, hidden_size]: the token embeddings, or the caller's (a vision model's prompt images in them)
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:  # the stream entering layer i: the last block's product added to the residual
+                aux.append(hidden if residual is None else _finished(hidden) + residual)
             hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
-        return hidden  # [num_tokens, hidden_size]
+        return (hidden, torch.cat(aux, dim=-1)) if aux_layers else hidden
 
 
 class LlamaForCausalLM(nn.Module):
@@ -194,9 +201,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size], in place of the ids' embeddings
-    ) -> torch.Tensor:
-        """Final-normed hidden states, [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, meta, inputs_embeds)
+        aux_layers: tuple[int, ...] = (),  # ascending layer indices whose input an EAGLE-3 head reads
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Final-normed hidden states, [num_tokens, hidden_size]; with ``aux_layers``, also the residual stream
+        entering those layers (``LlamaModel.forward``)."""
+        return self.model(input_ids, positions, meta, inputs_embeds, aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype for the given hidden rows: [n, hidden_size] -> [n, vocab_size].
@@ -222,3 +231,8 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         """The paged-attention layers in layer order, for binding KV caches and the backend."""
         return [layer.self_attn.attn for layer in self.model.layers]
+
+
+def _finished(hidden: torch.Tensor | LinearOutput) -> torch.Tensor:
+    """A block's output as a tensor: a deferred product finished as the next add-norm would finish it."""
+    return hidden.finished() if isinstance(hidden, LinearOutput) else hidden

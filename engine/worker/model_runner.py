@@ -55,6 +55,7 @@ from engine.outputs import ModelRunnerOutput, RunnerTiming, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from engine.worker.draft_model import DraftModel
 from engine.worker.dummy_steps import DummySteps, warm_up_experts
+from engine.worker.eagle3 import Eagle3Drafter
 from engine.worker.image_encoder import ImageEncoder
 from engine.worker.input_batch import InputBatch
 from engine.worker.kv_offload import KVOffloader
@@ -129,8 +130,9 @@ class ModelRunner:
         self.backend = make_attention_backend(config.resolve_attention_backend(self.device))
         for layer in self.model.attention_layers():
             layer.set_backend(self.backend)
-        self.drafter = DraftModel.from_config(config, model_config, self.dtype, self.kv_dtype, self.device,
-                                              self.block_size, self.backend)  # a draft model's proposals
+        args = (self.dtype, self.kv_dtype, self.device, self.block_size, self.backend)
+        self.drafter = (DraftModel.from_config(config, model_config, *args)  # a draft model's proposals, or
+                        or Eagle3Drafter.from_config(config, self.model, *args))  # an EAGLE-3 head's
         k_split = decode_k_split_summary(self.model)
         if k_split:
             logger.info("products of steps of up to %d tokens cut along K (MINIVLLM_DECODE_KSPLIT=%s): %s",
@@ -157,9 +159,7 @@ class ModelRunner:
         self._sampled_host = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._sampled_turn = 0
         # Rank 0 of several: the channel its steps go out on to the other ranks (engine/worker/ranks.py).
-        self.followers = None
-        if tp_size() > 1 and tp_rank() == 0:
-            self.followers = StepChannel()
+        self.followers = StepChannel() if tp_size() > 1 and tp_rank() == 0 else None
         self.measure_steps = False  # time each step (host and device; ModelRunnerOutput.timing), for benchmarks
         # Forward passes launched, by how they ran (the engine's metrics report them).
         self.num_steps_by_kind = {"decode_graph": 0, "mixed_graph": 0, "eager": 0}
@@ -249,7 +249,7 @@ class ModelRunner:
         """Capture mixed-step and decode graphs (CUDA with a graph-safe backend, unless ``enforce_eager``), into one
         memory pool: a step replays one graph at a time."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton" or \
-                self.config.runner == "pooling":
+                self.config.runner == "pooling" or (self.drafter is not None and self.drafter.aux_layers):
             logger.info("CUDA graphs off: every step runs eagerly")
             return
         if not getattr(self.model, "supports_cuda_graphs", True):
@@ -373,6 +373,8 @@ class ModelRunner:
         if inputs.image_embeds is not None:
             embeds = self.model.embed_input_ids(inputs.input_ids, *inputs.image_embeds)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs_embeds=embeds)
+        elif self.drafter is not None and self.drafter.aux_layers:  # an EAGLE-3 head keeps the step's states
+            hidden = self.drafter.run_target(self.model, inputs, self.batch)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.prompt_logprobs is not None:

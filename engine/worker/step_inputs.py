@@ -39,6 +39,7 @@ class StepInputs:
     """The flat tensors of one step, plus which rows get a sampled token."""
 
     shape: StepShape  # its sizes and the graph it replays (0: none)
+    rows: np.ndarray  # [num_reqs] the InputBatch rows of its requests, in token order
     sampled_request_ids: list[str]  # requests that get a token, in logits order
     sampled_rows: np.ndarray  # [num_sampled] their InputBatch rows
     samples_leading_rows: bool  # a decode graph's step whose sampled rows are its first num_sampled, in order
@@ -114,6 +115,7 @@ class StepInputPreparer:
         unknown = np.nonzero(positions >= (b.num_tokens + b.num_spec)[token_rows])[0]
         return StepInputs(
             shape=shape,
+            rows=rows,
             sampled_request_ids=[req_ids[order[i]] for i in sampled.tolist()],
             sampled_rows=rows[sampled],
             samples_leading_rows=bool(shape.graph_size and len(sampled) and sampled[-1] == len(sampled) - 1),
