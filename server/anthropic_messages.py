@@ -15,7 +15,6 @@ Anthropic's shape, and the API key may come as ``x-api-key`` (server/routing.py)
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Annotated
@@ -24,7 +23,7 @@ from fastapi import FastAPI, Header, Request, Response
 
 from server.anthropic_chat import anthropic_locations, to_chat_request
 from server.chat import ChatView, chat_prompt, start_chat
-from server.errors import ANTHROPIC, SERVER_ERROR, APIError, as_api_error
+from server.errors import ANTHROPIC, SERVER_ERROR, APIError
 from server.limits import BodyLimit
 from server.openapi import COUNT_TOKENS_RESPONSES, MESSAGES_RESPONSES
 from server.protocol.anthropic import (
@@ -40,11 +39,16 @@ from server.protocol.anthropic import (
 )
 from server.routing import guarded_route_class
 from server.serving import ServingContext, load_report
-from server.streaming import ClientDisconnected, SSEResponse, client_closed_response, run_until_disconnected
+from server.streaming import (
+    ClientDisconnected,
+    SSEResponse,
+    client_closed_response,
+    events_then_error,
+    named_event,
+    run_until_disconnected,
+)
 from server.tool_parsers import get_parser, loads_partial, new_call_id
 from server.tools import ToolPlan
-
-logger = logging.getLogger("minivllm.server")
 
 VersionHeader = Annotated[str | None, Header(alias="anthropic-version", description=(
     "Anthropic's API version; accepted whatever it says (this server speaks 2023-06-01)."))]
@@ -236,19 +240,7 @@ def _tool_input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-async def anthropic_sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+def anthropic_sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     """``event: <type>`` and ``data: <json>`` per event; a failure once the stream has begun is an ``error``
     event in Anthropic's shape, and ends it."""
-    try:
-        async with aclosing(events):
-            async for event in events:
-                yield _sse(event)
-    except Exception as exc:  # noqa: BLE001 - the status line is sent already; tell the client in-band
-        error = as_api_error(exc)
-        if error.status_code >= 500 and error.status_code != 503:
-            logger.exception("error while streaming")
-        yield _sse(error.to_anthropic_dict())
-
-
-def _sse(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return events_then_error(events, named_event, lambda error: named_event(error.to_anthropic_dict()))

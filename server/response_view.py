@@ -18,15 +18,14 @@ Every event has ``type`` and ``sequence_number`` (from 0). A failure once the st
 
 from __future__ import annotations
 
-import json
-import logging
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from server.chat import ChatView
-from server.errors import SERVER_ERROR, APIError, as_api_error
+from server.errors import SERVER_ERROR, APIError
 from server.protocol.responses import (
     FunctionTool,
     IncompleteDetails,
@@ -42,9 +41,8 @@ from server.protocol.responses import (
     ResponseUsage,
 )
 from server.serving import ServingContext
+from server.streaming import events_then_error, named_event
 from server.tokenization import encode
-
-logger = logging.getLogger("minivllm.server")
 
 
 def new_id(prefix: str) -> str:
@@ -228,22 +226,11 @@ def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-async def responses_sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+def responses_sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     """``event: <type>`` and ``data: <json>`` per event, numbered by ``sequence_number``; a failure once the
     stream has begun is an ``error`` event, and ends it."""
-    sequence_number = 0
-    try:
-        async with aclosing(events):
-            async for event in events:
-                yield _sse({**event, "sequence_number": sequence_number})
-                sequence_number += 1
-    except Exception as exc:  # noqa: BLE001 - the status line is sent already; tell the client in-band
-        error = as_api_error(exc)
-        if error.status_code >= 500 and error.status_code != 503:
-            logger.exception("error while streaming")
-        yield _sse({"type": "error", "code": error.code, "message": error.message, "param": error.param,
-                    "sequence_number": sequence_number})
-
-
-def _sse(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    numbers = itertools.count()
+    return events_then_error(
+        events, lambda event: named_event({**event, "sequence_number": next(numbers)}),
+        lambda error: named_event({"type": "error", "code": error.code, "message": error.message,
+                                   "param": error.param, "sequence_number": next(numbers)}))

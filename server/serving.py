@@ -30,7 +30,7 @@ from engine.lora.request import LoRARequest
 from engine.outputs import FinishReason, Logprobs
 from engine.sampling_params import SamplingParams
 from server.chat_templates import TemplateRunner
-from server.errors import INVALID_REQUEST, APIError, as_api_error, bad_request
+from server.errors import INVALID_REQUEST, APIError, bad_request
 from server.generation import Generation
 from server.limits import ServerLimits
 from server.lora import LoRARegistry
@@ -42,6 +42,7 @@ from server.streaming import (
     ClientDisconnected,
     SSEResponse,
     client_closed_response,
+    events_then_error,
     run_until_disconnected,
     sse_event,
 )
@@ -351,13 +352,6 @@ def load_report(raw_request: Request) -> dict[str, str]:
 
 async def sse_stream(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     """``data: {chunk}`` events, then ``data: [DONE]``. An error mid-stream becomes an error event."""
-    try:
-        async with aclosing(chunks):
-            async for chunk in chunks:
-                yield sse_event(chunk)
-    except Exception as exc:  # noqa: BLE001 - the status line is sent already; tell the client in-band
-        error = as_api_error(exc)
-        if error.status_code >= 500 and error.status_code != 503:
-            logger.exception("error while streaming")
-        yield sse_event(error.to_dict())
+    async for event in events_then_error(chunks, sse_event, lambda error: sse_event(error.to_dict())):
+        yield event
     yield DONE

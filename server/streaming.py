@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import TypeVar
 
 from fastapi import Request, Response
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 
+from server.errors import APIError, as_api_error
+
 T = TypeVar("T")
+logger = logging.getLogger("minivllm.server")
 
 DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody receives it
@@ -30,6 +35,27 @@ def sse_event(payload: BaseModel | dict) -> str:
 
 def _json(payload: dict) -> str:
     return json.dumps(payload, separators=(",", ":"))
+
+
+def named_event(event: dict) -> str:
+    """``event: <type>`` and ``data: <json>``: the events of Anthropic's Messages API and OpenAI's Responses API."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def events_then_error(items: AsyncIterator[T], encode: Callable[[T], str],
+                            encode_error: Callable[[APIError], str]) -> AsyncIterator[str]:
+    """Each item as an event; a failure once the stream has begun (its status line is sent) becomes one error event
+    in the API's shape (``encode_error``), which ends it. A failure of the server itself (a 5xx other than 503) is
+    logged with its traceback."""
+    try:
+        async with aclosing(items):
+            async for item in items:
+                yield encode(item)
+    except Exception as exc:  # noqa: BLE001 - the status line is sent already; tell the client in-band
+        error = as_api_error(exc)
+        if error.status_code >= 500 and error.status_code != 503:
+            logger.exception("error while streaming")
+        yield encode_error(error)
 
 
 class SSEResponse(StreamingResponse):
