@@ -200,3 +200,29 @@ def test_aborts_while_a_verification_step_runs_leave_no_block_held(engines):
         assert aborted
         assert [tokens["r0"], tokens["r1"]] == expected
         _assert_blocks_all_free(llm)
+
+
+def test_verification_steps_through_the_mixed_step_graph_layout(engines):
+    """Verification steps laid out as a mixed-step CUDA graph replays them (``MixedGraphs``, run eagerly on the CPU
+    where nothing is captured): tokens padded to a captured count, the LM head on the first rows the graph gathers
+    (every verified position), their padding gathering token 0. The tokens are those without speculation."""
+    from engine.worker.cuda_graphs import MixedGraphs
+
+    plain, _ = engines
+    with LLM(max_model_len=1024, quantization="none", speculative_config=NGRAM) as llm:
+        runner, config = llm.engine.runner, llm.engine.config
+        runner.mixed_graphs = MixedGraphs(runner.model, runner.buffers, config.graph_token_sizes(),
+                                          config.max_num_seqs, runner.block_size, runner.max_model_len)
+        shapes = []
+        device_inputs = runner.input_preparer.device_inputs
+
+        def recording(shape):
+            shapes.append(shape)
+            return device_inputs(shape)
+
+        runner.input_preparer.device_inputs = recording
+        assert _tokens(llm, PROMPTS, GREEDY) == _tokens(plain, PROMPTS, GREEDY)
+        verified = [s for s in shapes if s.mixed_size and s.num_sampled > s.num_reqs]
+        assert verified and runner.mixed_graphs.replays == len(shapes)
+        assert llm.engine.proposer.num_accepted_tokens > 20
+        _assert_blocks_all_free(llm)

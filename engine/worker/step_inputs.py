@@ -17,7 +17,6 @@ and an M-RoPE model's three positions per token come from each request's table (
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,10 +95,9 @@ class StepInputPreparer:
         image_embeds = self._gather_image_embeds(rows, counts, ends) if b.mm_inputs else None
         max_seq_len = int(seq_lens.max())
         shape = select_step_shape(
-            decode_graphs, mixed_graphs, prompt_lp is not None or image_embeds is not None or spec_counts is not None,
-            num_reqs,
+            decode_graphs, mixed_graphs, prompt_lp is not None or image_embeds is not None, num_reqs,
             int(np.count_nonzero(counts == 1)), num_tokens, len(sampled), -(-max_seq_len // self.block_size),
-            int(counts.max()), max_seq_len)
+            int(counts.max()), max_seq_len, int(len(sampled) + spec_counts.sum()) if spec_counts is not None else 0)
         self._fill_buffers(shape, rows, seq_lens, ends, positions, token_rows, sampled)
         if self.lora is not None:
             self.lora.prepare(b.lora, token_rows, shape.padded_tokens)
@@ -108,7 +106,7 @@ class StepInputPreparer:
             verified += np.arange(len(verified)) - np.repeat(np.cumsum(spec_counts + 1) - spec_counts - 1,
                                                               spec_counts + 1)
             self.buffers.logits_indices.np[: len(verified)] = verified
-            shape = dataclasses.replace(shape, num_logits=len(verified))
+            self.buffers.logits_indices.np[len(verified) : shape.num_logits] = 0  # a mixed graph's padding rows
         if self.buffers.mrope_positions is not None:  # M-RoPE: the model reads three positions per token
             self._fill_mrope_positions(rows, counts, ends, positions, token_rows, shape.padded_tokens)
         # ids a step in flight is sampling (proposals are known: written after the known tokens)
