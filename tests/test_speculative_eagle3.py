@@ -25,7 +25,8 @@ from engine.worker.eagle3 import PendingStates
 from tests.helpers import SMALL_CONFIG, VOCAB, save_checkpoint, spread_weights
 from tests.test_engine import greedy, hf_greedy, make_prompts, run
 
-HIDDEN, INTERMEDIATE, HEADS, HEAD_DIM = SMALL_CONFIG["hidden_size"], 96, 4, 16
+HIDDEN, INTERMEDIATE, HEADS = SMALL_CONFIG["hidden_size"], 96, 4
+HEAD_DIM = HIDDEN // HEADS
 TARGET_CONFIG = {**SMALL_CONFIG, "num_hidden_layers": 8}
 DEFAULT_AUX = (2, 4, 5)  # (2, L // 2, L - 3) of 8 layers
 DRAFT_IDS = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[: VOCAB // 2].sort().values
@@ -80,7 +81,7 @@ def random_head(tmp_path_factory):
 
 # ------------------------------------------------------------------ a target whose next token a head can know
 
-CONSTANT = 4.0  # every token's embedding has this in column 0, its rows' ~0.125 elsewhere: its norm there is ~7.8
+CONSTANT = 4.0  # every token's embedding has this in column 0, ~N(0, 1 / hidden) elsewhere
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +110,17 @@ def bigram_target(tmp_path_factory):
 def agreeing_head(bigram_target, tmp_path_factory):
     """An EAGLE-3 head (speculators' layout) that computes the bigram target's next token. q and k read only the
     embedding's constant column, into every rope pair: the score of a query with a key d positions back is then
-    s * mean_i cos(d * theta_i), at least 6% below its own position's, and ``s`` makes that 90 nats, so each
-    position attends to itself only. v carries the normed embedding of token t + 1, o copies it out, the hidden
-    input adds nothing (hidden_norm zero before the residual), the MLP adds nothing, and the final norm and LM head
-    are the target's (its draft rows): the head's argmax is the target's next token after token t + 1."""
+    s * mean_i cos(d * theta_i), s its score with its own position's key, and ``scale`` puts the least gap between
+    the two (d = 1: 6% of s with heads 16 wide) at 100 nats, so each position attends to itself only (the normed
+    constant column varies by ~0.5% from token to token). v carries the normed embedding of token t + 1, o copies
+    it out, the hidden input adds nothing (hidden_norm zero, before the residual), the MLP adds nothing, and the
+    final norm and LM head are the target's (its draft rows): the head's argmax is the target's next token after
+    token t + 1."""
     target = transformers.AutoModelForCausalLM.from_pretrained(bigram_target, dtype=torch.float32)
-    scale = 3.0  # (scale * 7.8)^2 * 16 dims * head_dim^-0.5 = s ~ 2200; s * (6.4% - 2 * 0.5% norm spread) ~ 90
+    inv_freq = 1.0 / HEAD_LAYER["rope_theta"] ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)
+    gap = float((1 - torch.cos(torch.arange(1.0, 256.0)[:, None] * inv_freq).mean(-1)).min())
+    normed_constant = HIDDEN * CONSTANT**2 / (CONSTANT**2 + 1)  # its square: a row's other columns add ~1
+    scale = math.sqrt(100 / (normed_constant * HEAD_DIM**0.5 * gap))
     qk = torch.zeros(HEADS * HEAD_DIM, 2 * HIDDEN)
     qk[:, 0] = scale
     v = torch.zeros(HEADS * HEAD_DIM, 2 * HIDDEN)
@@ -315,8 +321,9 @@ def test_heads_that_cannot_serve_are_refused(target, random_head, tmp_path):
         "not an EAGLE-3 head's": (target, {}),  # a plain Llama directory
         "no fc.weight": (None, {"drop": "fc.weight"}),
         r"vocabulary \(384 tokens\) is not the target's \(320\)": (None, {"config": {"vocab_size": VOCAB + 64}}),
-        "reads target states of 32, the target's hidden size is 64": (None, {"config": {"target_hidden_size": 32}}),
-        "fc reads 192 inputs, not 2 target states": (None, {"config": {"eagle_config": {
+        f"reads target states of {HIDDEN // 2}, the target's hidden size is {HIDDEN}": (None, {"config": {
+            "target_hidden_size": HIDDEN // 2}}),
+        f"fc reads {3 * HIDDEN} inputs, not 2 target states": (None, {"config": {"eagle_config": {
             "eagle_aux_hidden_state_layer_ids": [1, 6]}}}),
         "d2t maps draft ids outside": (None, {"d2t": torch.full((len(DRAFT_IDS),), VOCAB)}),
         "heads of one layer": (None, {"config": {"num_hidden_layers": 2}}),
