@@ -292,3 +292,24 @@ def test_the_kernels_give_the_tokens_of_the_torch_path(llama):
         llm.engine.runner.lora.mapping.use_triton = True
         kernels = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
     assert kernels == torch_path
+
+
+def test_adapters_through_the_mixed_step_graph_layout(llama):
+    """Steps laid out as a mixed-step CUDA graph replays them (``MixedGraphs``, run eagerly on the CPU where nothing
+    is captured): tokens padded to a captured count, whose padding reads no adapter, and the per-token slots read
+    from the fixed buffers. A batch mixing adapters and the base model gets the tokens of plain eager steps."""
+    from engine.worker.cuda_graphs import MixedGraphs
+
+    base, adapters = llama
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(VOCAB, lens=[30, 9, 21, 14])]
+    lora = [requests(adapters)[0], None, requests(adapters)[2], requests(adapters)[1]]
+    options = dict(enable_lora=True, max_loras=3, max_lora_rank=16, max_num_batched_tokens=40, **COMMON)
+    with LLM(str(base), **options) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)]
+    with LLM(str(base), enable_prefix_caching=False, **options) as llm:
+        runner, config = llm.engine.runner, llm.engine.config
+        runner.mixed_graphs = MixedGraphs(runner.model, runner.buffers, config.graph_token_sizes(),
+                                          config.max_num_seqs, runner.block_size, runner.max_model_len)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)]
+        assert runner.mixed_graphs.replays > 0 and runner.num_steps_by_kind["eager"] == 0
+    assert got == expected
