@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,20 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from spec_draft import run  # noqa: E402
 from workloads import shape_dir  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-
-
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
-    outputs, start = [], time.perf_counter()
-    for i in range(0, len(prompts), concurrency):
-        outputs += llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + concurrency]], params,
-                                use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    waves = -(-len(prompts) // concurrency)
-    return {"tok_s": sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed,
-            "tpot_ms": 1000 * elapsed / waves / params.max_tokens, "tokens": [o.outputs[0].token_ids for o in outputs]}
 
 
 def force(llm: LLM, truth: dict[tuple[int, ...], list[int]], rate: float, k: int, vocab: int, seed: int) -> None:
