@@ -210,7 +210,6 @@ def test_the_adapter_config_is_read_as_peft_writes_it(llama):
     plain, rs = read_adapter_config(adapters[0]), read_adapter_config(adapters[1])
     assert set(plain.modules.values()) == {(8, 2.0)}
     assert set(rs.modules.values()) == {(4, 4.0)}
-    assert json.loads((adapters[3] / "adapter_config.json").read_text())["r"] == 8
     assert {m.rsplit(".", 1)[-1] for m in read_adapter_config(adapters[3]).modules} == {"q_proj", "v_proj"}
 
 

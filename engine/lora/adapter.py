@@ -35,7 +35,6 @@ class AdapterConfig:
     """What the engine needs of ``adapter_config.json``, and each adapted module's rank and scaling."""
 
     path: Path
-    rank: int  # the largest rank of any module
     modules: dict[str, tuple[int, float]] = field(default_factory=dict)  # module name -> (rank, scaling)
     shapes: dict[str, tuple[int, int]] = field(default_factory=dict)  # module name -> (in, out) features
 
@@ -97,7 +96,7 @@ def read_adapter_config(path: str | Path, max_rank: int | None = None) -> Adapte
             shapes.setdefault(module, {})[match["ab"]] = tuple(f.get_slice(name).get_shape())
     if not shapes:
         raise LoRAAdapterError(f"LoRA adapter {path}: {file.name} holds no LoRA weights")
-    result = AdapterConfig(path, rank=0)
+    result = AdapterConfig(path)
     use_rslora = bool(config.get("use_rslora"))
     for module, ab in sorted(shapes.items()):
         leaf = module.rsplit(".", 1)[-1]
@@ -115,25 +114,12 @@ def read_adapter_config(path: str | Path, max_rank: int | None = None) -> Adapte
         scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         result.modules[module] = (rank, scaling)
         result.shapes[module] = (ab["A"][1], ab["B"][0])
-        result.rank = max(result.rank, rank)
     return result
 
 
-@dataclass
-class AdapterWeights:
-    """An adapter's tensors in host memory: module name -> (A [r, in], B [out, r] times the module's scaling)."""
-
-    config: AdapterConfig
-    modules: dict[str, tuple[object, object]]
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.modules.values())
-
-
-def load_adapter(path: str | Path, max_rank: int | None, dtype) -> AdapterWeights:
-    """Read a checked adapter's tensors in ``dtype``; each B is multiplied by its module's scaling once (in float32,
-    then rounded), so that the product needs no scaling of its own."""
+def load_adapter(path: str | Path, max_rank: int | None, dtype) -> dict[str, tuple]:
+    """Read a checked adapter's tensors in ``dtype``: module name -> (A [r, in], B [out, r] times the module's
+    scaling). B is multiplied once (in float32, then rounded), so that the product needs no scaling of its own."""
     import torch
     from safetensors.torch import load_file
 
@@ -147,4 +133,4 @@ def load_adapter(path: str | Path, max_rank: int | None, dtype) -> AdapterWeight
     for module, (_, scaling) in config.modules.items():
         a, b = by_module[module]["A"], by_module[module]["B"]
         modules[module] = (a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous())
-    return AdapterWeights(config, modules)
+    return modules

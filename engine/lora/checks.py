@@ -28,7 +28,7 @@ class AdapterChecks:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, worker):
         self.config = config
         self.shapes = module_shapes(model_config)
-        self.modules: set[str] = worker.module_shapes() if worker is not None else set()
+        self.modules: set[str] = worker.module_names() if worker is not None else set()
         self.paths: dict[int, str] = {}  # adapter id -> the path it was checked at
 
     def check(self, lora: LoRARequest, params) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.models.fused_path import runs_triton
 from engine.models.linear.layer import FusedLinear, LinearBase, linear_layers
 from engine.models.linear.method import LinearMethod
 from engine.models.linear.output import LinearOutput
@@ -46,14 +47,14 @@ class LoRAMapping:
     # This step, on the host: whether any token has an adapter (False: the layers skip their products). A CUDA
     # graph is captured with ``active`` on.
     active: bool = False
-    use_triton: bool | None = None  # None: the kernels for CUDA tensors, the torch reference elsewhere
+    use_triton: bool | None = None  # as the fused modules' (engine.models.fused_path): None by device
 
     def add_products(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """y += (x A[slot]^T) B[slot]^T for each token under an adapter, in place."""
         num_tokens = x.shape[0]
         h = torch.empty(num_tokens, a.shape[1], dtype=torch.float32, device=x.device)
         slots = self.token_slots[:num_tokens]
-        if not (x.is_cuda if self.use_triton is None else self.use_triton):
+        if not runs_triton(self.use_triton, x):
             lora_shrink_reference(x, a, slots, h)
             lora_expand_reference(h, b, slots, y)
             return

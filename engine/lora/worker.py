@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.lora.adapter import AdapterWeights, load_adapter
+from engine.lora.adapter import load_adapter
 from engine.lora.layers import LoRALayer, LoRAMapping, attach_lora
 from engine.lora.request import LoRARequest
 from engine.ops.lora_reference import segments
@@ -40,16 +40,17 @@ class LoRAWorker:
         self.slot_starts = HostDeviceBuffer((max_loras + 1,), torch.int32, device)
         self.mapping = LoRAMapping(self.token_slots.device, self.token_order.device, self.slot_starts.device)
         self.layers: dict[str, LoRALayer] = attach_lora(model, self.mapping, max_loras, max_rank, dtype, device)
+        self._distinct = list({id(e.layer): e for e in self.layers.values()}.values())  # a fused layer once
         self.slot_adapter = [0] * max_loras  # the adapter id in each slot; 0: none
         self.slot_used = [0] * max_loras  # the step that last read each slot
         self.num_steps = 0
-        self.host: OrderedDict[int, AdapterWeights] = OrderedDict()  # by adapter id, least recently used first
+        # By adapter id, least recently used first: module name -> (A, B times its scaling), in host memory.
+        self.host: OrderedDict[int, dict[str, tuple]] = OrderedDict()
         self.num_loads = self.num_evictions = 0
         self.loads: list[tuple[int, LoRARequest]] = []  # this step's (slot, adapter), for the other ranks
-        per_slot = sum(layer.lora_a[0].numel() + layer.lora_b[0].numel()
-                       for layer in {id(e.layer): e.layer for e in self.layers.values()}.values())
+        per_slot = sum(e.layer.lora_a[0].numel() + e.layer.lora_b[0].numel() for e in self._distinct)
         logger.info("LoRA: %d slots of rank %d on %d linear layers, %.1f MiB each", max_loras, max_rank,
-                    len({id(e.layer) for e in self.layers.values()}), per_slot * dtype.itemsize / 2**20)
+                    len(self._distinct), per_slot * dtype.itemsize / 2**20)
 
     # rank 0 ------------------------------------------------------------------------------------------------
 
@@ -95,8 +96,8 @@ class LoRAWorker:
         self.host[request.lora_int_id] = weights
         if self.slot_adapter[slot]:
             self.num_evictions += 1
-        for layer in {id(e.layer): e for e in self.layers.values()}.values():
-            layer.install(slot, weights.modules, self.max_rank)
+        for layer in self._distinct:
+            layer.install(slot, weights, self.max_rank)
         self.slot_adapter[slot] = request.lora_int_id
         self.num_loads += 1
         logger.info("LoRA adapter %r (id %d) in slot %d", request.lora_name, request.lora_int_id, slot)
@@ -130,6 +131,6 @@ class LoRAWorker:
         finally:
             self.mapping.active = active
 
-    def module_shapes(self) -> set[str]:
+    def module_names(self) -> set[str]:
         """The checkpoint modules an adapter may adapt."""
         return set(self.layers)
