@@ -11,6 +11,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig
 from engine.sampling_params import StructuredOutputsParams
+from engine.speculative.proposer import PAUSE_STEPS
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # Prompts whose continuations copy spans of themselves, where n-gram proposals are accepted.
@@ -225,4 +226,28 @@ def test_verification_steps_through_the_mixed_step_graph_layout(engines):
         verified = [s for s in shapes if s.mixed_size and s.num_sampled > s.num_reqs]
         assert verified and runner.mixed_graphs.replays == len(shapes)
         assert llm.engine.proposer.num_accepted_tokens > 20
+        _assert_blocks_all_free(llm)
+
+
+def test_async_scheduling_plans_ahead_only_while_no_step_takes_proposals(engines):
+    """Async scheduling with speculation: a batch at ``disable_by_batch_size`` decodes without proposals, its steps
+    planned ahead of the tokens in flight; once requests finish and the batch falls under it, steps are planned
+    when the tokens are known and verify proposals; a lone request is planned ahead only while its proposals are
+    paused. The tokens are those without speculation, and every block goes back."""
+    plain, _ = engines
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (64, 48, 12, 8)]
+    expected = _tokens(plain, PROMPTS, params)
+    with LLM(max_model_len=1024, quantization="none", speculative_config={**NGRAM, "disable_by_batch_size": 3},
+             overlap_steps=True, async_scheduling=True) as llm:
+        engine, proposer = llm.engine, llm.engine.proposer
+        assert engine.async_scheduling
+        assert _tokens(llm, PROMPTS, params) == expected
+        ahead = engine.num_steps_planned_ahead
+        assert ahead > 0  # the steps of four and three requests
+        assert proposer.num_accepted_tokens > 0  # the steps of two and one verify proposals
+        drafts, pauses = proposer.num_drafts, proposer.num_paused
+        assert _tokens(llm, PROMPTS[:1], GREEDY) == _tokens(plain, PROMPTS[:1], GREEDY)
+        assert proposer.num_drafts > drafts
+        # Alone, it is planned ahead only while its proposals are paused for low acceptance.
+        assert engine.num_steps_planned_ahead - ahead <= PAUSE_STEPS * (proposer.num_paused - pauses)
         _assert_blocks_all_free(llm)

@@ -121,14 +121,16 @@ class LLMEngine:
         async_scheduling = config.async_scheduling if config.async_scheduling is not None else on_cuda
         if self.proposer is not None and async_scheduling:
             # A step planned before the last one's tokens are known cannot hold proposals that follow them.
-            logger.info("speculative decoding: async scheduling is off (steps are planned once tokens are known)")
-            async_scheduling = False
+            logger.info("speculative decoding: steps are planned ahead (async scheduling) only while none would "
+                        "take proposals")
         self.pipeline = StepPipeline(
             self.scheduler, self.runner,
             overlap_steps=config.overlap_steps if config.overlap_steps is not None else on_cuda,
             async_scheduling=async_scheduling,
             new_grammars=functools.partial(_new_grammar_manager, self.tokenizer, self.model_config.vocab_size,
                                            self.eos_token_ids, config),
+            wants_proposals=(lambda: self.proposer.wants_proposals(self.scheduler.running))
+            if self.proposer is not None else None,
         )
         # Start-up made objects that live as long as the engine, one per KV block above all (139k on an H200
         # with an FP8 cache). A full garbage collection walks every one: on an H200 host that stalled one

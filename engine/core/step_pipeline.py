@@ -7,7 +7,11 @@ bookkeeping and hands the step back here. What may run ahead of the host is deci
                        computes while the caller handles the outputs
     async_scheduling   before the sync, the next step is planned and launched: the tokens this step samples are
                        fed to it on the device. Not while a running request needs its exact output so far to
-                       sample (``Scheduler.can_schedule_ahead``)
+                       sample (``Scheduler.can_schedule_ahead``). With speculative decoding, not after a step
+                       that verifies proposals (how many it accepts moves the next positions), nor while the
+                       next step would give proposals (``wants_proposals``: they follow the tokens in flight); so
+                       a batch that speculates is planned step by step, and one above ``disable_by_batch_size``,
+                       or whose requests have all paused their proposals, is planned ahead
     grammar masks      a step with constrained requests queues its forward pass at once and its sampling once
                        their masks are filled: at once for a step launched on its own; for a step planned ahead,
                        whose masks need this step's tokens, on a thread during the bookkeeping, its sampling
@@ -66,12 +70,13 @@ class StepPipeline:
     """Owns the step launched ahead (at most one) and the grammars' part in launching steps."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap_steps: bool, async_scheduling: bool,
-                 new_grammars: Callable[[], GrammarManager]):
+                 new_grammars: Callable[[], GrammarManager], wants_proposals: Callable[[], bool] | None = None):
         self._scheduler = scheduler
         self._runner = runner
         self.overlap_steps = overlap_steps
         self.async_scheduling = async_scheduling
         self._new_grammars = new_grammars  # called with the first constrained request
+        self._wants_proposals = wants_proposals  # speculative decoding: whether the next step would take proposals
         self.grammars: GrammarManager | None = None
         self._constrained: set[str] = set()  # unfinished requests with a grammar
         self._ahead: InflightStep | None = None  # launched already, the next step to finish
@@ -92,11 +97,18 @@ class StepPipeline:
             step = self._launch()
         elif step.handle.awaits_sampling:  # its masks were left filling (``finish``): its sampling goes first
             self._runner.launch_sampling(step.handle, step.masks.result() if step.masks is not None else None)
-        if self.async_scheduling and self._scheduler.can_schedule_ahead():
+        if self.async_scheduling and self._scheduler.can_schedule_ahead() and self._may_plan_past(step):
             # The device goes from this step straight to the next while the host waits and does the bookkeeping.
             self._ahead = self._launch_step(in_flight=step.handle)
             self.num_steps_planned_ahead += 1
         return step
+
+    def _may_plan_past(self, step: InflightStep) -> bool:
+        """Speculative decoding: a step may be planned before ``step``'s tokens are known only where neither
+        ``step`` verifies proposals nor the next step would take any."""
+        if self._wants_proposals is None:
+            return True
+        return not step.sched.spec_token_ids and not self._wants_proposals()
 
     def finish(self, step: InflightStep) -> ModelRunnerOutput:
         """Wait for the step and return its tokens. The grammars take them first: the masks of the step launched

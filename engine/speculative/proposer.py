@@ -138,20 +138,38 @@ class SpeculationProposer:
         config = SpeculativeConfig.parse(given)
         return cls(config) if config is not None else None
 
+    def _off(self, running: list[Request]) -> bool:
+        """No proposals for anyone: the batch is at ``disable_by_batch_size``, or holds a request that cannot take
+        them (the step samples without them: ``drop_proposals_beside_others``)."""
+        limit = self.config.disable_by_batch_size
+        return (limit is not None and len(running) >= limit) or not all(map(speculates, running))
+
+    def wants_proposals(self, running: Iterable[Request]) -> bool:
+        """Whether the next step would give a running request proposals, were its tokens known: the engine plans
+        a step ahead of the one in flight (async scheduling) only where it would not."""
+        running = list(running)
+        if self._off(running):
+            return False
+        for request in running:
+            acceptance = self.acceptance.get(request.request_id)
+            if (acceptance is None or not acceptance.paused) and (self.ngram is not None or request.grammar is None):
+                return True
+        return False
+
     def propose(self, running: Iterable[Request]) -> None:
         """Set each running request's proposals for the next step (none where it does not speculate, is not
-        decoding, has paused them for low acceptance, or the batch is at ``disable_by_batch_size``)."""
+        decoding, has paused them for low acceptance, or the batch is at ``disable_by_batch_size``). Called once a
+        step: a paused request counts a step down here, whether or not it could take proposals."""
         running = list(running)
-        limit = self.config.disable_by_batch_size
-        # A batch holding a request that cannot take proposals samples without them (drop_proposals_beside_others).
-        off = (limit is not None and len(running) >= limit) or not all(map(speculates, running))
+        off = self._off(running)
         if len(self.acceptance) > 2 * len(running):  # forget the requests that ended
             ids = {request.request_id for request in running}
             self.acceptance = {rid: a for rid, a in self.acceptance.items() if rid in ids}
         for request in running:
-            decoding = request.num_computed_tokens == request.num_tokens - 1 and not request.num_placeholders
             acceptance = self.acceptance.get(request.request_id)
-            if off or not decoding or not speculates(request) or (acceptance is not None and not acceptance.proposes()):
+            paused = acceptance is not None and not acceptance.proposes()
+            decoding = request.num_computed_tokens == request.num_tokens - 1 and not request.num_placeholders
+            if off or paused or not decoding or not speculates(request):
                 request.spec_token_ids = []
                 continue
             if self.ngram is None:  # a draft model's proposals are unknown here: a grammar could not check them
