@@ -108,9 +108,19 @@ def main() -> None:
     print(f"{len(paths)} rank-{args.rank} adapters written in {time.perf_counter() - start:.0f} s", flush=True)
     adapters = [LoRARequest(f"adapter{i}", i + 1, str(p)) for i, p in enumerate(paths)]
 
+    print(f"{torch.cuda.get_device_name()}  {args.shape}  W1 {workload.num_requests} requests  rank {args.rank}  "
+          f"max_loras {args.max_loras}", flush=True)
     rows = []
+
+    def report(row: dict) -> None:  # each run as it ends
+        rows.append(row)
+        row["ratio"] = row["tok_s"] / rows[0]["tok_s"]
+        label = "base model (no LoRA)" if not row["adapters"] else f"{row['adapters']:3d} adapters"
+        print(f"  {label:22s} {row['tok_s']:8.0f} tok/s  {row['ratio']:.2f}x  TPOT {row['mean_tpot_ms']:6.2f} ms  "
+              f"loads {row['loads']}  evictions {row['evictions']}", flush=True)
+
     llm = LLM(model, **common)
-    rows.append(run(llm, prompts, output_lens, None))
+    report(run(llm, prompts, output_lens, None))
     llm.shutdown()
     del llm
     gc.collect()
@@ -118,15 +128,7 @@ def main() -> None:
     llm = LLM(model, enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank,
               max_cpu_loras=max(args.adapters), **common)
     for n in args.adapters:
-        rows.append(run(llm, prompts, output_lens, adapters[:n]))
-    base = rows[0]["tok_s"]
-    print(f"{torch.cuda.get_device_name()}  {args.shape}  W1 {workload.num_requests} requests  rank {args.rank}  "
-          f"max_loras {args.max_loras}")
-    for row in rows:
-        row["ratio"] = row["tok_s"] / base
-        label = "base model (no LoRA)" if not row["adapters"] else f"{row['adapters']:3d} adapters"
-        print(f"  {label:22s} {row['tok_s']:8.0f} tok/s  {row['ratio']:.2f}x  TPOT {row['mean_tpot_ms']:6.2f} ms  "
-              f"loads {row['loads']}  evictions {row['evictions']}", flush=True)
+        report(run(llm, prompts, output_lens, adapters[:n]))
     out = Path(__file__).resolve().parent / "out"
     out.mkdir(exist_ok=True)
     (out / f"lora_throughput_{int(time.time())}.json").write_text(json.dumps(
