@@ -11,9 +11,10 @@ forward pass, ``DraftModel.draft`` runs the draft over the same rows:
     pass j      proposal j at the position after -> proposal j + 1, for j < k (a row whose step has fewer
                 proposal slots stops at its k)
 
-and writes the proposals over the placeholders in the rows' tokens, which the verification reads. The draft's
-K/V live in its own paged cache with as many blocks as the target's and the same block ids: a request's block table
-addresses both, so the draft needs no allocator of its own, and the slots of the step's proposals (allocated for the
+and writes the proposals over the placeholders in the rows' tokens, which the verification reads. Each pass takes
+the last one's proposals on the device; the host waits once, after the last pass. The draft's K/V live in its own
+paged cache with as many blocks as the target's and the same block ids: a request's block table addresses both, so
+the draft needs no allocator of its own, and the slots of the step's proposals (allocated for the
 target's verification) hold the draft's K/V of its own proposals in passes 1 .. k - 1. A draft position is written
 again when it is next fed (the tokens accepted after it), so what a rejected proposal left is never read. The
 draft's proposals are its argmax: a point mass for the rejection sampling, so the output is distributed as the
@@ -117,30 +118,34 @@ class DraftModel:
         ends = batch.num_tokens[rows].copy()  # the known tokens: the last one's K/V is not in either cache yet
         starts = np.asarray([min(self.computed.get(rid, 0), end - 1) for rid, end in zip(rids, ends)])
         tokens = np.concatenate([batch.token_ids[row, start:end] for row, start, end in zip(rows, starts, ends)])
-        proposal = self._pass(batch, rows, starts, ends, tokens)
+        proposal = self._pass(batch, rows, starts, ends, torch.from_numpy(tokens).to(self.device))
         for rid, end in zip(rids, ends):
             self.computed[rid] = int(end)
+        # Each pass feeds the last one's proposals on the device; the host waits once, for all of them.
         live = np.arange(len(rows))
-        for j in range(int(counts.max())):
-            batch.token_ids[rows[live], ends[live] + j] = proposal
-            live_next = live[counts[live] > j + 1]
-            if not len(live_next):
-                break
-            proposal = proposal[counts[live] > j + 1]
-            live = live_next
-            at = ends[live] + j
+        made = [(live, proposal)]
+        for j in range(1, int(counts.max())):
+            more = counts[live] > j
+            live, proposal = live[more], proposal[torch.from_numpy(np.nonzero(more)[0]).to(self.device)]
+            at = ends[live] + j - 1  # proposal j's position, whose output is proposal j + 1
             proposal = self._pass(batch, rows[live], at, at + 1, proposal)
+            made.append((live, proposal))
+        tokens = torch.cat([p for _, p in made]).cpu().numpy()
+        offset = 0
+        for j, (live, _) in enumerate(made):
+            batch.token_ids[rows[live], ends[live] + j] = tokens[offset : offset + len(live)]
+            offset += len(live)
 
     def _pass(self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-              tokens: np.ndarray) -> np.ndarray:
-        """One forward pass of the draft over tokens [start, end) of each row (``tokens`` concatenated); returns
-        its argmax after each row's last token."""
+              tokens: torch.Tensor) -> torch.Tensor:
+        """One forward pass of the draft over tokens [start, end) of each row (``tokens`` concatenated, on the
+        device); returns its argmax after each row's last token, on the device."""
         meta, positions = pass_metadata(batch, rows, starts, ends, self.block_size, self.device)
-        hidden = self.model(torch.from_numpy(tokens).to(self.device), positions, meta)
+        hidden = self.model(tokens, positions, meta)
         last = torch.from_numpy(np.cumsum(ends - starts) - 1).to(self.device)
         logits = self.model.compute_logits(hidden[last])[:, : self.model_config.vocab_size]
         self.num_passes += 1
-        return logits.argmax(dim=-1).cpu().numpy()
+        return logits.argmax(dim=-1)
 
 
 def pass_metadata(batch: InputBatch, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, block_size: int,
