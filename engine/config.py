@@ -133,6 +133,10 @@ class EngineConfig:
     attention_backend: str = option("auto", "auto: triton on CUDA, torch elsewhere", group=SCHEDULING,
                                     choices=_BACKENDS)
     enforce_eager: bool = option(False, "never capture CUDA graphs", group=SCHEDULING)
+    compile: bool = option(
+        False, "CPU: compile the decode step with torch.compile (inductor; needs torch >= 2.6 and a C++ compiler): "
+        "fewer, fused small ops per decode step, for a minute or two of compiling at start-up the first time (~15 s "
+        "once inductor's disk cache holds it)", group=SCHEDULING)
     runner: str = option(
         "generate", "what the model serves: generate (completions, chat) or pooling (embeddings: the last prompt "
         "token's hidden state; steps run without CUDA graphs)", group=SCHEDULING, choices=("generate", "pooling"))

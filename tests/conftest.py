@@ -139,6 +139,7 @@ TIER_OF_FILE = {
     "test_tool_parsers.py": "unit",
 
     "test_beam_search.py": "engine",
+    "test_cpu_compile.py": "engine",
     "test_engine.py": "engine",
     "test_fp8.py": "engine",
     "test_fp8_accuracy.py": "engine",

@@ -25,7 +25,7 @@ ENGINE_FLAGS = [
     "--gpu-memory-utilization", "--cpu-kvcache-space-gib", "--enable-prefix-caching", "--no-enable-prefix-caching",
     "--kv-offloading-size", "--kv-offloading-backend", "--preemption-mode",
     "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
-    "--max-logprobs", "--attention-backend", "--enforce-eager", "--runner", "--cuda-graph-max-tokens",
+    "--max-logprobs", "--attention-backend", "--enforce-eager", "--compile", "--runner", "--cuda-graph-max-tokens",
     "--overlap-steps",
     "--no-overlap-steps", "--async-scheduling", "--no-async-scheduling", "--structured-outputs-max-bytes",
     "--structured-outputs-compile-timeout", "--xgrammar-cache-mb", "--speculative-config",

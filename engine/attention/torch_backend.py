@@ -18,6 +18,11 @@ from kvcache.paged_cache import FP8_DTYPE, fp8_to_float32, quantize_fp8, rotate_
 
 KVScales = tuple[torch.Tensor, torch.Tensor]  # an FP8 cache's (k_scales, v_scales), [num_blocks, block_size, kvh]
 
+# ``AttentionMetadata.derive`` key of a decode-only step whose K/V writes its caller makes after the forward pass:
+# a list, to which each layer appends its new (k, v) instead of writing them (``TorchAttentionBackend.forward``).
+# A compiled step (``engine.worker.cpu_compile``) sets it: its graph then mutates no cache.
+DEFERRED_KV_WRITES = "torch:deferred_kv_writes"
+
 
 def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -105,6 +110,10 @@ class TorchAttentionBackend:
         scale, window, softcap = layer.scale, layer.window, layer.softcap
         if rope is not None:
             q, k, v = rope.apply(q, k, v, meta)
+        deferred = meta.derive(DEFERRED_KV_WRITES, _none)
+        if deferred is not None:  # a decode-only step, one token per request, a 16-bit cache
+            deferred.append((k, v))
+            return self._decode(q, k_cache, v_cache, meta, scale, window, None, softcap, new_kv=(k, v))
         num_tokens = meta.slot_mapping.shape[0]
         write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)
@@ -127,18 +136,31 @@ class TorchAttentionBackend:
             out[starts[meta.num_reqs]:].zero_()  # padding tokens past the last request's
         return out
 
+    def plan_decode_step(self, layer: LayerCache, meta: AttentionMetadata,
+                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Derive on the host what the layer's decode-only step reads from ``meta``, which a compiled step could not
+        trace (the step's longest context is read from a host tensor): its block ids [d, nb], additive mask
+        [d, 1, 1, nb * block_size] and newest positions [d, 1, nb * block_size, 1], returned."""
+        d, block_size = meta.num_decodes, layer.k_cache.shape[1]
+        return _derive_decode_plan(meta, d, block_size, layer.window, dtype)
+
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
-                kv_scales: KVScales | None = None, softcap: float = 0.0) -> torch.Tensor:
+                kv_scales: KVScales | None = None, softcap: float = 0.0,
+                new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``new_kv``: the step's own K and V [d, kvh, hd], not written to the cache yet (``DEFERRED_KV_WRITES``):
+        they take the place of the cache's rows at each request's last position."""
         d = q.shape[0]
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // num_kv_heads
-        block_ids, mask = meta.derive(("torch:decode", d, block_size, window, q.dtype),
-                                      lambda: _decode_plan(meta, d, block_size, window, q.dtype))
+        block_ids, mask, newest = _derive_decode_plan(meta, d, block_size, window, q.dtype)
         k_scales, v_scales = kv_scales or (None, None)
         keys = _gather_context(k_cache, block_ids, k_scales, q.dtype)  # [d, kvh, L, hd]
         values = _gather_context(v_cache, block_ids, v_scales, q.dtype)
+        if new_kv is not None:  # newest: [d, 1, L, 1], True at each request's last position
+            keys = torch.where(newest, new_kv[0][:, :, None, :], keys)
+            values = torch.where(newest, new_kv[1][:, :, None, :], values)
         # Fold the query heads of one KV head into the query axis: GQA without repeating K/V.
         qg = q.view(d, num_kv_heads, group, head_dim)  # [d, kvh, group, hd]
         o = _attend(qg, keys, values, mask, scale, softcap)
@@ -171,10 +193,22 @@ class TorchAttentionBackend:
         return o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
 
 
+def _none() -> None:
+    return None
+
+
+def _derive_decode_plan(meta: AttentionMetadata, d: int, block_size: int, window: int,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_decode_plan``, made by the step's first layer that needs it (``d`` is the step's ``num_decodes``)."""
+    return meta.derive(("torch:decode", block_size, window, dtype),
+                       lambda: _decode_plan(meta, d, block_size, window, dtype))
+
+
 def _decode_plan(meta: AttentionMetadata, d: int, block_size: int, window: int,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``d`` (decode) requests' block ids [d, nb] (int64) and additive mask [d, 1, 1, nb * block_size]
-    over their padded contexts: the same for every layer of a step with the same window."""
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first ``d`` (decode) requests' block ids [d, nb] (int64), additive mask [d, 1, 1, nb * block_size] over
+    their padded contexts, and where each one's newest token sits, [d, 1, nb * block_size, 1] boolean: the same for
+    every layer of a step with the same window."""
     max_len = int(meta.seq_lens_cpu[:d].max())
     nb = (max_len + block_size - 1) // block_size
     block_ids = meta.block_tables[:d, :nb].long()
@@ -184,7 +218,8 @@ def _decode_plan(meta: AttentionMetadata, d: int, block_size: int, window: int,
         beyond |= positions[None, :] < meta.seq_lens[:d, None] - window
     # An additive mask: SDPA's CPU kernel takes it without converting a boolean one per call.
     mask = torch.zeros(beyond.shape, dtype=dtype, device=block_ids.device).masked_fill_(beyond, float("-inf"))
-    return block_ids, mask[:, None, None, :]
+    newest = positions[None, :] == meta.seq_lens[:d, None] - 1
+    return block_ids, mask[:, None, None, :], newest[:, None, :, None]
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,

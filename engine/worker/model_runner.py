@@ -52,6 +52,7 @@ from engine.models.linear import (
 )
 from engine.ops.greedy import argmax_in_graphs
 from engine.outputs import ModelRunnerOutput, RunnerTiming, SchedulerOutput
+from engine.worker.cpu_compile import compile_cpu_decode
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from engine.worker.draft_model import DraftModel
 from engine.worker.dummy_steps import DummySteps, warm_up_experts
@@ -244,6 +245,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             with self._all_lora_products():  # their kernels compile before the first request too
                 self.dummy_steps.warm_up_step_sizes()
+        compile_cpu_decode(self.model, self.config, self.backend, self.dtype)  # --compile (CPU)
 
     def capture_cuda_graphs(self) -> None:
         """Capture mixed-step and decode graphs (CUDA with a graph-safe backend, unless ``enforce_eager``), into one
