@@ -30,8 +30,6 @@ import shutil
 import time
 
 import torch
-import torch._dynamo
-import torch.fx.experimental._config
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
@@ -129,6 +127,8 @@ class CompiledCpuDecode:
         plans = {id(plan): plan for plan in (self.backend.plan_decode_step(layer.bound_cache, meta, self.dtype)
                                              for layer in self.layers)}
         if mark_dynamic:
+            import torch._dynamo  # here: importing it costs every engine ~1.5 s of start-up
+
             batched = meta.num_decodes > 1  # a size of 1 is its own graph
             for plan in plans.values():
                 for tensor, context_dim in zip(plan, (1, 3, 2)):
@@ -152,6 +152,8 @@ class CompiledCpuDecode:
         sizes = (1, 2) if max_num_seqs > 1 else (1,)
         logger.info("--compile: compiling the CPU decode step for %s request(s) at a time (minutes the first time; "
                     "inductor caches it on disk)", " and ".join(map(str, sizes)))
+        import torch.fx.experimental._config  # here, as torch._dynamo in ``_run``
+
         for d in sizes:
             # Made outside inference mode, like a step's inputs (the guards check it); run inside, like a step.
             step = _dummy_decode_step(d, block_size, self.layers[0].k_cache.device)
