@@ -1,7 +1,8 @@
 #!/bin/bash
 # llama.cpp against minivllm on the CPU, on the default model's GGUF (its Q4_1 file), two threads each, the same
 # prompts through bench/serve.py (256 random tokens in, 128 out, EOS ignored) at concurrency 1 and 16; then
-# llama-bench's own pp256/tg128. minivllm runs once per QUANTS entry (default: its default, then none).
+# llama-bench's own pp256/tg128. minivllm runs once per QUANTS entry (default: its default, then none; `compile`:
+# its default with --compile).
 #
 # llama.cpp from the llama-cpp-python sdist (pip download llama-cpp-python --no-deps --no-binary :all:), its
 # vendor/llama.cpp built for this CPU without -march=native (AMX instructions stop the process on VMs that hide it):
@@ -30,7 +31,7 @@ LS=$!; wait_up 8091 || echo "llama-server did not start"
 bench llamacpp 8091 1 8; bench llamacpp 8091 16 48
 kill $LS; wait $LS 2>/dev/null
 for Q in ${QUANTS:-default none}; do
-  EXTRA=""; [ "$Q" != default ] && EXTRA="--quantization $Q"
+  case $Q in default) EXTRA="";; compile) EXTRA="--compile";; *) EXTRA="--quantization $Q";; esac
   PYTHONPATH=$REPO $PY -m server.cli serve --port 8092 $EXTRA > $OUTDIR/minivllm-$Q.log 2>&1 &
   MV=$!; wait_up 8092 || echo "minivllm did not start"
   bench minivllm-$Q 8092 1 8; bench minivllm-$Q 8092 16 48
