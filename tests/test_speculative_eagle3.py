@@ -273,6 +273,23 @@ def test_a_head_that_agrees_with_its_target_has_its_proposals_accepted(bigram_ta
         assert proposals == reference.proposals(tokens, len(proposals))
 
 
+def test_async_scheduling_around_the_heads_proposals(bigram_target, agreeing_head):
+    """Async scheduling with the head: while the batch is at ``disable_by_batch_size`` its steps are planned ahead of
+    the tokens in flight (the head catches up on those tokens later); once requests end, the head proposes again.
+    The tokens are transformers' greedy tokens, and the proposals made are still accepted."""
+    prompts = make_prompts(VOCAB, lens=[12, 30, 7, 21])
+    lengths = [24, 20, 8, 6]
+    expected = [tokens[:n] for tokens, n in zip(hf_greedy(bigram_target, prompts, max(lengths)), lengths)]
+    with LLM(str(bigram_target), max_model_len=256, num_kvcache_blocks=96, overlap_steps=True,
+             async_scheduling=True, speculative_config={**_spec(agreeing_head, 4), "disable_by_batch_size": 3}) as llm:
+        assert run(llm, prompts, [greedy(n) for n in lengths]) == expected
+        proposer = llm.engine.proposer
+        assert llm.engine.num_steps_planned_ahead > 0
+        assert proposer.num_draft_tokens > 0
+        assert proposer.num_accepted_tokens >= 0.95 * proposer.num_draft_tokens
+        _assert_nothing_left(llm)
+
+
 @pytest.mark.parametrize("pair", ["random", "agreeing"])
 def test_greedy_tokens_through_chunks_prefix_hits_and_preemption(pair, request):
     """A small token budget (prefills in chunks), a pool too small for every request at once (preemptions: the head
