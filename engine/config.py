@@ -151,7 +151,8 @@ class EngineConfig:
     # Penalties and min_tokens turn async scheduling off for the steps they run in.
     async_scheduling: bool | None = option(
         None, "also plan each step before the previous step's tokens are known, so the device does not wait for "
-        "the host between decode steps; default: on with CUDA", group=SCHEDULING)
+        "the host between decode steps (with speculative decoding: while no step verifies or takes proposals); "
+        "default: on with CUDA", group=SCHEDULING)
     # Structured outputs. The API server refuses a spec over structured_outputs_max_bytes before anything starts.
     structured_outputs_max_bytes: int = option(
         256 * 1024, "largest structured-output spec a request may give (its JSON schema, regex, EBNF grammar, "
