@@ -24,6 +24,7 @@ from engine.config import ConfigError
 from engine.worker.eagle3 import PendingStates
 from tests.helpers import SMALL_CONFIG, VOCAB, save_checkpoint, spread_weights
 from tests.test_engine import greedy, hf_greedy, make_prompts, run
+from tests.test_speculative_draft import run_async_across_the_batch_limit
 
 HIDDEN, INTERMEDIATE, HEADS = SMALL_CONFIG["hidden_size"], 96, 4
 HEAD_DIM = HIDDEN // HEADS
@@ -277,17 +278,7 @@ def test_async_scheduling_around_the_heads_proposals(bigram_target, agreeing_hea
     """Async scheduling with the head: while the batch is at ``disable_by_batch_size`` its steps are planned ahead of
     the tokens in flight (the head catches up on those tokens later); once requests end, the head proposes again.
     The tokens are transformers' greedy tokens, and the proposals made are still accepted."""
-    prompts = make_prompts(VOCAB, lens=[12, 30, 7, 21])
-    lengths = [24, 20, 8, 6]
-    expected = [tokens[:n] for tokens, n in zip(hf_greedy(bigram_target, prompts, max(lengths)), lengths)]
-    with LLM(str(bigram_target), max_model_len=256, num_kvcache_blocks=96, overlap_steps=True,
-             async_scheduling=True, speculative_config={**_spec(agreeing_head, 4), "disable_by_batch_size": 3}) as llm:
-        assert run(llm, prompts, [greedy(n) for n in lengths]) == expected
-        proposer = llm.engine.proposer
-        assert llm.engine.num_steps_planned_ahead > 0
-        assert proposer.num_draft_tokens > 0
-        assert proposer.num_accepted_tokens >= 0.95 * proposer.num_draft_tokens
-        _assert_nothing_left(llm)
+    run_async_across_the_batch_limit(bigram_target, _spec(agreeing_head, 4), _assert_nothing_left)
 
 
 @pytest.mark.parametrize("pair", ["random", "agreeing"])
