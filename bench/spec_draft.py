@@ -37,17 +37,19 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrency:
             "tpot_ms": 1000 * elapsed / waves / params.max_tokens, "tokens": [o.outputs[0].token_ids for o in outputs]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser, concurrency: list[int], num_prompts: int) -> None:
+    """The options spec_draft.py and spec_forced.py share."""
     parser.add_argument("--shape", default="llama-3.1-8b", help="a shape of bench/workloads.py, or a model directory")
-    parser.add_argument("--draft", nargs="+", default=["same", "llama-3.2-1b"])
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=concurrency)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
     parser.add_argument("--tokenizer", default=None, help="any tokenizer directory (the prompts are token ids)")
-    args = parser.parse_args()
+
+
+def setup(args: argparse.Namespace) -> tuple[list[list[int]], SamplingParams, Path, dict]:
+    """(prompts, their sampling params, the target's directory, the LLM arguments every engine takes)."""
     print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", f"torch {torch.__version__}")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 300, (args.prompt_len,), generator=gen).tolist() for _ in range(args.num_prompts)]
@@ -55,11 +57,21 @@ def main() -> None:
     target = Path(args.shape) if Path(args.shape).is_dir() else shape_dir(args.shape)
     common = dict(load_format="dummy", max_model_len=args.prompt_len + args.max_tokens + 64, seed=0,
                   tokenizer=args.tokenizer)
+    return prompts, params, target, common
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser, concurrency=[1, 8], num_prompts=8)
+    parser.add_argument("--draft", nargs="+", default=["same", "llama-3.2-1b"])
+    args = parser.parse_args()
+    prompts, params, target, common = setup(args)
     results = {}
     for draft in ["none", *args.draft]:
-        draft_dir = target if draft == "same" else Path(draft) if Path(draft).is_dir() else shape_dir(draft)
-        extra = {} if draft == "none" else {"speculative_config": {"model": str(draft_dir),
-                                                                   "num_speculative_tokens": args.k}}
+        extra = {}
+        if draft != "none":
+            draft_dir = target if draft == "same" else Path(draft) if Path(draft).is_dir() else shape_dir(draft)
+            extra = {"speculative_config": {"model": str(draft_dir), "num_speculative_tokens": args.k}}
         with LLM(str(target), **common, **extra) as llm:
             run(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), 1)  # warm-up
             for concurrency in args.concurrency:

@@ -19,13 +19,10 @@ import random
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from spec_draft import run  # noqa: E402
-from workloads import shape_dir  # noqa: E402
+from spec_draft import add_arguments, run, setup  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -50,22 +47,10 @@ def force(llm: LLM, truth: dict[tuple[int, ...], list[int]], rate: float, k: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="llama-3.1-8b", help="a shape of bench/workloads.py, or a model directory")
+    add_arguments(parser, concurrency=[1, 8, 32], num_prompts=32)
     parser.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--tokenizer", default=None, help="any tokenizer directory (the prompts are token ids)")
     args = parser.parse_args()
-    print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", f"torch {torch.__version__}")
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 300, (args.prompt_len,), generator=gen).tolist() for _ in range(args.num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    target = Path(args.shape) if Path(args.shape).is_dir() else shape_dir(args.shape)
-    common = dict(load_format="dummy", max_model_len=args.prompt_len + args.max_tokens + 64, seed=0,
-                  tokenizer=args.tokenizer)
+    prompts, params, target, common = setup(args)
     results = {}
     with LLM(str(target), **common) as llm:
         run(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), 1)  # warm-up
