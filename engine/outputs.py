@@ -56,6 +56,8 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Blocks to drop from the end of its table before the new ones (the slots of rejected proposals).
+    num_trimmed_blocks: int = 0
 
 
 @dataclass

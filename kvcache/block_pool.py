@@ -119,6 +119,17 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free_blocks += 1
 
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Add ``block`` at the head (taken first)."""
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        first = self._head.next_free
+        first.prev_free = block
+        block.next_free = first
+        block.prev_free = self._head
+        self._head.next_free = block
+        self.num_free_blocks += 1
+
     def __len__(self) -> int:
         return self.num_free_blocks
 
@@ -233,8 +244,9 @@ class BlockPool:
             block.ref_cnt += 1
             self._states[block.block_id] = self._state_of(block)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference to each block; those reaching 0 join the queue tail in this order.
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], first_out: bool = False) -> None:
+        """Drop one reference to each block; those reaching 0 join the queue tail in this order (with
+        ``first_out``, the head, so that they are taken before any block the prefix cache still holds).
 
         A freed block keeps its hash, so it stays a prefix-cache hit until it is evicted.
         """
@@ -245,7 +257,7 @@ class BlockPool:
                 raise ValueError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                self.free_queue.appendleft(block) if first_out else self.free_queue.append(block)
             self._states[block.block_id] = self._state_of(block)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:

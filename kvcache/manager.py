@@ -273,6 +273,25 @@ class KVCacheManager:
             self._cache_full_blocks(request_id, table, token_ids, mm_spans)
         return [block.block_id for block in new_blocks]
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Shrink the request's table to its first ``num_tokens`` tokens: the blocks past them go back to the pool.
+
+        For the slots of speculative proposals a step rejected: their KV is never read, and the slots of the tokens
+        that come instead are allocated again when those are scheduled. Only blocks not yet offered to the prefix
+        cache may go (a rejected proposal is never hashed). Returns how many blocks were released.
+        """
+        table = self._tables.get(request_id)
+        if table is None or num_tokens >= table.num_tokens:
+            return 0
+        if num_tokens < table.num_cached_blocks * self.block_size:
+            raise ValueError(f"request {request_id}: trimming to {num_tokens} tokens would drop a cached block")
+        num_kept = _cdiv(num_tokens, self.block_size)
+        dropped = table.blocks[num_kept:]
+        del table.blocks[num_kept:], table.block_ids[num_kept:]
+        table.num_tokens = num_tokens
+        self.pool.free_blocks(dropped, first_out=True)  # uncached: nothing in them is worth keeping
+        return len(dropped)
+
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
         """Give ``child_id`` the parent's KV of its first ``num_tokens`` tokens (a beam that branches).
 

@@ -237,6 +237,29 @@ def test_check_invariants_detects_a_leaked_reference() -> None:
         mgr.check_invariants()
 
 
+def test_rejected_proposals_give_their_blocks_back_to_be_taken_first() -> None:
+    """A step verifying 5 proposals of which none is accepted: the block only the proposals reached goes back, to
+    the front of the free queue, so the next allocation takes it rather than evicting a cached prefix."""
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    assert mgr.allocate_slots("old", [9, 9, 9, 9, 9], 0, 5) is not None
+    mgr.free("old")  # its first block stays cached, free
+    tokens = list(range(6))
+    assert len(mgr.allocate_slots("r", tokens, 0, 6)) == 2
+    tokens.append(6)  # the token sampled after the prompt, then 5 proposals after it
+    tail = mgr.allocate_slots("r", tokens, 6, 6, num_lookahead_tokens=5)
+    assert len(tail) == 1 and len(mgr.get_block_ids("r")) == 3
+    free_before = mgr.num_free_blocks
+    assert mgr.trim("r", 7) == 1  # none accepted: 7 tokens computed, the 8th sampled
+    assert mgr.num_free_blocks == free_before + 1 and len(mgr.get_block_ids("r")) == 2
+    mgr.check_invariants()
+    assert mgr.trim("r", 7) == 0
+    assert mgr.allocate_slots("new", [5] * 4, 0, 4) == tail
+    assert mgr.get_computed_blocks("x", [9, 9, 9, 9, 9], record=False)[1] == 4  # the cached prefix is still there
+    with pytest.raises(ValueError, match="cached block"):
+        mgr.trim("r", 3)  # the first block is full and cached: its 4th token cannot go
+    mgr.check_invariants()
+
+
 # ---------------------------------------------------------------------------- state machine
 
 BLOCK_SIZE = 4
@@ -324,6 +347,23 @@ class KVManagerMachine(RuleBasedStateMachine):
             if not self._allocate(rid, req, req.num_computed, 1, None):
                 return
 
+    @precondition(lambda self: self._decodable())
+    @rule(data=st.data(), proposals=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6))
+    def verify_proposals(self, data: st.DataObject, proposals: list[int]) -> None:
+        """A speculative step: slots for the sampled token and k proposals; the first few proposals are
+        accepted, and the rest give back the blocks only they reached."""
+        rid = data.draw(st.sampled_from(self._decodable()), label="rid")
+        req = self.reqs[rid]
+        req.tokens.append(data.draw(st.integers(0, VOCAB - 1), label="sampled"))
+        if not self._allocate(rid, req, req.num_computed, 1 + len(proposals), None, len(proposals)):
+            return
+        num_accepted = data.draw(st.integers(0, len(proposals)), label="num_accepted")
+        req.tokens.extend(proposals[:num_accepted])
+        kept = len(req.tokens)
+        held = len(self.mgr.get_block_ids(rid))
+        assert self.mgr.trim(rid, kept) == held - -(-kept // BLOCK_SIZE)
+        req.num_computed = kept
+
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
@@ -343,9 +383,10 @@ class KVManagerMachine(RuleBasedStateMachine):
             blocks, num_cached = self.mgr.get_computed_blocks(rid, req.tokens)
             self._allocate(rid, req, num_cached, len(req.tokens) - num_cached, blocks)
 
-    def _allocate(self, rid: str, req: Req, num_computed: int, num_new: int, blocks) -> bool:
+    def _allocate(self, rid: str, req: Req, num_computed: int, num_new: int, blocks, num_lookahead: int = 0) -> bool:
         before = snapshot(self.mgr, list(self.reqs))
-        new_ids = self.mgr.allocate_slots(rid, req.tokens, num_computed, num_new, blocks)
+        new_ids = self.mgr.allocate_slots(rid, req.tokens, num_computed, num_new, blocks,
+                                          num_lookahead_tokens=num_lookahead)
         if new_ids is None:
             assert snapshot(self.mgr, list(self.reqs)) == before, "failed allocation changed state"
             return False

@@ -251,3 +251,28 @@ def test_async_scheduling_plans_ahead_only_while_no_step_takes_proposals(engines
         # Alone, it is planned ahead only while its proposals are paused for low acceptance.
         assert engine.num_steps_planned_ahead - ahead <= PAUSE_STEPS * (proposer.num_paused - pauses)
         _assert_blocks_all_free(llm)
+
+
+def test_rejected_proposals_hold_no_block_after_their_step(engines):
+    """Eight proposals a step in blocks of eight tokens: a step that rejects some gives back the blocks only they
+    reached, so after every step each request holds the blocks of its computed tokens and no more (the KV usage
+    counts no rejected slot), and the tokens are those without speculation, blocks reused by other requests."""
+    plain, _ = engines
+    expected = _tokens(plain, PROMPTS, GREEDY)
+    with LLM(max_model_len=256, quantization="none", kvcache_block_size=8, num_kvcache_blocks=40,
+             speculative_config={**NGRAM, "num_speculative_tokens": 8}) as llm:
+        engine, tokens = llm.engine, {}
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", llm.tokenizer.encode(prompt), GREEDY)
+        rejected = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            running = engine.scheduler.running
+            held = {r.request_id: len(engine.kv_manager.get_block_ids(r.request_id)) for r in running}
+            assert held == {r.request_id: -(-r.num_computed_tokens // 8) for r in running}
+            assert engine.kv_manager.get_stats().num_used_blocks == sum(held.values())
+            rejected = engine.proposer.num_draft_tokens - engine.proposer.num_accepted_tokens
+        assert [tokens[f"r{i}"] for i in range(len(PROMPTS))] == expected
+        assert rejected > 8 * len(PROMPTS) and engine.proposer.num_accepted_tokens > 20
+        _assert_blocks_all_free(llm)

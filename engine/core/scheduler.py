@@ -159,7 +159,9 @@ class Scheduler:
                 new_reqs.append(self._new_request_data(request, request.num_computed_tokens))
                 request.resend = False
             else:
-                cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+                cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens,
+                                                     request.num_trimmed_blocks))
+            request.num_trimmed_blocks = 0
             num_scheduled[request.request_id] = num_new + len(spec)
             if spec:
                 spec_token_ids[request.request_id] = spec
@@ -221,8 +223,11 @@ class Scheduler:
             if request.group is not None:  # its coordinator picks its token, with the rest of its group
                 self.group_reports.append((request, runner_out.logprobs[rid]))
                 continue
-            new_token_ids, status = request.append_step_tokens(runner_out.accepted_token_ids.get(rid, ()), token_id,
-                                                               self.max_model_len)
+            accepted = runner_out.accepted_token_ids.get(rid, ())
+            new_token_ids, status = request.append_step_tokens(accepted, token_id, self.max_model_len)
+            if len(accepted) < len(sched.spec_token_ids.get(rid, ())) and request.status == RequestStatus.RUNNING \
+                    and not request.num_placeholders:  # the rejected proposals' slots go back to the pool
+                request.num_trimmed_blocks += self.kv.trim(rid, request.num_computed_tokens)
             if request.grammar is not None and status is None:
                 status = self._follow_grammar(request, token_id)
             logprobs = runner_out.logprobs.get(rid)
@@ -460,6 +465,7 @@ class Scheduler:
             self._images.release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.num_trimmed_blocks = 0  # the runner forgets it; it gets its whole table when it rejoins
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.insert(queue_at, request)

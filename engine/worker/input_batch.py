@@ -140,6 +140,7 @@ class InputBatch:
     def update(self, data: CachedRequestData) -> None:
         row = self.row_of[data.request_id]
         self.num_computed[row] = data.num_computed_tokens
+        self.num_blocks[row] -= data.num_trimmed_blocks
         self._append_blocks(row, data.new_block_ids)
 
     def remove(self, request_id: str) -> None:
