@@ -281,6 +281,28 @@ def test_async_scheduling_around_the_heads_proposals(bigram_target, agreeing_hea
     run_async_across_the_batch_limit(bigram_target, _spec(agreeing_head, 4), _assert_nothing_left)
 
 
+@pytest.mark.usefixtures("one_thread_per_rank")
+def test_a_head_on_rank_0_beside_a_tp2_target(bigram_target, agreeing_head):
+    """At TP=2 the head runs whole on rank 0 and embeds with the target's embeddings, gathered from both ranks at
+    start-up; rank 1 verifies its proposals with the step's input ids. The tokens are transformers' greedy tokens,
+    nearly every proposal is accepted, and the proposals are the plain recomputation's."""
+    prompts = make_prompts(VOCAB, lens=[12, 30, 7, 21])
+    with LLM(str(bigram_target), tensor_parallel_size=2, max_model_len=256, num_kvcache_blocks=96,
+             speculative_config=_spec(agreeing_head, 4)) as llm:
+        drafter = llm.engine.runner.drafter
+        seen = _record_proposals(drafter)
+        assert run(llm, prompts, greedy(20)) == hf_greedy(bigram_target, prompts, 20)
+        proposer = llm.engine.proposer
+        assert proposer.num_accepted_tokens >= 0.95 * proposer.num_draft_tokens > 0
+        assert drafter.head.attention_layers()[0].num_heads == HEADS  # whole, beside the target's half
+        assert llm.engine.runner.model.attention_layers()[0].num_heads == HEADS // 2
+        assert drafter.embed_tokens.weight.shape[0] == VOCAB
+        _assert_nothing_left(llm)
+    reference = ReferenceHead(agreeing_head, bigram_target, (0, 3, 7), norm_before_residual=True)
+    for tokens, proposals in seen[:6]:
+        assert proposals == reference.proposals(tokens, len(proposals))
+
+
 @pytest.mark.parametrize("pair", ["random", "agreeing"])
 def test_greedy_tokens_through_chunks_prefix_hits_and_preemption(pair, request):
     """A small token budget (prefills in chunks), a pool too small for every request at once (preemptions: the head

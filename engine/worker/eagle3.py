@@ -25,6 +25,12 @@ Prefix-cache hits, preemption and the host KV tier: a request that (re)joins the
 position the target computes. The head's K/V of earlier positions are what its cache holds in those blocks: the
 head of the request that filled them wrote them if it consumed them; stale ones only cost acceptance, never an
 output token.
+
+Tensor parallelism: the head runs unsharded on rank 0 (``engine.distributed.single_rank``), as a draft model does.
+The aux states it reads are whole on every rank (each block's product is all-reduced into the residual stream), so
+only rank 0 keeps them; its proposals reach the other ranks with the step's input ids. A head without embeddings of
+its own embeds with the target's, which the ranks gather once at start-up into a whole copy on rank 0. Every rank
+runs the target eagerly (no CUDA graphs: ``reads_target_states``).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import numpy as np
 import torch
 
 from engine.config import ConfigError, EngineConfig
-from engine.distributed import tp_size
+from engine.distributed import all_gather_last_dim, single_rank, tp_rank, tp_size
 from engine.loading.eagle3 import Eagle3Checkpoint
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_eagle3 import LlamaEagle3Head
@@ -110,9 +116,6 @@ class Eagle3Drafter:
         spec = SpeculativeConfig.parse(config.speculative_config)
         if spec is None or spec.method != "eagle3":
             return None
-        if tp_size() > 1:
-            raise ConfigError("an EAGLE-3 head with tensor_parallel_size > 1 is not served: the head would have to "
-                              "run unsharded beside the sharded target")
         if not isinstance(target, LlamaForCausalLM) or target.config.multimodal is not None:
             raise ConfigError(f"an EAGLE-3 head needs a Llama-family text model as its target (Llama, Mistral, "
                               f"Qwen2, Qwen3 and their MoE); {type(target).__name__} is not one")
@@ -122,14 +125,21 @@ class Eagle3Drafter:
             check_head_fits(checkpoint, target_config.hidden_size, target_config.vocab_size)
             aux_layers = aux_layer_ids(checkpoint, target_config.num_hidden_layers)
             max_position = max(checkpoint.layer.max_position_embeddings, target_config.max_position_embeddings)
-            head = checkpoint.load(len(aux_layers), target_config.vocab_size, dtype, device, max_position)
+            head = None
+            if tp_rank() == 0:  # rank 0 alone runs the head, whole
+                with single_rank():
+                    head = checkpoint.load(len(aux_layers), target_config.vocab_size, dtype, device, max_position)
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError(f"speculative_config: the EAGLE-3 head {spec.model}: {exc}") from None
+        # Every rank takes part in gathering the target's embeddings for it.
+        embed = None if checkpoint.own_embeddings else whole_embedding(target.model.embed_tokens)
+        if head is None:
+            return None
         logger.info("speculative decoding: EAGLE-3 head %s (draft vocabulary %d, target layers %s), %d proposals a "
                     "step; the target runs eagerly (no CUDA graphs)", spec.model, checkpoint.draft_vocab_size,
                     list(aux_layers), spec.num_speculative_tokens)
-        embed = head.embed_tokens if head.embed_tokens is not None else target.model.embed_tokens
-        return cls(head, embed, aux_layers, kv_dtype, device, block_size, backend)
+        return cls(head, head.embed_tokens if embed is None else embed, aux_layers, kv_dtype, device, block_size,
+                   backend)
 
     def bytes_per_block(self) -> int:
         mc = self.head.config
@@ -165,6 +175,10 @@ class Eagle3Drafter:
     def draft(self, batch: InputBatch, spec_token_ids: dict[str, list[int]]) -> None:
         """Catch the head up on every request's known tokens; write each drafting request's proposals over its
         placeholders in ``batch.token_ids`` (after its known tokens)."""
+        with single_rank():  # (the head is whole, beside a sharded target)
+            self._draft(batch, spec_token_ids)
+
+    def _draft(self, batch: InputBatch, spec_token_ids: dict[str, list[int]]) -> None:
         normed, prenorm, last = self._catch_up(batch)
         drafting = [rid for rid in spec_token_ids if rid in last]
         for rid in spec_token_ids:
@@ -227,6 +241,22 @@ class Eagle3Drafter:
         for j, (live, _) in enumerate(made):
             batch.token_ids[rows[live], ends[live] + j] = tokens[offset : offset + len(live)]
             offset += len(live)
+
+
+def reads_target_states(config: EngineConfig) -> bool:
+    """Whether ``config`` speculates with an EAGLE-3 head, whose target steps run eagerly on every rank (they give
+    the head the target's states, which no CUDA graph keeps)."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    return spec is not None and spec.method == "eagle3"
+
+
+def whole_embedding(embed_tokens: torch.nn.Module) -> torch.nn.Module:
+    """The target's embeddings as one module: itself on one rank; with several, every rank's rows gathered (a
+    collective: every rank calls it), an unsharded copy for the head to embed with on rank 0."""
+    if tp_size() == 1:
+        return embed_tokens
+    weight = all_gather_last_dim(embed_tokens.weight.detach().t()).t().contiguous()  # [vocab, hidden], rank order
+    return torch.nn.Embedding.from_pretrained(weight, freeze=True) if tp_rank() == 0 else embed_tokens
 
 
 def aux_layer_ids(checkpoint: Eagle3Checkpoint, num_target_layers: int) -> tuple[int, ...]:

@@ -56,7 +56,7 @@ from engine.worker.cpu_compile import compile_cpu_decode
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from engine.worker.draft_model import DraftModel
 from engine.worker.dummy_steps import DummySteps, warm_up_experts
-from engine.worker.eagle3 import Eagle3Drafter
+from engine.worker.eagle3 import Eagle3Drafter, reads_target_states
 from engine.worker.image_encoder import ImageEncoder
 from engine.worker.input_batch import InputBatch
 from engine.worker.kv_offload import KVOffloader
@@ -251,7 +251,7 @@ class ModelRunner:
         """Capture mixed-step and decode graphs (CUDA with a graph-safe backend, unless ``enforce_eager``), into one
         memory pool: a step replays one graph at a time."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton" or \
-                self.config.runner == "pooling" or (self.drafter is not None and self.drafter.aux_layers):
+                self.config.runner == "pooling" or reads_target_states(self.config):
             logger.info("CUDA graphs off: every step runs eagerly")
             return
         if not getattr(self.model, "supports_cuda_graphs", True):
