@@ -133,7 +133,8 @@ class ModelRunnerOutput:
 
     request_ids: list[str]
     sampled_token_ids: list[int]
-    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # Per request that asked: a Logprobs per token it got (its accepted proposals', then its sampled token's).
+    logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     # Per request computing prompt tokens that asked for their logprobs.
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     timing: RunnerTiming | None = None  # when steps are measured

@@ -187,7 +187,7 @@ def test_a_group_holds_its_seats_reports_instead_of_appending_and_ends_with_its_
     out = sched.schedule()
     assert set(out.num_scheduled_tokens) == {"g#0", "a"}  # two seats for the group, one for "a": "b" waits
     entry = Logprobs(7, -0.1, 1, [7, 8], [-0.1, -2.0])
-    sched.update_from_output(out, ModelRunnerOutput(["g#0", "a"], [7, 9], logprobs={"g#0": entry}))
+    sched.update_from_output(out, ModelRunnerOutput(["g#0", "a"], [7, 9], logprobs={"g#0": [entry]}))
     assert sched.take_group_reports() == [(first, entry)] and first.output_token_ids == []
     child = sched.fork_request(first, "g#1", 8)
     sched.append_chosen_token(first, 7)

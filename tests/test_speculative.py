@@ -118,3 +118,35 @@ def test_proposals_pause_while_few_are_accepted_and_come_back():
         good.record(proposed=4, accepted=2 * (i % 2) + 1)
         assert good.proposes()
     assert MIN_ACCEPTANCE < 0.25
+
+
+def test_each_verified_position_counts_the_proposals_before_it():
+    """The verification changes a position's logits as the sampler would once the proposals before it are accepted:
+    a frequency penalty counts them (a proposal repeated is penalised at its second position), and so does
+    min_tokens (EOS, banned while fewer outputs came before, is allowed from the position where enough did)."""
+    from engine.outputs import NewRequestData
+    from engine.sampling_params import SamplingParams
+    from engine.worker.input_batch import InputBatch
+    from engine.worker.sampling_tensors import build_sampling_tensors
+    from engine.worker.speculation import verify_proposals
+
+    vocab, eos = 16, 0
+    batch = InputBatch(max_num_reqs=2, max_model_len=32, max_blocks_per_req=4, vocab_size=vocab, device="cpu")
+    requests = {  # (tokens: a 3-token prompt, then outputs; params; proposals)
+        "penalised": ([1, 2, 3, 4], SamplingParams(temperature=0.0, frequency_penalty=2.0), [6, 6, 6]),
+        "min_tokens": ([1, 2, 3, 4, 5, 7], SamplingParams(temperature=0.0, min_tokens=5), [8, 9, eos]),
+    }
+    for rid, (tokens, params, _) in requests.items():
+        batch.add(NewRequestData(rid, tokens, 3, params, [0], len(tokens)), [eos])
+    batch.set_proposals({rid: spec for rid, (_, _, spec) in requests.items()})
+    logits = torch.zeros(8, vocab)
+    logits[0, 6], logits[1, 6], logits[1, 7] = 10.0, 5.0, 4.0  # 6 leads at position 1 by less than its penalty
+    logits[1:4, 6] = 5.0
+    logits[4, 8], logits[5, 9], logits[6, eos], logits[6, 10], logits[7, 11] = 9.0, 9.0, 9.0, 8.0, 9.0
+    rows = np.asarray([batch.row_of[rid] for rid in requests])
+    st = build_sampling_tensors(batch, rows, torch.device("cpu"))
+    last, (out, accepted), _ = verify_proposals(logits, st, np.asarray([3, 3]), rows, batch)
+    assert accepted.tolist() == [1, 3]
+    assert out[0, :2].tolist() == [6, 7]  # the second 6 pays for the first: 5 - 2 < 4
+    assert out[1].tolist() == [8, 9, eos, 11]  # 3, 4 and then 5 outputs before the EOS: allowed there
+    assert last.tolist() == [7, 11]

@@ -80,22 +80,52 @@ def test_stop_strings_max_tokens_and_eos_cut_where_they_would_without(engines):
     assert [len(o.outputs[0].token_ids) for o in b] == [len(o.outputs[0].token_ids) for o in a]
 
 
-def test_requests_that_cannot_take_proposals_decode_as_without(engines):
-    """Requests with logprobs or a penalty take no proposals, and neither does the batch while they are in it;
-    one with a grammar takes the proposals its grammar allows: every request's output is what it is without
-    speculation, logprobs and grammar included."""
+def test_logprobs_penalties_biases_and_limits_take_proposals_and_keep_their_meaning(engines):
+    """Requests asking for logprobs (top-3 and named tokens), a repetition, frequency or presence penalty,
+    min_tokens, a logit_bias or allowed_token_ids, and one with a grammar, batched: each takes proposals (the
+    verification changes each position's logits with the proposals before it taken as accepted), and every output
+    is what it is without speculation, logprobs included, one entry per token."""
     plain, spec = engines
     schema = {"type": "object", "properties": {"fruit": {"type": "string"}}, "required": ["fruit"]}
+    tokenizer = spec.tokenizer
+    banned = tokenizer.encode(" banana")[0]
+    copy_ids = sorted(set(tokenizer.encode(PROMPTS[0])))
     params = [SamplingParams(temperature=0.0, max_tokens=30,
                              structured_outputs=StructuredOutputsParams(json=json.dumps(schema))),
-              SamplingParams(temperature=0.0, max_tokens=30, logprobs=2),
-              SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3), GREEDY]
-    a, b = plain.generate(PROMPTS, params, use_tqdm=False), spec.generate(PROMPTS, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+              SamplingParams(temperature=0.0, max_tokens=30, logprobs=3),
+              SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=30, frequency_penalty=0.8, presence_penalty=0.3),
+              SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20, logprobs=1, logprob_token_ids=copy_ids[:4]),
+              SamplingParams(temperature=0.0, max_tokens=30, logit_bias={banned: -100.0}, logprobs=0),
+              SamplingParams(temperature=0.0, max_tokens=30, allowed_token_ids=copy_ids)]
+    prompts = [PROMPTS[3], *[PROMPTS[i % 3] for i in range(len(params) - 1)]]
+    proposer = spec.engine.proposer
+    before = proposer.num_accepted_tokens
+    a, b = plain.generate(prompts, params, use_tqdm=False), spec.generate(prompts, params, use_tqdm=False)
+    assert proposer.num_accepted_tokens > before + 20
+    assert [o.outputs[0].token_ids for o in b] == [o.outputs[0].token_ids for o in a]
     assert "fruit" in json.loads(b[0].outputs[0].text)
-    assert len(b[1].outputs[0].logprobs) == len(b[1].outputs[0].token_ids)
-    assert [lp.logprob for lp in b[1].outputs[0].logprobs] == \
-        pytest.approx([lp.logprob for lp in a[1].outputs[0].logprobs], abs=1e-5)
+    assert len(b[4].outputs[0].token_ids) >= 20 and set(b[6].outputs[0].token_ids) <= set(copy_ids)
+    assert banned not in b[5].outputs[0].token_ids
+    for i in (1, 4, 5):
+        ours, theirs = b[i].outputs[0].logprobs, a[i].outputs[0].logprobs
+        assert len(ours) == len(b[i].outputs[0].token_ids) == len(theirs)
+        for x, y in zip(ours, theirs):
+            assert (x.token_id, x.rank, x.top_token_ids) == (y.token_id, y.rank, y.top_token_ids)
+            assert [x.logprob, *x.top_logprobs] == pytest.approx([y.logprob, *y.top_logprobs], abs=1e-4)
+
+
+def test_each_kind_of_request_takes_proposals_alone(engines):
+    """Alone in the batch (no plain request beside it to take proposals for), a request with logprobs, penalties,
+    min_tokens, a bias or allowed tokens still has its proposals verified and accepted."""
+    _, spec = engines
+    proposer = spec.engine.proposer
+    for params in (SamplingParams(temperature=0.0, max_tokens=32, logprobs=2),
+                   SamplingParams(temperature=0.0, max_tokens=32, repetition_penalty=1.1),
+                   SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32, logit_bias={0: 1.0})):
+        before = proposer.num_accepted_tokens
+        spec.generate(PROMPTS[:1], params, use_tqdm=False)
+        assert proposer.num_accepted_tokens > before, params
 
 
 def test_a_grammar_takes_the_proposals_it_allows(engines):
@@ -141,8 +171,8 @@ def _run_with_a_late_request(llm: LLM, late: SamplingParams, join_at: int | None
 
 
 def test_a_request_joining_a_speculating_batch_gets_what_it_asks(engines):
-    """Requests decoding with proposals, then one asking for logprobs arrives: the step that samples its first
-    token verifies no proposals, so that token has its logprobs; everyone's tokens are as without speculation."""
+    """Requests decoding with proposals, then one asking for logprobs arrives: each of its tokens has its logprobs,
+    and everyone's tokens are as without speculation."""
     plain, spec = engines
     late = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
     got, joined = _run_with_a_late_request(spec, late, None)

@@ -69,8 +69,9 @@ class Request:
         self.num_placeholders = 0
         # Speculative decoding: tokens proposed for the next step (the engine's proposer sets them).
         self.spec_token_ids: list[int] = []
-        # Blocks its table gave back (a step's rejected proposals) that the runner's copy still holds.
-        self.num_trimmed_blocks = 0
+        # Whether its table holds slots for proposals of a step in flight, and the blocks it gave back (a step's
+        # rejected proposals) that the runner's copy still holds.
+        self.lookahead_slots, self.num_trimmed_blocks = False, 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

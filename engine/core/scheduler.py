@@ -165,6 +165,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new + len(spec)
             if spec:
                 spec_token_ids[request.request_id] = spec
+                request.lookahead_slots = True
             if request.mm_end > request.num_computed_tokens:
                 self._images.take(request, num_new)
             self._advance(request, num_new)  # proposals count as computed once accepted (update_from_output)
@@ -221,17 +222,17 @@ class Scheduler:
                 continue
             request.num_placeholders -= 1
             if request.group is not None:  # its coordinator picks its token, with the rest of its group
-                self.group_reports.append((request, runner_out.logprobs[rid]))
+                self.group_reports.append((request, runner_out.logprobs[rid][0]))
                 continue
             accepted = runner_out.accepted_token_ids.get(rid, ())
             new_token_ids, status = request.append_step_tokens(accepted, token_id, self.max_model_len)
-            if len(accepted) < len(sched.spec_token_ids.get(rid, ())) and request.status == RequestStatus.RUNNING \
-                    and not request.num_placeholders:  # the rejected proposals' slots go back to the pool
+            if request.lookahead_slots and request.status == RequestStatus.RUNNING and not request.num_placeholders:
+                # The slots of its rejected (or dropped) proposals go back to the pool.
                 request.num_trimmed_blocks += self.kv.trim(rid, request.num_computed_tokens)
+                request.lookahead_slots = False
             if request.grammar is not None and status is None:
                 status = self._follow_grammar(request, token_id)
-            logprobs = runner_out.logprobs.get(rid)
-            new_logprobs = [logprobs] if logprobs is not None else []
+            new_logprobs = runner_out.logprobs.get(rid, [])[: len(new_token_ids)]  # (none past a stop)
             if status is None:
                 outputs.append(request.engine_output(new_token_ids, new_logprobs=new_logprobs))
                 continue
@@ -465,7 +466,8 @@ class Scheduler:
             self._images.release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.num_trimmed_blocks = 0  # the runner forgets it; it gets its whole table when it rejoins
+        # The runner forgets it, and gets its whole table when it rejoins.
+        request.num_trimmed_blocks, request.lookahead_slots = 0, False
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.insert(queue_at, request)

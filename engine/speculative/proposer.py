@@ -2,12 +2,14 @@
 them (``SpeculationProposer.propose``); the scheduler gives a request with proposals 1 + k tokens in its next step
 and the runner verifies them (``engine.worker.speculation``).
 
-A request speculates when its next tokens depend on nothing but the model's distribution, or a grammar's part of it:
-no logprobs, penalties, min_tokens, logit_bias or allowed_token_ids, and no beam search. A constrained request's
-n-gram proposals are cut at the first token its grammar refuses (``RequestGrammar.allowed_prefix``), and the
-verification masks each position by the grammar's state there; a draft model proposes nothing for one (its
-proposals are made on the device, where no grammar checks them). A step that samples any other request
-has no proposals: the batch decodes one token a step, as without speculation, while such a request is in it.
+A request speculates unless it is a beam of a beam search (whose tokens its group chooses) or a pooling request. The
+verification changes each position's logits as the sampler changes a row's, with the proposals before it taken as
+accepted: logprobs, penalties, min_tokens, logit_bias and allowed_token_ids keep their meaning
+(``engine.worker.speculation``). A constrained request's n-gram proposals are cut at the first token its grammar
+refuses (``RequestGrammar.allowed_prefix``), and the verification masks each position by the grammar's state there;
+a draft model proposes nothing for one (its proposals are made on the device, where no grammar checks them). A step
+that samples a request that does not speculate has no proposals: the batch decodes one token a step, as without
+speculation, while such a request is in it.
 ``disable_by_batch_size``: no proposals while at least that many requests run, where a step of many requests is
 busy enough without them.
 
@@ -70,9 +72,7 @@ class Acceptance:
 def speculates(request: Request) -> bool:
     """Whether the request's sampling takes proposals (the module's rule)."""
     p = request.sampling_params
-    return (request.group is None and p.logprobs is None and not p.has_penalties
-            and not p.min_tokens and not p.logit_bias and p.allowed_token_ids is None and not p.use_beam_search
-            and p.pooling is None)
+    return request.group is None and not p.use_beam_search and p.pooling is None
 
 
 def take_proposals(request: Request, num_new: int, budget: int, max_model_len: int) -> list[int]:
@@ -91,9 +91,10 @@ def take_proposals(request: Request, num_new: int, budget: int, max_model_len: i
 
 def drop_proposals_beside_others(spec_token_ids: dict[str, list[int]], num_scheduled: dict[str, int],
                                  requests: dict[str, Request]) -> int:
-    """A verification step samples every row as ``speculates`` allows (no logprobs, penalties, grammar, ...): where
-    the step being planned also samples a request that does not speculate (one that joined since the proposals),
-    its proposals are taken back (their slots stay allocated, unused). Returns the tokens taken back."""
+    """A verification step samples every row as ``speculates`` allows (no beam): where the step being planned also
+    samples a request that does not speculate (one that joined since the proposals), its proposals are taken back
+    (their slots, allocated, go back after the step: ``Scheduler.update_from_output``). Returns the tokens taken
+    back."""
     if all(speculates(requests[rid]) for rid in num_scheduled
            if requests[rid].num_computed_tokens >= requests[rid].num_tokens):  # the step samples it
         return 0

@@ -4,7 +4,11 @@ They are gathered on the device from the sampler's raw log-softmax (the model's 
 host memory behind the step, and assembled into ``Logprobs`` after the step's one sync::
 
     launch:  raw [N, vocab] --gather--> chosen, ranks, top-N (+ named tokens) --copy--> pinned host  (LogprobsCopy)
-    finish:  LogprobsCopy.entries(token ids, request ids) --> {request id: Logprobs}
+    finish:  LogprobsCopy.entries(token ids, request ids) --> {request id: [Logprobs]}
+
+A verification step (speculative decoding) has 1 + k positions per row: the pieces are gathered for every position
+of the rows that ask, and ``entries`` keeps one per token each row keeps (its accepted proposals, then its sampled
+token), which is known only after the step's sync.
 """
 
 from __future__ import annotations
@@ -25,40 +29,59 @@ class LogprobsCopy:
 
     rows: np.ndarray  # [K] the indices, among the step's sampled rows, of those that asked for logprobs
     num_top: np.ndarray  # [K] the top-N each of them asked for
-    # Rows that named their tokens (logprob_token_ids): (their ids padded to [K, longest], counts [K]).
+    starts: np.ndarray  # [K] where each one's positions start in the pieces below (P of them in all)
+    # Rows that named their tokens (logprob_token_ids): (their ids padded to [P, longest], counts [P]).
     named: tuple[np.ndarray, np.ndarray] | None
-    chosen: torch.Tensor  # [K] the sampled token's logprob (host)
-    ranks: torch.Tensor  # [K]
-    top_ids: torch.Tensor  # [K, max top-N]
-    top_values: torch.Tensor  # [K, max top-N]
-    named_values: torch.Tensor | None  # [K, longest] the named tokens' logprobs
+    chosen: torch.Tensor  # [P] the logprob of the token at each position (host)
+    ranks: torch.Tensor  # [P]
+    top_ids: torch.Tensor  # [P, max top-N]
+    top_values: torch.Tensor  # [P, max top-N]
+    named_values: torch.Tensor | None  # [P, longest] the named tokens' logprobs
 
-    def entries(self, token_ids: list[int], request_ids: list[str]) -> dict[str, Logprobs]:
-        """Per request that asked, its sampled token's ``Logprobs``: ``token_ids`` and ``request_ids`` are the
-        step's sampled tokens and requests, in row order."""
-        named = None if self.named is None else (*self.named, self.named_values.tolist())
-        entries = build_logprobs([token_ids[i] for i in self.rows], self.chosen.tolist(), self.ranks.tolist(),
-                                 self.top_ids.tolist(), self.top_values.tolist(), self.num_top.tolist(), named)
-        return {request_ids[i]: e for i, e in zip(self.rows.tolist(), entries)}
+    def entries(self, token_ids: list[int], request_ids: list[str], accepted=()) -> dict[str, list[Logprobs]]:
+        """Per request that asked, a ``Logprobs`` per token it keeps: ``token_ids`` and ``request_ids`` are the
+        step's sampled tokens and requests, in row order; ``accepted``: each row's accepted proposals, which come
+        before its sampled token (a verification step's)."""
+        picked, kept = [], []  # positions, and the tokens there
+        for k, i in enumerate(self.rows.tolist()):
+            tokens = [*accepted[i], token_ids[i]] if accepted else [token_ids[i]]
+            picked += range(self.starts[k], self.starts[k] + len(tokens))
+            kept.append(tokens)
+        at = np.asarray(picked, dtype=np.int64)
+        named = None if self.named is None else (self.named[0][at], self.named[1][at],
+                                                 [self.named_values[p].tolist() for p in picked])
+        num_top = np.repeat(self.num_top, [len(tokens) for tokens in kept])
+        entries = build_logprobs([t for tokens in kept for t in tokens], self.chosen[at].tolist(),
+                                 self.ranks[at].tolist(), self.top_ids[at].tolist(), self.top_values[at].tolist(),
+                                 num_top.tolist(), named)
+        out, start = {}, 0
+        for i, tokens in zip(self.rows.tolist(), kept):
+            out[request_ids[i]], start = entries[start : start + len(tokens)], start + len(tokens)
+        return out
 
 
-def copy_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, rows: np.ndarray, batch: InputBatch,
-                  device: torch.device) -> LogprobsCopy:
+def copy_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, rows: np.ndarray, batch: InputBatch,
+                  device: torch.device, positions: np.ndarray | None = None) -> LogprobsCopy:
     """Gather the logprob pieces of the sampled ``rows`` (InputBatch rows) that asked for them on the device
     and queue their copy to host memory behind the step, so that ``finish`` reads them after the step's one
-    sync, without waiting for a step planned after it."""
+    sync, without waiting for a step planned after it. ``raw_logprobs`` and ``tokens`` have a position per row, or
+    ``positions`` [rows] of them each, row after row (a verification step's 1 + k)."""
     num_top = batch.num_logprobs[rows]
     wanted = np.nonzero(num_top >= 0)[0]
-    idx = upload(wanted, device)
+    per_row = np.ones(len(rows), dtype=np.int64) if positions is None else positions.astype(np.int64)
+    first = np.cumsum(per_row) - per_row
+    at = np.concatenate([np.arange(first[i], first[i] + per_row[i]) for i in wanted]) if len(wanted) else first[:0]
+    idx = upload(at, device)
     wanted_logprobs = raw_logprobs[idx]
-    pieces = gather_logprobs(wanted_logprobs, sampled[idx], int(num_top.max()))
+    pieces = gather_logprobs(wanted_logprobs, tokens[idx], int(num_top.max()))
     named, named_values = None, None
     if batch.logprob_token_ids:
-        rows_named = [batch.logprob_token_ids.get(r) for r in rows[wanted].tolist()]
+        rows_named = [batch.logprob_token_ids.get(r) for r in np.repeat(rows[wanted], per_row[wanted]).tolist()]
         if any(ids is not None for ids in rows_named):
             named = pad_token_ids(rows_named)
             named_values = copy_to_host(wanted_logprobs.gather(-1, upload(named[0], device)))
-    return LogprobsCopy(wanted, num_top[wanted], named, *(copy_to_host(t) for t in pieces), named_values)
+    starts = np.cumsum(per_row[wanted]) - per_row[wanted]
+    return LogprobsCopy(wanted, num_top[wanted], starts, named, *(copy_to_host(t) for t in pieces), named_values)
 
 
 def gather_logprobs(

@@ -445,7 +445,7 @@ class ModelRunner:
                                    accepted_token_ids={rid: a for rid, a in zip(sampled_ids, accepted) if a},
                                    pooled={sampled_ids[i]: v.tolist() for i, v in (handle.pooled or {}).items()})
         if handle.logprobs is not None:
-            output.logprobs = handle.logprobs.entries(token_ids, sampled_ids)
+            output.logprobs = handle.logprobs.entries(token_ids, sampled_ids, accepted)
         return output
 
     def copy_blocks(self, copies: BlockCopies) -> None:

@@ -66,17 +66,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if st.max_num_logprobs >= 0 else None
         if st.bitmask is not None:
             xgr.apply_token_bitmask_inplace(logits, st.bitmask, vocab_size=logits.shape[-1], indices=st.bitmask_rows)
-        if st.allowed is not None:  # every other token of those rows to -inf, as vector ops
-            limited, pair_rows, pair_ids = st.allowed
-            kept = logits[pair_rows, pair_ids]
-            logits = logits.index_fill(0, limited, float("-inf")).index_put((pair_rows, pair_ids), kept)
-        if st.logit_bias is not None:
-            rows, ids, biases = st.logit_bias
-            logits = logits.index_put((rows, ids), biases, accumulate=True)
-        if st.banned is not None:
-            logits = logits.index_put(st.banned, logits.new_full((), float("-inf")))  # no host-to-device copy
-        if st.repetition_penalty is not None:
-            logits = apply_penalties(logits, st)
+        logits = adjust_logits(logits, st)
         if greedy is None:
             greedy = argmax_rows(logits)
         if st.all_greedy:
@@ -87,6 +77,23 @@ class Sampler:
             noise[row].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(st.temperature > 0, sampled, greedy), raw_logprobs
+
+
+def adjust_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The float32 ``logits`` [N, vocab] as the rows' requests change them before sampling: allowed_token_ids,
+    logit_bias, the tokens banned before min_tokens, then the penalties (a new tensor where any applies)."""
+    if st.allowed is not None:  # every other token of those rows to -inf, as vector ops
+        limited, pair_rows, pair_ids = st.allowed
+        kept = logits[pair_rows, pair_ids]
+        logits = logits.index_fill(0, limited, float("-inf")).index_put((pair_rows, pair_ids), kept)
+    if st.logit_bias is not None:
+        rows, ids, biases = st.logit_bias
+        logits = logits.index_put((rows, ids), biases, accumulate=True)
+    if st.banned is not None:
+        logits = logits.index_put(st.banned, logits.new_full((), float("-inf")))  # no host-to-device copy
+    if st.repetition_penalty is not None:
+        logits = apply_penalties(logits, st)
+    return logits
 
 
 def sampling_probs(logits: torch.Tensor, st: SamplingTensors, repeat: int = 1) -> torch.Tensor:

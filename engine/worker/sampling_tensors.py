@@ -44,8 +44,11 @@ class SamplingTensors:
     bitmask_rows: list[int] | None = None
 
 
-def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, device: torch.device) -> SamplingTensors:
-    """The sampling parameters of the step's sampled ``rows`` (InputBatch rows, in sampling order)."""
+def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, device: torch.device,
+                           ahead: np.ndarray | None = None) -> SamplingTensors:
+    """The sampling parameters of the step's sampled ``rows`` (InputBatch rows, in sampling order). ``ahead``: per
+    entry of ``rows``, how many of its proposals come before it (a verification step's positions, one entry each:
+    the proposals before a position are taken as accepted there, so min_tokens and the penalties count them)."""
     b = batch
     temperature = b.temperature[rows]
     top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
@@ -58,8 +61,9 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, device: torch.de
         all_greedy=bool((temperature == 0).all()),
         max_num_logprobs=int(b.num_logprobs[rows].max()),
     )
+    num_tokens = b.num_tokens[rows] if ahead is None else b.num_tokens[rows] + ahead
     if b.banned_until_min:
-        st.banned = _banned_tokens(b, rows, device)
+        st.banned = _banned_tokens(b, rows, num_tokens, device)
     if b.logit_bias:
         st.logit_bias = _logit_bias(b, rows, device)
     if b.allowed:
@@ -68,7 +72,7 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, device: torch.de
     if (pres != 0).any() or (freq != 0).any() or (rep != 1).any():
         st.presence_penalty, st.frequency_penalty, st.repetition_penalty = (upload(pres, device),
                                                                             upload(freq, device), upload(rep, device))
-        st.output_token_counts, st.prompt_token_mask = _token_counts(b, rows, device)
+        st.output_token_counts, st.prompt_token_mask = _token_counts(b, rows, num_tokens, device)
     return st
 
 
@@ -96,24 +100,28 @@ def _allowed_tokens(b: InputBatch, rows: np.ndarray, device: torch.device
             upload(np.concatenate([ids for _, ids in parts]), device))
 
 
-def _banned_tokens(b: InputBatch, rows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(row, token) pairs to mask: EOS and stop tokens of rows that have not reached min_tokens."""
-    pairs = [(i, t) for i, r in enumerate(rows.tolist()) if r in b.banned_until_min
-             and b.num_tokens[r] - b.num_prompt_tokens[r] < b.min_tokens[r] for t in b.banned_until_min[r]]
+def _banned_tokens(b: InputBatch, rows: np.ndarray, num_tokens: np.ndarray,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, token) pairs to mask: EOS and stop tokens of rows that have not reached min_tokens (``num_tokens``: each
+    row's tokens before the one it samples)."""
+    pairs = [(i, t) for i, (r, n) in enumerate(zip(rows.tolist(), num_tokens.tolist())) if r in b.banned_until_min
+             and n - b.num_prompt_tokens[r] < b.min_tokens[r] for t in b.banned_until_min[r]]
     if not pairs:
         return None
     idx = upload(torch.tensor(pairs, dtype=torch.long).T.contiguous(), device)
     return idx[0], idx[1]
 
 
-def _token_counts(b: InputBatch, rows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: how often each vocab token was generated [N, V], and which are in the prompt [N, V]."""
+def _token_counts(b: InputBatch, rows: np.ndarray, num_tokens: np.ndarray,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: how often each vocab token was generated among its first ``num_tokens`` [N, V], and which are in
+    the prompt [N, V]."""
     vocab = b.vocab_size
-    width = int(b.num_tokens[rows].max())
+    width = int(num_tokens.max())
     ids = b.token_ids[rows, :width].copy()  # [N, width]
     cols = np.arange(width)[None, :]
     in_prompt = cols < b.num_prompt_tokens[rows][:, None]
-    valid = cols < b.num_tokens[rows][:, None]
+    valid = cols < num_tokens[:, None]
     out_ids = upload(np.where(valid & ~in_prompt, ids, vocab), device)
     prompt_ids = upload(np.where(in_prompt, ids, vocab), device)
     counts = torch.zeros(len(rows), vocab + 1, dtype=torch.int32, device=device)
