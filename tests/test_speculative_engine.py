@@ -306,3 +306,34 @@ def test_rejected_proposals_hold_no_block_after_their_step(engines):
         assert [tokens[f"r{i}"] for i in range(len(PROMPTS))] == expected
         assert rejected > 8 * len(PROMPTS) and engine.proposer.num_accepted_tokens > 20
         _assert_blocks_all_free(llm)
+
+
+def test_a_beam_search_joining_takes_the_proposals_back_and_their_slots_too(engines):
+    """A beam search arriving while requests decode with proposals: the steps that sample its beams verify none (its
+    group chooses their tokens), and the proposals already planned for the others give back their slots after the
+    step, so each of those requests holds its computed tokens' blocks and no more. Everyone's tokens are as without
+    speculation."""
+    plain, _ = engines
+    beams = SamplingParams(n=2, use_beam_search=True, max_tokens=10)
+
+    def run(llm: LLM) -> dict[str, list[int]]:
+        engine, tokens, joined = llm.engine, {}, False
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(f"r{i}", llm.tokenizer.encode(prompt), GREEDY)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            running = [r for r in engine.scheduler.running if r.group is None]
+            if not joined and (any(r.spec_token_ids for r in running) if llm is spec else len(tokens["r0"]) > 4):
+                engine.add_request("beams", llm.tokenizer.encode(PROMPTS[3]), beams)
+                joined = True
+            block = engine.kv_manager.block_size
+            assert all(len(engine.kv_manager.get_block_ids(r.request_id)) == -(-r.num_computed_tokens // block)
+                       for r in running)
+        return tokens
+
+    # Eight proposals a step in blocks of eight tokens: proposals taken back always held a block of their own.
+    with LLM(max_model_len=256, quantization="none", kvcache_block_size=8,
+             speculative_config={**NGRAM, "num_speculative_tokens": 8}) as spec:
+        assert run(spec) == run(plain)
+        _assert_blocks_all_free(spec)
