@@ -50,3 +50,33 @@ def test_completions_match_the_engine_without_speculation_and_metrics_count(spec
     # The dashboard shows the same counters and the acceptance rate.
     spec = httpx.get(f"{speculating.url}/dashboard/snapshot", timeout=10).json()["spec_decode"]
     assert spec["num_accepted_tokens"] == accepted and spec["acceptance_rate"] == pytest.approx(accepted / drafted)
+
+
+def test_logprobs_come_for_every_token_of_a_speculating_request(speculating):
+    """A chat request asking for logprobs takes proposals like any other: streamed or not, its answer has one
+    logprobs entry per token, each with its top 2, and they are the engine's without speculation."""
+    client = openai.OpenAI(base_url=f"{speculating.url}/v1", api_key="none", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": PROMPT}]
+    ask = dict(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=24, temperature=0, logprobs=True,
+               top_logprobs=2)
+    metrics = lambda: httpx.get(f"{speculating.url}/metrics", timeout=10).text  # noqa: E731
+    accepted = lambda text: sum(float(line.split()[1]) for line in text.splitlines()  # noqa: E731
+                                if line.startswith("minivllm:spec_decode_num_accepted_tokens_total"))
+    wait_until_idle(speculating.url)
+    before = accepted(metrics())
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    wait_until_idle(speculating.url)
+    assert accepted(metrics()) > before  # its proposals were accepted
+    entries = whole.choices[0].logprobs.content
+    streamed = [entry for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    assert [e.token for e in entries] == [e.token for e in streamed]
+    assert "".join(e.token for e in entries).startswith(whole.choices[0].message.content)  # (and its end token)
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+    with LLM(max_model_len=512, quantization="none") as plain:
+        prompt = plain.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out = plain.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, logprobs=2), use_tqdm=False)
+    expected = out[0].outputs[0].logprobs
+    assert len(entries) == len(expected)
+    assert [e.logprob for e in entries] == pytest.approx([lp.logprob for lp in expected], abs=1e-4)
