@@ -103,6 +103,24 @@ def test_seeded_rows_draw_the_same_whatever_the_batch():
     assert run(0, 1) == run(2, 5) == run(4, 9)
 
 
+def test_a_seeded_row_draws_for_its_own_drafts_only():
+    """A seeded row with 2 drafts in a batch whose longest has 4 takes 2 uniforms from its generator, as alone:
+    its tokens, and its generator's next draw, are the same beside rows of more drafts."""
+    vocab = 6
+    p = torch.softmax(torch.randn(1, 5, vocab, generator=torch.Generator().manual_seed(3)), -1)
+
+    def run(batch_k: int) -> tuple[list[int], float]:
+        rows = 2 if batch_k > 2 else 1
+        probs = p[:, : batch_k + 1].expand(rows, batch_k + 1, vocab).clone()
+        drafts = torch.tensor([[1, 2, 3, 4][:batch_k]] * rows)
+        gen = torch.Generator().manual_seed(11)
+        out, n = rejection_sample(drafts, torch.tensor([2, batch_k][:rows]), probs, probs.argmax(-1),
+                                  torch.zeros(rows, dtype=torch.bool), None, {0: gen}, {0: 2})
+        return out[0, : int(n[0]) + 1].tolist(), torch.rand(1, generator=gen).item()
+
+    assert run(2) == run(4)
+
+
 def test_proposals_pause_while_few_are_accepted_and_come_back():
     rejected = Acceptance()
     for _ in range(PROBATION - 1):

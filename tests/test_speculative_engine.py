@@ -337,3 +337,16 @@ def test_a_beam_search_joining_takes_the_proposals_back_and_their_slots_too(engi
              speculative_config={**NGRAM, "num_speculative_tokens": 8}) as spec:
         assert run(spec) == run(plain)
         _assert_blocks_all_free(spec)
+
+
+def test_a_seeded_request_samples_the_same_alone_and_in_a_batch(engines):
+    """A sampled request with a seed, speculating, gets the same tokens alone and beside requests whose drafts are
+    longer or shorter than its own (it draws for its own drafts only), with its proposals accepted."""
+    _, spec = engines
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=40, ignore_eos=True)
+    proposer = spec.engine.proposer
+    before = proposer.num_accepted_tokens
+    alone = spec.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    assert proposer.num_accepted_tokens > before
+    batch = spec.generate(PROMPTS, [GREEDY, seeded, GREEDY, GREEDY], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone

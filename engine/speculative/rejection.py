@@ -13,7 +13,8 @@ target's own sampling:
 
 Greedy rows accept a draft while it is the target's argmax, and end with the argmax where they stop: their output is
 exactly the target's greedy tokens. Everything runs on the device over the whole batch; a row with its own seed takes
-its uniforms and its residual draw from its generator, so its tokens do not depend on the batch.
+its uniforms (one per draft of its own) and its residual draw from its generator, so its tokens do not depend on the
+batch.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def rejection_sample(
     greedy: torch.Tensor,  # [rows] bool
     draft_probs: torch.Tensor | None = None,  # [rows, k, vocab] float32 q_i; None: point masses at the drafts
     generators: dict[int, torch.Generator] | None = None,  # row -> its seeded generator
+    seeded_drafts: dict[int, int] | None = None,  # row -> its num_drafts, for each seeded row (default: k)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the output tokens [rows, k + 1] (the accepted drafts, then the recovered or bonus token, then
     ``PLACEHOLDER``) and the number of accepted drafts per row [rows]; a row's output has that many + 1 tokens."""
@@ -43,7 +45,7 @@ def rejection_sample(
     p_draft = target_probs[:, :k].gather(-1, drafts[..., None])[..., 0]  # [rows, k]
     q_draft = (draft_probs.gather(-1, drafts[..., None])[..., 0] if draft_probs is not None
                else torch.ones_like(p_draft))
-    uniforms = _uniforms((rows, k), device, generators)
+    uniforms = _uniforms((rows, k), device, generators, seeded_drafts)
     accepted = torch.where(greedy[:, None], drafts == target_argmax[:, :k], uniforms * q_draft < p_draft) & valid
     # The drafts before the first rejection (or all of the row's).
     num_accepted = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)  # [rows]
@@ -67,11 +69,14 @@ def rejection_sample(
     return out, num_accepted
 
 
-def _uniforms(shape: tuple[int, int], device: torch.device,
-              generators: dict[int, torch.Generator] | None) -> torch.Tensor:
+def _uniforms(shape: tuple[int, int], device: torch.device, generators: dict[int, torch.Generator] | None,
+              seeded_drafts: dict[int, int] | None) -> torch.Tensor:
+    """[rows, k] uniforms; a seeded row's first num_drafts from its generator (the rest are never read), so that
+    what it draws does not depend on the other rows' drafts."""
     uniforms = torch.rand(shape, device=device)
     for row, generator in (generators or {}).items():
-        uniforms[row] = torch.rand(shape[1], device=device, generator=generator)
+        n = shape[1] if seeded_drafts is None else seeded_drafts[row]
+        uniforms[row, :n] = torch.rand(n, device=device, generator=generator)
     return uniforms
 
 

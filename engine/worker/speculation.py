@@ -56,7 +56,7 @@ def verify_proposals(logits: torch.Tensor, st: SamplingTensors, spec_counts: np.
         start = batch.num_tokens[row]
         drafts[i, :k] = batch.token_ids[row, start : start + k]
     out, accepted = rejection_sample(torch.from_numpy(drafts[:, :kmax]).to(device), counts, probs, argmax, greedy,
-                                     None, st.generators)
+                                     None, st.generators, {row: int(spec_counts[row]) for row in st.generators})
     return out.gather(1, accepted[:, None])[:, 0], (out, accepted), raw_logprobs
 
 
