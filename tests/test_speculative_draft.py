@@ -98,7 +98,8 @@ def test_another_draft_changes_no_token_through_chunks_prefix_hits_and_preemptio
 
 def test_sampled_requests_and_stop_conditions_with_a_draft(models):
     """Seeded sampled requests are reproducible with a draft; max_tokens inside a run of accepted proposals ends
-    the output where it would end without speculation."""
+    the output where it would end without speculation; requests with logprobs and a penalty take the draft's
+    proposals and get what they get without it."""
     target, _ = models
     prompts = make_prompts(VOCAB, lens=[9, 17])
     sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
@@ -106,7 +107,18 @@ def test_sampled_requests_and_stop_conditions_with_a_draft(models):
         first, again = run(llm, prompts, sampled), run(llm, prompts, sampled)
         assert first == again and all(len(t) == 12 for t in first)
         assert run(llm, prompts, greedy(5)) == hf_greedy(target, prompts, 5)
+        # Logprobs and a penalty with a draft: proposals accepted, an entry per token, as without speculation.
+        asked = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, presence_penalty=0.5)
+        before = llm.engine.proposer.num_accepted_tokens
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], asked, use_tqdm=False)
+        assert llm.engine.proposer.num_accepted_tokens > before
         _assert_blocks_all_free(llm)
+    with LLM(str(target), max_model_len=256, num_kvcache_blocks=64) as plain:
+        expected = plain.generate([{"prompt_token_ids": p} for p in prompts], asked, use_tqdm=False)
+    for ours, theirs in zip(outs, expected):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert [lp.logprob for lp in ours.outputs[0].logprobs] == \
+            pytest.approx([lp.logprob for lp in theirs.outputs[0].logprobs], abs=1e-4)
 
 
 def test_drafts_that_cannot_serve_are_refused(models, tmp_path):
