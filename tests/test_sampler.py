@@ -87,12 +87,29 @@ def test_seeded_rows_do_not_depend_on_their_batch_mates():
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
 
     def run(rows):
-        gens = {i: torch.Generator().manual_seed(7) for i in range(len(rows)) if rows[i] == 0}
+        gens = {i: (torch.Generator(), 7, 30) for i in range(len(rows)) if rows[i] == 0}
         st = tensors(len(rows), generators=gens)
         return Sampler()(logits[rows], st)[0].tolist()
 
     alone = run([0])[0]
     assert run([1, 0, 2])[1] == alone and run([2, 1, 0])[2] == alone
+
+
+def test_a_seeded_rows_noise_depends_on_its_seed_and_position_alone():
+    """The same (seed, position) draws the same noise from any generator, after any earlier draws; another position
+    or seed draws other noise, so a seeded row samples its stream position by position."""
+    from engine.worker.sampler import seeded_noise
+
+    used = torch.Generator()
+    torch.rand(100, generator=used)
+    assert torch.equal(seeded_noise(torch.Generator(), 5, 12, 64), seeded_noise(used, 5, 12, 64))
+    three = seeded_noise(torch.Generator(), 5, 12, 64, count=3)
+    assert torch.equal(three[1], seeded_noise(used, 5, 13, 64)[0])
+    assert not torch.equal(three[0], three[1]) and not torch.equal(three[0], seeded_noise(used, 6, 12, 64)[0])
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(4))
+    tokens = {Sampler()(logits, tensors(1, generators={0: (torch.Generator(), 5, position)}))[0].item()
+              for position in range(40)}
+    assert len(tokens) > 5  # positions draw apart
 
 
 def test_penalties_match_their_definitions():

@@ -84,41 +84,32 @@ def test_greedy_rows_accept_exactly_the_targets_argmax_tokens():
     assert out.tolist() == [[3, 5, 1, 7], [3, 5, -1, -1], [2, 2, 2, -1], [4, -1, -1, -1]]
 
 
-def test_seeded_rows_draw_the_same_whatever_the_batch():
-    """A row with its own generator accepts and draws from that generator alone."""
+def test_seeded_rows_take_the_targets_own_samples_whatever_the_batch():
+    """A seeded row, given its positions' noise, keeps its drafts while they are the target's samples there
+    (argmax p / noise, what the sampler draws without speculation) and ends with the first sample they miss, or the
+    bonus one: the same beside any other rows."""
     vocab, k = 5, 3
     p = torch.softmax(torch.randn(2, k + 1, vocab, generator=torch.Generator().manual_seed(2)), -1)
-    drafts = torch.tensor([[1, 2, 3], [0, 0, 0]])
+    noise = torch.empty(k + 1, vocab).exponential_(generator=torch.Generator().manual_seed(7))
+    samples = (p[0] / noise).argmax(-1).tolist()
 
-    def run(row_of_interest: int, batch: int):
+    def run(row_of_interest: int, batch: int, drafts_of_interest: list[int]):
         probs = p[1:2].expand(batch, k + 1, vocab).clone()
         probs[row_of_interest] = p[0]
-        draft = drafts[1:2].expand(batch, k).clone()
-        draft[row_of_interest] = drafts[0]
-        gens = {row_of_interest: torch.Generator().manual_seed(7)}
-        out, _ = rejection_sample(draft, torch.full((batch,), k), probs, probs.argmax(-1),
-                                  torch.zeros(batch, dtype=torch.bool), None, gens)
-        return out[row_of_interest].tolist()
+        draft = torch.zeros(batch, k, dtype=torch.long)
+        draft[row_of_interest] = torch.tensor(drafts_of_interest)
+        out, n = rejection_sample(draft, torch.full((batch,), k), probs, probs.argmax(-1),
+                                  torch.zeros(batch, dtype=torch.bool), None, {row_of_interest: noise})
+        return out[row_of_interest, : int(n[row_of_interest]) + 1].tolist()
 
-    assert run(0, 1) == run(2, 5) == run(4, 9)
-
-
-def test_a_seeded_row_draws_for_its_own_drafts_only():
-    """A seeded row with 2 drafts in a batch whose longest has 4 takes 2 uniforms from its generator, as alone:
-    its tokens, and its generator's next draw, are the same beside rows of more drafts."""
-    vocab = 6
-    p = torch.softmax(torch.randn(1, 5, vocab, generator=torch.Generator().manual_seed(3)), -1)
-
-    def run(batch_k: int) -> tuple[list[int], float]:
-        rows = 2 if batch_k > 2 else 1
-        probs = p[:, : batch_k + 1].expand(rows, batch_k + 1, vocab).clone()
-        drafts = torch.tensor([[1, 2, 3, 4][:batch_k]] * rows)
-        gen = torch.Generator().manual_seed(11)
-        out, n = rejection_sample(drafts, torch.tensor([2, batch_k][:rows]), probs, probs.argmax(-1),
-                                  torch.zeros(rows, dtype=torch.bool), None, {0: gen}, {0: 2})
-        return out[0, : int(n[0]) + 1].tolist(), torch.rand(1, generator=gen).item()
-
-    assert run(2) == run(4)
+    for drafts in (samples[:3], [*samples[:1], (samples[1] + 1) % vocab, samples[2]], [(samples[0] + 1) % vocab] * 3):
+        expected = []
+        for i, token in enumerate(drafts):
+            if token != samples[i]:
+                break
+            expected.append(token)
+        expected.append(samples[len(expected)])
+        assert run(0, 1, drafts) == run(2, 5, drafts) == run(4, 9, drafts) == expected
 
 
 def test_proposals_pause_while_few_are_accepted_and_come_back():

@@ -339,14 +339,30 @@ def test_a_beam_search_joining_takes_the_proposals_back_and_their_slots_too(engi
         _assert_blocks_all_free(spec)
 
 
-def test_a_seeded_request_samples_the_same_alone_and_in_a_batch(engines):
-    """A sampled request with a seed, speculating, gets the same tokens alone and beside requests whose drafts are
-    longer or shorter than its own (it draws for its own drafts only), with its proposals accepted."""
-    _, spec = engines
-    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=40, ignore_eos=True)
+def test_seeded_sampled_requests_get_the_tokens_they_get_without_speculation(engines):
+    """Sampled requests with seeds take proposals, and the verification keeps them while they are the samples the
+    request draws without speculation (each position's noise comes from its seed and the position alone): their
+    tokens are the ones they get without speculation, alone or beside other requests, with proposals accepted."""
+    plain, spec = engines
+    seeded = [SamplingParams(temperature=t, top_p=0.95, seed=1234 + i, max_tokens=40, ignore_eos=True)
+              for i, t in enumerate((0.3, 0.8, 1.0))]
+    expected = _tokens(plain, PROMPTS[:3], seeded)
     proposer = spec.engine.proposer
     before = proposer.num_accepted_tokens
-    alone = spec.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    assert [_tokens(spec, [prompt], params)[0] for prompt, params in zip(PROMPTS, seeded)] == expected
     assert proposer.num_accepted_tokens > before
-    batch = spec.generate(PROMPTS, [GREEDY, seeded, GREEDY, GREEDY], use_tqdm=False)
-    assert batch[1].outputs[0].token_ids == alone
+    assert _tokens(spec, PROMPTS, [*seeded, GREEDY])[:3] == expected
+
+
+def test_seeded_requests_preempted_while_speculating_sample_as_if_they_were_not(engines):
+    """Seeded sampled requests in a pool too small for all of them (preemptions, computed again): each position's
+    noise comes from the seed and the position, so the tokens are those of a pool where none was preempted."""
+    _, spec = engines
+    params = [SamplingParams(temperature=0.9, seed=100 + i, max_tokens=32, ignore_eos=True) for i in range(4)]
+    expected = _tokens(spec, PROMPTS, params)
+    with LLM(max_model_len=128, quantization="none", speculative_config=NGRAM, num_kvcache_blocks=10,
+             kvcache_block_size=16) as tight:
+        assert _tokens(tight, PROMPTS, params) == expected
+        assert tight.engine.stats().num_preemptions > 0
+        assert tight.engine.proposer.num_accepted_tokens > 0
+        _assert_blocks_all_free(tight)

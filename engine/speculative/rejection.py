@@ -12,9 +12,12 @@ target's own sampling:
 * when all of a row's drafts are accepted, a bonus token is drawn from p_k.
 
 Greedy rows accept a draft while it is the target's argmax, and end with the argmax where they stop: their output is
-exactly the target's greedy tokens. Everything runs on the device over the whole batch; a row with its own seed takes
-its uniforms (one per draft of its own) and its residual draw from its generator, so its tokens do not depend on the
-batch.
+exactly the target's greedy tokens. Seeded rows are coupled to the target's own sampling instead: given each
+position's noise (``engine.worker.sampler.seeded_noise``, drawn from the seed and the position alone), the target's
+sample there is x_i = argmax(p_i / noise_i), the token the sampler draws without speculation; draft i is accepted
+while it equals x_i, and the row ends with x_i where one differs (or x_k). For point-mass drafts this is the same
+acceptance, min(1, p_i(x_i)), and the output is x_0 .. exactly: a seeded request's tokens are the ones it gets without
+speculation. Everything runs on the device over the whole batch.
 """
 
 from __future__ import annotations
@@ -31,8 +34,7 @@ def rejection_sample(
     target_argmax: torch.Tensor,  # [rows, k + 1] int64: the argmax of the target's logits, for greedy rows
     greedy: torch.Tensor,  # [rows] bool
     draft_probs: torch.Tensor | None = None,  # [rows, k, vocab] float32 q_i; None: point masses at the drafts
-    generators: dict[int, torch.Generator] | None = None,  # row -> its seeded generator
-    seeded_drafts: dict[int, int] | None = None,  # row -> its num_drafts, for each seeded row (default: k)
+    seeded_noise: dict[int, torch.Tensor] | None = None,  # row -> its positions' Exp(1) noise [k + 1, vocab]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the output tokens [rows, k + 1] (the accepted drafts, then the recovered or bonus token, then
     ``PLACEHOLDER``) and the number of accepted drafts per row [rows]; a row's output has that many + 1 tokens."""
@@ -45,8 +47,17 @@ def rejection_sample(
     p_draft = target_probs[:, :k].gather(-1, drafts[..., None])[..., 0]  # [rows, k]
     q_draft = (draft_probs.gather(-1, drafts[..., None])[..., 0] if draft_probs is not None
                else torch.ones_like(p_draft))
-    uniforms = _uniforms((rows, k), device, generators, seeded_drafts)
-    accepted = torch.where(greedy[:, None], drafts == target_argmax[:, :k], uniforms * q_draft < p_draft) & valid
+    uniforms = torch.rand((rows, k), device=device)
+    accepted = torch.where(greedy[:, None], drafts == target_argmax[:, :k], uniforms * q_draft < p_draft)
+    coupled = None
+    if seeded_noise:  # the target's own samples at each position, which the drafts must equal
+        if draft_probs is not None:
+            raise ValueError("seeded rows are coupled to point-mass drafts only")
+        seeded = torch.tensor(sorted(seeded_noise), device=device)
+        noise = torch.stack([seeded_noise[row] for row in sorted(seeded_noise)])  # [seeded rows, k + 1, vocab]
+        coupled = (target_probs[seeded] / noise).argmax(dim=-1)  # [seeded rows, k + 1]
+        accepted[seeded] = drafts[seeded] == coupled[:, :k]
+    accepted &= valid
     # The drafts before the first rejection (or all of the row's).
     num_accepted = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)  # [rows]
     stop = num_accepted  # the position of the recovered or bonus token
@@ -60,7 +71,9 @@ def rejection_sample(
         q = (draft_probs[every_row, at] if draft_probs is not None
              else torch.zeros_like(residual).scatter_(1, drafts[every_row, at][:, None], 1.0))
         residual = torch.where(rejected[:, None], (residual - q).clamp(min=0), residual)
-    recovered = _draw(residual, generators)
+    recovered = _draw(residual)
+    if coupled is not None:
+        recovered[seeded] = coupled.gather(1, stop[seeded, None])[:, 0]
     last = torch.where(greedy, target_argmax.gather(1, stop[:, None])[:, 0], recovered)
     out = torch.full((rows, k + 1), PLACEHOLDER, dtype=torch.int64, device=device)
     keep = positions[None, :] < num_accepted[:, None]
@@ -69,21 +82,7 @@ def rejection_sample(
     return out, num_accepted
 
 
-def _uniforms(shape: tuple[int, int], device: torch.device, generators: dict[int, torch.Generator] | None,
-              seeded_drafts: dict[int, int] | None) -> torch.Tensor:
-    """[rows, k] uniforms; a seeded row's first num_drafts from its generator (the rest are never read), so that
-    what it draws does not depend on the other rows' drafts."""
-    uniforms = torch.rand(shape, device=device)
-    for row, generator in (generators or {}).items():
-        n = shape[1] if seeded_drafts is None else seeded_drafts[row]
-        uniforms[row, :n] = torch.rand(n, device=device, generator=generator)
-    return uniforms
-
-
-def _draw(weights: torch.Tensor, generators: dict[int, torch.Generator] | None) -> torch.Tensor:
+def _draw(weights: torch.Tensor) -> torch.Tensor:
     """One id per row, with probability proportional to ``weights`` [rows, vocab] (non-negative, not normalised):
     the exponential race argmax(w / E), E ~ Exp(1), as the sampler draws."""
-    noise = torch.empty_like(weights).exponential_()
-    for row, generator in (generators or {}).items():
-        noise[row].exponential_(generator=generator)
-    return (weights / noise).argmax(dim=-1)
+    return (weights / torch.empty_like(weights).exponential_()).argmax(dim=-1)

@@ -58,7 +58,7 @@ class InputBatch:
         self.allowed: dict[int, np.ndarray] = {}  # row -> the token ids it may sample (int64)
         # row -> the tokens whose logprobs replace its top-N (int64, in the request's order): logprob_token_ids
         self.logprob_token_ids: dict[int, np.ndarray] = {}
-        self.generators: dict[int, torch.Generator] = {}
+        self.generators: dict[int, tuple[torch.Generator, int]] = {}  # row -> (a generator, its request's seed)
         self.pooling: dict[int, PoolingParams] = {}  # row -> how a pooling request's output is made
         self.lora: dict[int, LoRARequest] = {}  # row -> its LoRA adapter (engine/lora), if any
         # Requests with images still ahead of their prefill: their ImageInputs (engine/loading/multimodal.py), by offset.
@@ -121,14 +121,8 @@ class InputBatch:
             self.pooling[row] = p.pooling
         else:
             self.pooling.pop(row, None)
-        if p.seed is not None and not p.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(p.seed)
-            # A request resumed after preemption replays its earlier draws (one vocab-sized
-            # noise row per generated token, as the sampler draws) to continue its stream.
-            for _ in range(n - data.num_prompt_tokens):
-                torch.empty(self.vocab_size, device=self.device).exponential_(generator=generator)
-            self.generators[row] = generator
+        if p.seed is not None and not p.greedy:  # its noise at each position is drawn from (seed, position) alone
+            self.generators[row] = (torch.Generator(device=self.device), p.seed)
 
     def _num_logprobs(self, asked: int | None) -> int:
         """How many top logprobs a row computes: -1 for none; a request's -1 (or more than there are) is the

@@ -336,9 +336,9 @@ class ModelRunner:
             self._feed_in_flight_tokens(inputs, in_flight)
         if self.followers is not None:
             broadcast_from_rank0(inputs.input_ids)  # with the tokens of the step in flight
-        # Built before the forward pass is queued, so their small host-to-device copies never
-        # wait behind it.
-        st = build_sampling_tensors(self.batch, inputs.sampled_rows, self.device) if len(inputs.sampled_rows) else None
+        # Built before the forward pass is queued, so their small host-to-device copies never wait behind it.
+        st = (build_sampling_tensors(self.batch, inputs.sampled_rows, self.device, positions=inputs.sampled_positions)
+              if len(inputs.sampled_rows) else None)
         handle = StepHandle(inputs=inputs, events=self._start_timing())
         logits, greedy = self._forward(inputs, handle, sample and st is not None and takes_greedy_tokens(st))
         if sched.freed_encoder_hashes:  # after the forward pass that read them is queued

@@ -3,8 +3,11 @@
 Everything is a tensor operation over the whole batch; the only Python loop is over
 the requests that carry their own seed (one noise draw each, no host sync). Sampling
 uses the exponential-race form of the Gumbel trick: ``argmax(p / q)`` with
-``q ~ Exp(1)`` draws from ``p``, and a request's noise comes from its own generator,
-so its tokens do not depend on what else is in the batch.
+``q ~ Exp(1)`` draws from ``p``. A seeded request's noise for the token at position t
+of its sequence is drawn from (its seed, t) alone (``seeded_noise``), so its tokens
+depend neither on what else is in the batch nor on how its steps fell: a preempted
+request that computes its tokens again, or one whose proposals a speculative step
+verifies (``engine.speculative.rejection``), draws the same noise at each position.
 """
 
 from __future__ import annotations
@@ -73,10 +76,21 @@ class Sampler:
             return greedy, raw_logprobs
         probs = sampling_probs(logits, st)
         noise = torch.empty_like(probs).exponential_()
-        for row, generator in st.generators.items():
-            noise[row].exponential_(generator=generator)
+        for row, (generator, seed, position) in st.generators.items():
+            noise[row] = seeded_noise(generator, seed, position, probs.shape[-1])[0]
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(st.temperature > 0, sampled, greedy), raw_logprobs
+
+
+def seeded_noise(generator: torch.Generator, seed: int, position: int, vocab: int, count: int = 1) -> torch.Tensor:
+    """Exp(1) noise [count, vocab] (float32, on the generator's device) for the tokens at positions ``position`` ..
+    ``position + count - 1`` of a request seeded with ``seed``: each row drawn from the generator seeded by the pair
+    alone."""
+    noise = torch.empty(count, vocab, device=generator.device)
+    for i in range(count):
+        generator.manual_seed((seed * 1_000_003 + position + i) % 2**63)  # distinct pairs for positions < 1,000,003
+        noise[i].exponential_(generator=generator)
+    return noise
 
 
 def adjust_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

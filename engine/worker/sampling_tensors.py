@@ -23,7 +23,8 @@ class SamplingTensors:
     top_k: torch.Tensor | None  # [N] int64, vocab size where disabled; None if no row uses it
     top_p: torch.Tensor | None  # [N] float32; None if no row uses it
     min_p: torch.Tensor | None  # [N] float32; None if no row uses it
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its seeded generator
+    # Seeded rows: row -> (a generator, the request's seed, the position of the token it samples); see seeded_noise.
+    generators: dict[int, tuple[torch.Generator, int, int]] = field(default_factory=dict)
     all_greedy: bool = False
     # Penalties (None if no row uses them).
     presence_penalty: torch.Tensor | None = None  # [N]
@@ -45,10 +46,11 @@ class SamplingTensors:
 
 
 def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, device: torch.device,
-                           ahead: np.ndarray | None = None) -> SamplingTensors:
+                           ahead: np.ndarray | None = None, positions: np.ndarray | None = None) -> SamplingTensors:
     """The sampling parameters of the step's sampled ``rows`` (InputBatch rows, in sampling order). ``ahead``: per
     entry of ``rows``, how many of its proposals come before it (a verification step's positions, one entry each:
-    the proposals before a position are taken as accepted there, so min_tokens and the penalties count them)."""
+    the proposals before a position are taken as accepted there, so min_tokens and the penalties count them).
+    ``positions``: where each row's (first) sampled token goes in its request, for the seeded rows' noise."""
     b = batch
     temperature = b.temperature[rows]
     top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
@@ -57,7 +59,8 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, device: torch.de
         top_k=upload(np.where(top_k > 0, top_k, b.vocab_size), device) if (top_k > 0).any() else None,
         top_p=upload(top_p, device) if (top_p < 1.0).any() else None,
         min_p=upload(min_p, device) if (min_p > 0.0).any() else None,
-        generators={i: b.generators[r] for i, r in enumerate(rows.tolist()) if r in b.generators},
+        generators={i: (*b.generators[r], int(positions[i]) if positions is not None else 0)
+                    for i, r in enumerate(rows.tolist()) if r in b.generators},
         all_greedy=bool((temperature == 0).all()),
         max_num_logprobs=int(b.num_logprobs[rows].max()),
     )

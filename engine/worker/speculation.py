@@ -18,7 +18,7 @@ import torch
 from engine.speculative.rejection import rejection_sample
 from engine.worker.input_batch import InputBatch
 from engine.worker.logprobs import copy_logprobs
-from engine.worker.sampler import adjust_logits, changes_logits, sampling_probs
+from engine.worker.sampler import adjust_logits, changes_logits, sampling_probs, seeded_noise
 from engine.worker.sampling_tensors import SamplingTensors, build_sampling_tensors
 
 
@@ -55,8 +55,10 @@ def verify_proposals(logits: torch.Tensor, st: SamplingTensors, spec_counts: np.
     for i, (row, k) in enumerate(zip(rows.tolist(), spec_counts.tolist())):
         start = batch.num_tokens[row]
         drafts[i, :k] = batch.token_ids[row, start : start + k]
+    noise = {row: seeded_noise(generator, seed, position, probs.shape[-1], kmax + 1)
+             for row, (generator, seed, position) in st.generators.items()}  # (each position's, from the seed)
     out, accepted = rejection_sample(torch.from_numpy(drafts[:, :kmax]).to(device), counts, probs, argmax, greedy,
-                                     None, st.generators, {row: int(spec_counts[row]) for row in st.generators})
+                                     None, noise)
     return out.gather(1, accepted[:, None])[:, 0], (out, accepted), raw_logprobs
 
 

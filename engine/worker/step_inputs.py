@@ -41,6 +41,7 @@ class StepInputs:
     rows: np.ndarray  # [num_reqs] the InputBatch rows of its requests, in token order
     sampled_request_ids: list[str]  # requests that get a token, in logits order
     sampled_rows: np.ndarray  # [num_sampled] their InputBatch rows
+    sampled_positions: np.ndarray  # [num_sampled] where each one's (first) sampled token goes in its sequence
     samples_leading_rows: bool  # a decode graph's step whose sampled rows are its first num_sampled, in order
     # Tokens whose id a step in flight is still sampling: their flat positions, and their requests.
     placeholder_tokens: np.ndarray
@@ -116,6 +117,7 @@ class StepInputPreparer:
             rows=rows,
             sampled_request_ids=[req_ids[order[i]] for i in sampled.tolist()],
             sampled_rows=rows[sampled],
+            sampled_positions=seq_lens[sampled] - (spec_counts if spec_counts is not None else 0),
             samples_leading_rows=bool(shape.graph_size and len(sampled) and sampled[-1] == len(sampled) - 1),
             placeholder_tokens=unknown,
             placeholder_request_ids=[req_ids[order[token_req[t]]] for t in unknown.tolist()] if len(unknown) else [],
