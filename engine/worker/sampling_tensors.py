@@ -50,7 +50,8 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, device: torch.de
     """The sampling parameters of the step's sampled ``rows`` (InputBatch rows, in sampling order). ``ahead``: per
     entry of ``rows``, how many of its proposals come before it (a verification step's positions, one entry each:
     the proposals before a position are taken as accepted there, so min_tokens and the penalties count them).
-    ``positions``: where each row's (first) sampled token goes in its request, for the seeded rows' noise."""
+    ``positions``: where each row's (first) sampled token goes in its request, for the seeded rows' noise (without
+    them, no row's noise is seeded: tensors that only change logits)."""
     b = batch
     temperature = b.temperature[rows]
     top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
@@ -59,8 +60,8 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, device: torch.de
         top_k=upload(np.where(top_k > 0, top_k, b.vocab_size), device) if (top_k > 0).any() else None,
         top_p=upload(top_p, device) if (top_p < 1.0).any() else None,
         min_p=upload(min_p, device) if (min_p > 0.0).any() else None,
-        generators={i: (*b.generators[r], int(positions[i]) if positions is not None else 0)
-                    for i, r in enumerate(rows.tolist()) if r in b.generators},
+        generators={i: (*b.generators[r], int(positions[i])) for i, r in enumerate(rows.tolist())
+                    if r in b.generators} if positions is not None else {},
         all_greedy=bool((temperature == 0).all()),
         max_num_logprobs=int(b.num_logprobs[rows].max()),
     )
