@@ -110,24 +110,18 @@ class FreeBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         """Add ``block`` at the tail (evicted last)."""
-        if block.prev_free is not None or block.next_free is not None:
-            raise ValueError(f"block {block.block_id} is already in the free queue")
-        last = self._tail.prev_free
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
-        self.num_free_blocks += 1
+        self._insert(block, self._tail.prev_free, self._tail)
 
     def appendleft(self, block: KVCacheBlock) -> None:
         """Add ``block`` at the head (taken first)."""
+        self._insert(block, self._head, self._head.next_free)
+
+    def _insert(self, block: KVCacheBlock, prev: KVCacheBlock, nxt: KVCacheBlock) -> None:
         if block.prev_free is not None or block.next_free is not None:
             raise ValueError(f"block {block.block_id} is already in the free queue")
-        first = self._head.next_free
-        first.prev_free = block
-        block.next_free = first
-        block.prev_free = self._head
-        self._head.next_free = block
+        prev.next_free = block
+        block.prev_free, block.next_free = prev, nxt
+        nxt.prev_free = block
         self.num_free_blocks += 1
 
     def __len__(self) -> int:
