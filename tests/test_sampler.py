@@ -102,10 +102,13 @@ def test_a_seeded_rows_noise_depends_on_its_seed_and_position_alone():
 
     used = torch.Generator()
     torch.rand(100, generator=used)
-    assert torch.equal(seeded_noise(torch.Generator(), 5, 12, 64), seeded_noise(used, 5, 12, 64))
-    three = seeded_noise(torch.Generator(), 5, 12, 64, count=3)
-    assert torch.equal(three[1], seeded_noise(used, 5, 13, 64)[0])
-    assert not torch.equal(three[0], three[1]) and not torch.equal(three[0], seeded_noise(used, 6, 12, 64)[0])
+    def noise(generator, seed, position, count=1):
+        return seeded_noise(generator, seed, position, torch.empty(count, 64))
+
+    assert torch.equal(noise(torch.Generator(), 5, 12), noise(used, 5, 12))
+    three = noise(torch.Generator(), 5, 12, count=3)
+    assert torch.equal(three[1], noise(used, 5, 13)[0])
+    assert not torch.equal(three[0], three[1]) and not torch.equal(three[0], noise(used, 6, 12)[0])
     logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(4))
     tokens = {Sampler()(logits, tensors(1, generators={0: (torch.Generator(), 5, position)}))[0].item()
               for position in range(40)}

@@ -77,20 +77,19 @@ class Sampler:
         probs = sampling_probs(logits, st)
         noise = torch.empty_like(probs).exponential_()
         for row, (generator, seed, position) in st.generators.items():
-            noise[row] = seeded_noise(generator, seed, position, probs.shape[-1])[0]
+            seeded_noise(generator, seed, position, noise[row : row + 1])
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(st.temperature > 0, sampled, greedy), raw_logprobs
 
 
-def seeded_noise(generator: torch.Generator, seed: int, position: int, vocab: int, count: int = 1) -> torch.Tensor:
-    """Exp(1) noise [count, vocab] (float32, on the generator's device) for the tokens at positions ``position`` ..
-    ``position + count - 1`` of a request seeded with ``seed``: each row drawn from the generator seeded by the pair
-    alone."""
-    noise = torch.empty(count, vocab, device=generator.device)
-    for i in range(count):
+def seeded_noise(generator: torch.Generator, seed: int, position: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` [count, vocab] (on the generator's device) filled with Exp(1) noise for the tokens at positions
+    ``position`` .. ``position + count - 1`` of a request seeded with ``seed``: each row drawn from the generator
+    seeded by the pair alone. Returns ``out``."""
+    for i in range(len(out)):
         generator.manual_seed((seed * 1_000_003 + position + i) % 2**63)  # distinct pairs for positions < 1,000,003
-        noise[i].exponential_(generator=generator)
-    return noise
+        out[i].exponential_(generator=generator)
+    return out
 
 
 def adjust_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

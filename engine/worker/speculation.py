@@ -55,8 +55,9 @@ def verify_proposals(logits: torch.Tensor, st: SamplingTensors, spec_counts: np.
     for i, (row, k) in enumerate(zip(rows.tolist(), spec_counts.tolist())):
         start = batch.num_tokens[row]
         drafts[i, :k] = batch.token_ids[row, start : start + k]
-    noise = {row: seeded_noise(generator, seed, position, probs.shape[-1], kmax + 1)
-             for row, (generator, seed, position) in st.generators.items()}  # (each position's, from the seed)
+    noise = {}  # each seeded row's noise at its positions, from its seed
+    for row, (generator, seed, position) in st.generators.items():
+        noise[row] = seeded_noise(generator, seed, position, torch.empty(kmax + 1, per_row.shape[-1], device=device))
     out, accepted = rejection_sample(torch.from_numpy(drafts[:, :kmax]).to(device), counts, probs, argmax, greedy,
                                      None, noise)
     return out.gather(1, accepted[:, None])[:, 0], (out, accepted), raw_logprobs
