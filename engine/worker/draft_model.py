@@ -130,11 +130,7 @@ class DraftModel:
             at = ends[live] + j - 1  # proposal j's position, whose output is proposal j + 1
             proposal = self._pass(batch, rows[live], at, at + 1, proposal)
             made.append((live, proposal))
-        tokens = torch.cat([p for _, p in made]).cpu().numpy()
-        offset = 0
-        for j, (live, _) in enumerate(made):
-            batch.token_ids[rows[live], ends[live] + j] = tokens[offset : offset + len(live)]
-            offset += len(live)
+        write_proposals(batch, rows, ends, made)
 
     def _pass(self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
               tokens: torch.Tensor) -> torch.Tensor:
@@ -146,6 +142,17 @@ class DraftModel:
         logits = self.model.compute_logits(hidden[last])[:, : self.model_config.vocab_size]
         self.num_passes += 1
         return logits.argmax(dim=-1)
+
+
+def write_proposals(batch: InputBatch, rows: np.ndarray, ends: np.ndarray,
+                    made: list[tuple[np.ndarray, torch.Tensor]]) -> None:
+    """Write chained passes' proposals after the rows' known tokens (``ends``): ``made[j]`` is (the indices into
+    ``rows`` that pass j served, their proposals j + 1 on the device). One host sync reads them all."""
+    tokens = torch.cat([proposal for _, proposal in made]).cpu().numpy()
+    offset = 0
+    for j, (live, _) in enumerate(made):
+        batch.token_ids[rows[live], ends[live] + j] = tokens[offset : offset + len(live)]
+        offset += len(live)
 
 
 def pass_metadata(batch: InputBatch, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, block_size: int,

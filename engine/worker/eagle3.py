@@ -46,7 +46,7 @@ from engine.loading.eagle3 import Eagle3Checkpoint
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_eagle3 import LlamaEagle3Head
 from engine.speculative.config import SpeculativeConfig
-from engine.worker.draft_model import pass_metadata
+from engine.worker.draft_model import pass_metadata, write_proposals
 from engine.worker.input_batch import InputBatch
 from kvcache.paged_cache import PagedKVCache
 
@@ -236,11 +236,7 @@ class Eagle3Drafter:
             proposal = self.head.propose(normed)
             self.num_passes += 1
             made.append((live, proposal))
-        tokens = torch.cat([p for _, p in made]).cpu().numpy()  # the drafts' one host sync
-        offset = 0
-        for j, (live, _) in enumerate(made):
-            batch.token_ids[rows[live], ends[live] + j] = tokens[offset : offset + len(live)]
-            offset += len(live)
+        write_proposals(batch, rows, ends, made)  # the drafts' one host sync
 
 
 def reads_target_states(config: EngineConfig) -> bool:

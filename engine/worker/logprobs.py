@@ -48,8 +48,7 @@ class LogprobsCopy:
             picked += range(self.starts[k], self.starts[k] + len(tokens))
             kept.append(tokens)
         at = np.asarray(picked, dtype=np.int64)
-        named = None if self.named is None else (self.named[0][at], self.named[1][at],
-                                                 [self.named_values[p].tolist() for p in picked])
+        named = None if self.named is None else (self.named[0][at], self.named[1][at], self.named_values[at].tolist())
         num_top = np.repeat(self.num_top, [len(tokens) for tokens in kept])
         entries = build_logprobs([t for tokens in kept for t in tokens], self.chosen[at].tolist(),
                                  self.ranks[at].tolist(), self.top_ids[at].tolist(), self.top_values[at].tolist(),
@@ -70,7 +69,7 @@ def copy_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, rows: np.nda
     wanted = np.nonzero(num_top >= 0)[0]
     per_row = np.ones(len(rows), dtype=np.int64) if positions is None else positions.astype(np.int64)
     first = np.cumsum(per_row) - per_row
-    at = np.concatenate([np.arange(first[i], first[i] + per_row[i]) for i in wanted]) if len(wanted) else first[:0]
+    at = np.repeat(first[wanted], per_row[wanted]) + offsets_within(per_row[wanted] - 1)
     idx = upload(at, device)
     wanted_logprobs = raw_logprobs[idx]
     pieces = gather_logprobs(wanted_logprobs, tokens[idx], int(num_top.max()))
@@ -82,6 +81,13 @@ def copy_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, rows: np.nda
             named_values = copy_to_host(wanted_logprobs.gather(-1, upload(named[0], device)))
     starts = np.cumsum(per_row[wanted]) - per_row[wanted]
     return LogprobsCopy(wanted, num_top[wanted], starts, named, *(copy_to_host(t) for t in pieces), named_values)
+
+
+def offsets_within(counts: np.ndarray) -> np.ndarray:
+    """0 .. k for each row's k in ``counts``, concatenated: a verification step's positions of a row (its k
+    proposals and the token after them), each numbered within its row."""
+    sizes = counts + 1
+    return np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
 
 
 def gather_logprobs(

@@ -17,7 +17,7 @@ import torch
 
 from engine.speculative.rejection import rejection_sample
 from engine.worker.input_batch import InputBatch
-from engine.worker.logprobs import copy_logprobs
+from engine.worker.logprobs import copy_logprobs, offsets_within
 from engine.worker.sampler import adjust_logits, changes_logits, sampling_probs, seeded_noise
 from engine.worker.sampling_tensors import SamplingTensors, build_sampling_tensors
 
@@ -37,7 +37,7 @@ def verify_proposals(logits: torch.Tensor, st: SamplingTensors, spec_counts: np.
 
         xgr.apply_token_bitmask_inplace(logits, st.bitmask, vocab_size=logits.shape[-1], indices=st.bitmask_rows)
     if changes_logits(st):  # per position, the proposals before it counted as output
-        ahead = np.concatenate([np.arange(k + 1) for k in spec_counts.tolist()])
+        ahead = offsets_within(spec_counts)
         logits = adjust_logits(logits, build_sampling_tensors(batch, np.repeat(rows, spec_counts + 1), device, ahead))
     num_rows, kmax = len(rows), int(spec_counts.max())
     counts = torch.from_numpy(spec_counts).to(device)
@@ -72,7 +72,7 @@ def verify_step(handle, logits: torch.Tensor, st: SamplingTensors, batch: InputB
     if raw_logprobs is not None:  # each position's token: a proposal, or the token sampled where they stop
         out, kmax = handle.verified[0], int(counts.max())
         row_of = torch.from_numpy(np.repeat(np.arange(len(rows)), counts + 1)).to(logits.device)
-        ahead = torch.from_numpy(np.concatenate([np.arange(k + 1) for k in counts.tolist()])).to(logits.device)
+        ahead = torch.from_numpy(offsets_within(counts)).to(logits.device)
         tokens = out[row_of, ahead.clamp(max=kmax)].clamp(min=0)  # (past its token: a placeholder, never read)
         handle.logprobs = copy_logprobs(raw_logprobs, tokens, rows, batch, logits.device, counts + 1)
     return sampled, None
